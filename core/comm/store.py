@@ -1,0 +1,48 @@
+"""Rendezvous stores: a TCP key-value store on an OS-chosen port, and clients of it."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from shardline.errors import CommTimeoutError
+from shardline.interfaces.communicator_backend import Rendezvous
+
+
+def serve_store(host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[dist.Store, Rendezvous]:
+    """Start a store server on ``host`` at a port the OS chooses (never a fixed port).
+
+    The caller keeps the returned store alive for as long as ranks may connect to it.
+    """
+    store = dist.TCPStore(
+        host,
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return store, Rendezvous(host=host, port=store.port)
+
+
+def connect_store(rendezvous: Rendezvous, timeout_s: float) -> dist.Store:
+    """A client of the store at ``rendezvous``, scoped to its prefix.
+
+    Raises :class:`CommTimeoutError` when the store cannot be reached within ``timeout_s``.
+    """
+    try:
+        store: dist.Store = dist.TCPStore(
+            rendezvous.host,
+            rendezvous.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, dist.DistError) as error:
+        raise CommTimeoutError(
+            f"cannot reach the rendezvous store at {rendezvous.host}:{rendezvous.port} "
+            f"within {timeout_s:g} s: {error}",
+            op="rendezvous",
+        ) from error
+    if rendezvous.prefix:
+        store = dist.PrefixStore(rendezvous.prefix, store)
+    return store

@@ -1,0 +1,86 @@
+"""The configuration schema. Every section rejects unknown keys."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+from shardline.distributed.layout import ParallelLayout
+
+DType = Literal["float32", "float16", "bfloat16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    """What to run."""
+
+    path: str | None = Field(
+        default=None, description="HF safetensors directory or GGUF file; None: no model"
+    )
+    dtype: DType = Field(default="float32", description="compute dtype of weights and activations")
+
+
+class ParallelConfig(Section):
+    """How ranks are laid out, started and connected."""
+
+    tensor_parallel_size: PositiveInt = Field(default=1, description="ranks sharing each layer")
+    pipeline_parallel_size: PositiveInt = Field(default=1, description="pipeline stages")
+    data_parallel_size: PositiveInt = Field(default=1, description="model replicas")
+    external_data_parallel_size: PositiveInt = Field(
+        default=1, description="replicas driven by separate engines"
+    )
+    nnodes: PositiveInt = Field(default=1, description="hosts the ranks run on")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="device of the tensors")
+    distributed_executor_backend: str = Field(
+        default="auto",
+        description="executor: auto, a registered name (uni, mp, external_launcher, ...) or "
+        "package.module:Class",
+    )
+    communicator: str = Field(
+        default="gloo",
+        description="data-plane communicator: a registered name or package.module:Class",
+    )
+    control_communicator: str = Field(
+        default="gloo",
+        description="control-plane communicator (objects, metadata, barriers); CPU only",
+    )
+    timeout_s: PositiveFloat = Field(
+        default=300.0, description="deadline of every collective and point-to-point wait"
+    )
+    startup_timeout_s: PositiveFloat = Field(
+        default=120.0, description="deadline of each start-up phase (spawn, join, load)"
+    )
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            external_data_parallel_size=self.external_data_parallel_size,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+
+class PluginsConfig(Section):
+    """Which plugins load. ``SHARDLINE_PLUGINS`` (comma-separated names) overrides ``allow``."""
+
+    allow: list[str] | None = Field(
+        default=None, description="entry-point names to load; None: every installed plugin"
+    )
+    strict: bool = Field(default=False, description="a plugin that fails to load is fatal")
+
+
+class EngineConfig(Section):
+    """The whole configuration."""
+
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    plugins: PluginsConfig = PluginsConfig()

@@ -1,0 +1,165 @@
+"""Which component each config field selects, why, and why every alternative was not chosen.
+
+Pure decisions over (config, registry, environment): used by validation, by
+``shardline explain`` and by whatever starts the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from shardline.config.loader import LoadedConfig
+from shardline.config.schema import EngineConfig
+from shardline.errors import ConfigError
+from shardline.registry import Component, Registry
+
+#: Environment variables that show a process was started by a launcher, per launcher.
+LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
+    "torchrun": ("TORCHELASTIC_RUN_ID",),
+    "mpiexec (OpenMPI)": ("OMPI_COMM_WORLD_SIZE",),
+    "mpiexec (MPICH/PMI)": ("PMI_SIZE",),
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The component chosen for ``field``, the reason, and a verdict for every alternative.
+
+    ``problem`` is set when the choice cannot run (the message names field, value and the
+    allowed alternatives); ``chosen`` is then still the name that was asked for.
+    """
+
+    field: str
+    chosen: str
+    reason: str
+    alternatives: list[tuple[str, str]] = field(default_factory=list)
+    problem: str | None = None
+
+
+def detect_launcher(environ: Mapping[str, str]) -> str | None:
+    """The launcher that started this process (``"torchrun"``, ``"mpiexec (OpenMPI)"``, ...)."""
+    for launcher, variables in LAUNCHER_VARIABLES.items():
+        if any(name in environ for name in variables):
+            return launcher
+    return None
+
+
+def choose_executor(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> Decision:
+    """Resolve ``parallel.distributed_executor_backend``; ``auto`` picks ``uni`` for one rank,
+    ``external_launcher`` under torchrun or mpiexec, else ``mp``."""
+    field_name = "parallel.distributed_executor_backend"
+    requested = config.parallel.distributed_executor_backend
+    world_size = config.parallel.world_size
+    if requested == "auto":
+        launcher = detect_launcher(environ)
+        if world_size == 1:
+            chosen, reason = "uni", "auto: one rank runs in this process"
+        elif launcher is not None:
+            chosen, reason = "external_launcher", f"auto: this process was started by {launcher}"
+        else:
+            chosen, reason = "mp", f"auto: {world_size} ranks, no launcher detected: one process per rank"
+    else:
+        chosen, reason = requested, "configured"
+    alternatives = [
+        (c.name, "chosen" if c.name == chosen else "not selected")
+        for c in registry.components("executor")
+    ]
+    problem = None
+    try:
+        registry.get("executor", chosen, field_name)
+    except ConfigError as error:
+        problem = str(error)
+    if chosen == "uni" and world_size > 1:
+        problem = (
+            f"{field_name} = 'uni' runs one rank in-process, but the layout has {world_size} "
+            f"ranks; allowed: mp, external_launcher, or auto"
+        )
+    return Decision(field_name, chosen, reason, alternatives, problem)
+
+
+def choose_communicator(
+    config: EngineConfig, registry: Registry, field_name: str = "parallel.communicator"
+) -> Decision:
+    """Resolve a communicator field and judge every registered communicator against the
+    config (availability, device, dtype, group sizes, hosts)."""
+    control = field_name == "parallel.control_communicator"
+    requested = config.parallel.control_communicator if control else config.parallel.communicator
+    verdicts = {c.name: _fit(c, config, control) for c in registry.components("communicator")}
+    alternatives = [
+        (name, "chosen" if name == requested else (verdict or "fits; not selected"))
+        for name, verdict in verdicts.items()
+    ]
+    fitting = [name for name, verdict in verdicts.items() if verdict is None]
+    problem = None
+    try:
+        component = registry.get("communicator", requested, field_name)
+    except ConfigError as error:
+        return Decision(field_name, requested, "configured", alternatives, str(error))
+    verdict = verdicts.get(requested) if requested in verdicts else _fit(component, config, control)
+    if verdict is not None:
+        others = [name for name in fitting if name != requested]
+        problem = (
+            f"{field_name} = {requested!r}: {verdict}; "
+            f"allowed here: {', '.join(others) or 'no installed communicator fits'}"
+        )
+    return Decision(field_name, requested, "configured", alternatives, problem)
+
+
+def _fit(component: Component, config: EngineConfig, control: bool) -> str | None:
+    """Why ``component`` cannot serve this config, or None when it can."""
+    unavailable = component.unavailable_reason()
+    if unavailable is not None:
+        return f"unavailable: {unavailable}"
+    capabilities = component.capabilities
+    if capabilities is None:
+        return "declares no capabilities"
+    parallel = config.parallel
+    group_sizes = sorted(
+        {
+            parallel.world_size,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            parallel.data_parallel_size,
+        }
+    )
+    for size in group_sizes:
+        reason = capabilities.unsupported_reason(world_size=size)
+        if reason is not None:
+            return reason
+    if control:
+        return capabilities.unsupported_reason(device="cpu", multi_host=parallel.nnodes > 1)
+    return capabilities.unsupported_reason(
+        device=parallel.device, dtype=config.model.dtype, multi_host=parallel.nnodes > 1
+    )
+
+
+def check_config(
+    loaded: LoadedConfig, registry: Registry, environ: Mapping[str, str]
+) -> list[Decision]:
+    """Every decision; raises one :class:`ConfigError` listing each problem with its source.
+
+    An executor left on ``auto`` that no installed plugin provides is reported by
+    ``shardline explain`` but is not a config error: the config itself is fine.
+    """
+    config = loaded.config
+    decisions = [
+        choose_communicator(config, registry),
+        choose_communicator(config, registry, "parallel.control_communicator"),
+        choose_executor(config, registry, environ),
+    ]
+    if config.parallel.distributed_executor_backend == "auto":
+        checked = decisions[:2]
+    else:
+        checked = decisions
+    problems = [f"{loaded.source_of(d.field)}: {d.problem}" for d in checked if d.problem]
+    if config.parallel.world_size % config.parallel.nnodes:
+        problems.append(
+            f"{loaded.source_of('parallel.nnodes')}: parallel.nnodes = {config.parallel.nnodes}: "
+            f"the world of {config.parallel.world_size} ranks does not divide evenly over the hosts"
+        )
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    return decisions

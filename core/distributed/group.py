@@ -1,0 +1,232 @@
+"""GroupCoordinator: one group of ranks over two channels.
+
+The *data plane* (a Communicator on the tensors' device: gloo, MPI, NCCL, ...) carries tensor
+collectives and point-to-point tensors. The *control plane* (a CPU Communicator) carries
+objects, tensor-dict metadata and barriers, so control traffic never queues behind or mixes
+with device tensors. Both communicators span the same ranks in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from shardline.comm import tensor_dict as td
+from shardline.comm.work import CompositeWork
+from shardline.interfaces import Communicator, ReduceOp, Work
+
+
+class GroupCoordinator:
+    """A group of ranks: ``ranks`` are global ranks, in group order.
+
+    Rank arguments of every method (``dst``, ``src``) are ranks *in the group*;
+    :attr:`next_rank` and :attr:`prev_rank` are in-group ranks too.
+    """
+
+    def __init__(
+        self, name: str, ranks: Sequence[int], data: Communicator, control: Communicator
+    ) -> None:
+        if data.world_size != len(ranks) or control.world_size != len(ranks):
+            raise ValueError(
+                f"group {name!r}: {len(ranks)} ranks but communicators of sizes "
+                f"{data.world_size} (data) and {control.world_size} (control)"
+            )
+        if data.rank != control.rank:
+            raise ValueError(f"group {name!r}: data and control ranks differ")
+        self.name = name
+        self.ranks = list(ranks)
+        self.data = data
+        self.control = control
+
+    # ---- position -------------------------------------------------------------------------
+
+    @property
+    def rank_in_group(self) -> int:
+        return self.data.rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank_in_group]
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        """In-group rank after this one (wrapping)."""
+        return (self.rank_in_group + 1) % self.world_size
+
+    @property
+    def prev_rank(self) -> int:
+        """In-group rank before this one (wrapping)."""
+        return (self.rank_in_group - 1) % self.world_size
+
+    # ---- data plane -------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or max/min) over the group. With one rank, returns ``tensor`` itself."""
+        if self.world_size == 1:
+            return tensor
+        return self.data.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's tensor along ``dim``. With one rank, returns ``tensor``."""
+        if self.world_size == 1:
+            return tensor
+        return self.data.all_gather(tensor, dim)
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        return self.data.reduce_scatter(tensor, dim, op)
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        if self.world_size == 1:
+            return tensor
+        return self.data.gather(tensor, dst, dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        return self.data.broadcast(tensor, src)
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Send to ``dst`` (default: :attr:`next_rank`)."""
+        self.data.send(tensor, self.next_rank if dst is None else dst)
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None) -> torch.Tensor:
+        """Receive into ``tensor`` from ``src`` (default: :attr:`prev_rank`)."""
+        return self.data.recv(tensor, self.prev_rank if src is None else src)
+
+    # ---- control plane ----------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        self.control.barrier()
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        if self.world_size == 1:
+            return obj
+        return self.control.broadcast_object(obj, src)
+
+    def send_object(self, obj: Any, dst: int | None = None) -> None:
+        self.control.send_object(obj, self.next_rank if dst is None else dst)
+
+    def recv_object(self, src: int | None = None) -> Any:
+        return self.control.recv_object(self.prev_rank if src is None else src)
+
+    # ---- tensor dicts across pipeline stages ---------------------------------------------------
+
+    def isend_tensor_dict(
+        self,
+        tensor_dict: dict[str, Any],
+        dst: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[str, bool] | None = None,
+    ) -> list[Work]:
+        """Start sending ``tensor_dict`` to ``dst`` (default: next rank): metadata on the
+        control plane, tensors on the data plane. Returns the handles to wait before the
+        tensors may be reused.
+
+        TP-assisted transfer: with ``all_gather_group`` (this rank's TP group, size t), every
+        tensor whose element count divides by t (and that ``all_gather_tensors`` does not mark
+        False) is sent as this rank's 1/t slice only; the receiving stage's TP ranks each get
+        their slice and all-gather it. Both stages must pass matching arguments.
+        """
+        dst = self.next_rank if dst is None else dst
+        metadata, tensors = td.split(tensor_dict)
+        self.control.send_object(metadata, dst)
+        keys = [key for key, value in metadata if isinstance(value, td.TensorMeta) and value.numel]
+        works = []
+        for key, tensor in zip(keys, tensors):
+            part = _slice_for_rank(tensor, key, all_gather_group, all_gather_tensors)
+            works.append(self.data.isend(part, dst))
+        return works
+
+    def irecv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[str, bool] | None = None,
+        device: str | None = None,
+    ) -> Work:
+        """Start receiving a tensor dict from ``src`` (default: previous rank). The metadata
+        is received now; tensors arrive asynchronously. ``wait()`` returns the dict, after the
+        TP all-gather of sliced tensors (see :meth:`isend_tensor_dict`)."""
+        src = self.prev_rank if src is None else src
+        metadata = self.control.recv_object(src)
+        result, buffers = td.allocate(metadata, device)
+        keys = [key for key, value in metadata if isinstance(value, td.TensorMeta) and value.numel]
+        works = []
+        parts: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for key, buffer in zip(keys, buffers):
+            part = _slice_for_rank(buffer, key, all_gather_group, all_gather_tensors)
+            if part is not buffer:
+                part = torch.empty_like(part)
+            works.append(self.data.irecv(part, src))
+            parts.append((key, buffer, part))
+        return _TensorDictReceive(works, result, parts, all_gather_group)
+
+    def send_tensor_dict(self, tensor_dict: dict[str, Any], dst: int | None = None, **kwargs) -> None:
+        """Blocking :meth:`isend_tensor_dict`."""
+        CompositeWork(self.isend_tensor_dict(tensor_dict, dst, **kwargs)).wait()
+
+    def recv_tensor_dict(self, src: int | None = None, **kwargs) -> dict[str, Any]:
+        """Blocking :meth:`irecv_tensor_dict`."""
+        return self.irecv_tensor_dict(src, **kwargs).wait()
+
+    def close(self) -> None:
+        self.data.close()
+        if self.control is not self.data:
+            self.control.close()
+
+
+def _slice_for_rank(
+    tensor: torch.Tensor,
+    key: str,
+    all_gather_group: GroupCoordinator | None,
+    all_gather_tensors: Mapping[str, bool] | None,
+) -> torch.Tensor:
+    """This TP rank's 1/t of ``tensor`` (flattened), or ``tensor`` when not sliced."""
+    if all_gather_group is None or all_gather_group.world_size == 1:
+        return tensor
+    if all_gather_tensors is not None and not all_gather_tensors.get(key, True):
+        return tensor
+    if tensor.numel() % all_gather_group.world_size:
+        return tensor
+    return tensor.reshape(all_gather_group.world_size, -1)[all_gather_group.rank_in_group]
+
+
+class _TensorDictReceive(Work):
+    """Waits the tensor receives, then all-gathers sliced tensors into their full buffers."""
+
+    def __init__(self, works, result, parts, all_gather_group) -> None:
+        self._inner = CompositeWork(works)
+        self._result = result
+        self._parts = parts
+        self._group = all_gather_group
+        self._assembled = False
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        self._inner.wait(timeout)
+        if not self._assembled:
+            self._assembled = True
+            for _key, buffer, part in self._parts:
+                if part is not buffer:
+                    buffer.copy_(self._group.all_gather(part, dim=0).reshape(buffer.shape))
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._assembled

@@ -1,0 +1,69 @@
+"""Typed errors. Every failure a user or a backend author must react to has its own class.
+
+All derive from :class:`ShardlineError`, so a CLI or an engine can catch one base and print a
+single clear message. Messages say what happened, where (file, field, rank, operation) and
+what to do.
+"""
+
+from __future__ import annotations
+
+
+class ShardlineError(Exception):
+    """Base class of every error Shardline raises on purpose."""
+
+
+class ConfigError(ShardlineError, ValueError):
+    """A configuration value is unknown, malformed or incompatible with another one.
+
+    ``field`` is the dotted path (``parallel.tensor_parallel_size``), ``source`` where the
+    value came from (a file path, an environment variable, ``--set``); either may be empty.
+    """
+
+    def __init__(self, message: str, *, field: str = "", source: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+        self.source = source
+
+
+class PluginError(ShardlineError):
+    """A plugin could not be loaded, or two plugins claim the same component name."""
+
+
+class BackendUnavailableError(ShardlineError):
+    """A named component exists but cannot run here (missing library, device or capability)."""
+
+
+class CommunicationError(ShardlineError):
+    """A communication operation failed. ``op`` names the operation, ``rank`` the local rank."""
+
+    def __init__(self, message: str, *, op: str = "", rank: int | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+        self.rank = rank
+
+
+class CommTimeoutError(CommunicationError, TimeoutError):
+    """A blocking operation passed its deadline (a peer never joined, or is too slow)."""
+
+
+class PeerLostError(CommunicationError):
+    """A peer process died or its connection closed while an operation needed it."""
+
+
+class WorkerError(ShardlineError):
+    """An exception raised inside a rank, carried to the caller.
+
+    ``rank`` is the rank that raised, ``exc_type`` the original exception's class name and
+    ``remote_traceback`` its formatted traceback.
+    """
+
+    def __init__(
+        self, message: str, *, rank: int, exc_type: str, remote_traceback: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} raised {self.exc_type}: {self.args[0]}"

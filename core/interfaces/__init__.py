@@ -1,0 +1,21 @@
+"""The contracts every provided part keeps: one small module each, docstrings are the spec."""
+
+from shardline.interfaces.capabilities import Capabilities
+from shardline.interfaces.communicator import Communicator, ReduceOp
+from shardline.interfaces.communicator_backend import CommunicatorBackend, Rendezvous
+from shardline.interfaces.executor import Executor
+from shardline.interfaces.intermediate import IntermediateTensors
+from shardline.interfaces.model_runner import ModelRunner
+from shardline.interfaces.work import Work
+
+__all__ = [
+    "Capabilities",
+    "Communicator",
+    "CommunicatorBackend",
+    "Executor",
+    "IntermediateTensors",
+    "ModelRunner",
+    "ReduceOp",
+    "Rendezvous",
+    "Work",
+]

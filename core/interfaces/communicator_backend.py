@@ -1,0 +1,53 @@
+"""How a plugin hands Shardline a communicator: the CommunicatorBackend contract."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from shardline.interfaces.capabilities import Capabilities
+from shardline.interfaces.communicator import Communicator
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one world meet: a TCP key-value store (torch ``TCPStore``) served at
+    ``host:port``. ``prefix`` separates worlds or backends sharing one store.
+
+    Backends that bring their own rendezvous (MPI under ``mpiexec``) may ignore it.
+    """
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    def with_prefix(self, prefix: str) -> Rendezvous:
+        """The same store, with ``prefix`` appended to this one's."""
+        return Rendezvous(self.host, self.port, f"{self.prefix}{prefix}/")
+
+
+class CommunicatorBackend(abc.ABC):
+    """A communicator implementation, as registered by a plugin.
+
+    ``name`` and ``capabilities`` are class attributes: they are read at config validation,
+    without starting anything.
+    """
+
+    name: str
+    capabilities: Capabilities
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run in this environment (missing library, device), or None.
+        Must be cheap and must not start any process or communication."""
+        return None
+
+    @abc.abstractmethod
+    def init_world(
+        self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float
+    ) -> Communicator:
+        """Join the world of ``world_size`` ranks as ``rank`` and return its communicator.
+
+        Called once per process and backend, by every rank. Joining ends by ``timeout_s``
+        with :class:`~shardline.errors.CommTimeoutError` when ranks are missing.
+        """

@@ -1,0 +1,58 @@
+"""How ranks are started and driven: the Executor contract (broadcast, one reply)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+
+class Executor(abc.ABC):
+    """Starts one Worker per rank and drives them all with the same calls.
+
+    The pattern (from the reference design): one broadcast of (method, args, kwargs,
+    reply rank) to every rank; every rank runs it; only the requested rank replies.
+    """
+
+    @property
+    @abc.abstractmethod
+    def output_rank(self) -> int:
+        """The rank whose ``execute_model`` result is returned: ``world_size - tp_size``
+        (the first tensor-parallel rank of the last pipeline stage)."""
+
+    @abc.abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        non_block: bool = False,
+    ) -> list[Any] | Future[list[Any]]:
+        """Run ``method`` on the Worker of every rank.
+
+        ``method`` is a Worker method name, or a callable taking the Worker as first argument.
+        Returns the replies in rank order; with ``unique_reply_rank`` only that rank replies
+        and the list has one element. ``timeout`` (seconds, None: the configured default)
+        bounds the wait for replies and raises ``CommTimeoutError`` naming the silent ranks.
+        With ``non_block`` a Future is returned at once; futures resolve in call order.
+        An exception in a worker raises ``WorkerError`` carrying its rank, type, message and
+        traceback; a dead worker raises ``PeerLostError`` naming the rank and exit code.
+        """
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: Any) -> Any:
+        """Broadcast ``execute_model(scheduler_output)``; return the output rank's reply.
+
+        Non-blocking (a Future) when more than one batch may be in flight (pipeline size > 1).
+        """
+
+    @abc.abstractmethod
+    def check_health(self) -> None:
+        """Raise ``PeerLostError`` if any worker is gone; return None otherwise."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and free every resource. Idempotent; safe after a failure."""

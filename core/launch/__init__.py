@@ -1,0 +1,1 @@
+"""Starting ranks as local processes."""

@@ -1,0 +1,56 @@
+"""One provided part (a communicator, executor or model runner), as a plugin declares it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from shardline.interfaces.capabilities import Capabilities
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named part a plugin provides.
+
+    - ``name``: what a config file writes to select it (``communicator: gloo``).
+    - ``target``: ``"package.module:Attribute"``, imported only when the part is used.
+    - ``summary``: one line for ``shardline plugins``.
+    - ``capabilities``: for communicators, what the backend supports (checked at validation).
+    - ``kind`` and ``plugin`` are filled in by the registry.
+    """
+
+    name: str
+    target: str
+    summary: str = ""
+    capabilities: Capabilities | None = None
+    kind: str = ""
+    plugin: str = ""
+
+    def load(self) -> Any:
+        """The object ``target`` names. Raises ImportError or AttributeError if it is missing."""
+        return import_target(self.target)
+
+    def unavailable_reason(self) -> str | None:
+        """Why this part cannot run here, or None. Import failures count as a reason."""
+        try:
+            loaded = self.load()
+        except Exception as error:
+            return f"cannot import {self.target}: {type(error).__name__}: {error}"
+        check = getattr(loaded, "unavailable_reason", None)
+        return check() if callable(check) else None
+
+    def claimed_by(self, kind: str, plugin: str) -> Component:
+        return dataclasses.replace(self, kind=kind, plugin=plugin)
+
+
+def import_target(target: str) -> Any:
+    """Import ``"package.module:Attribute"`` (dots allowed after the colon)."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"expected 'package.module:Attribute', got {target!r}")
+    loaded: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        loaded = getattr(loaded, part)
+    return loaded

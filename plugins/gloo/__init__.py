@@ -1,0 +1,1 @@
+"""Shardline's gloo communicator: torch.distributed's gloo backend on CPU tensors."""
