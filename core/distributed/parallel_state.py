@@ -67,5 +67,7 @@ class ParallelState:
         return self.tp.is_first_rank
 
     def close(self) -> None:
-        for group in (self.tp, self.pp, self.dp, self.world):
+        """Close the groups this state created; the world communicators stay with whoever
+        passed them to :meth:`create`."""
+        for group in (self.tp, self.pp, self.dp):
             group.close()
