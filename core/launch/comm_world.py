@@ -1,9 +1,12 @@
-"""The usual LocalWorld setup: each rank joins one communicator backend's world."""
+"""LocalWorld setups: each rank joins one communicator world, or a data-plane and a
+control-plane world with its ParallelState on top."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardline.config.schema import EngineConfig
+from shardline.distributed import ParallelState
 from shardline.interfaces import Communicator
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.registry import Registry
@@ -40,3 +43,39 @@ class CommunicatorSetup:
         backend = registry.get("communicator", self.backend).load()()
         comm = backend.init_world(rank, world_size, rendezvous, self.timeout_s)
         return RankContext(rank, world_size, comm, registry, rendezvous, self.timeout_s)
+
+
+@dataclass
+class ParallelRankContext:
+    """A rank of a parallel world: its :class:`ParallelState` over a data-plane and a
+    control-plane world communicator."""
+
+    state: ParallelState
+    data_world: Communicator
+    control_world: Communicator
+
+    def close(self) -> None:
+        self.state.close()
+        self.data_world.close()
+        self.control_world.close()
+
+
+@dataclass(frozen=True)
+class ParallelSetup:
+    """Join the data-plane and control-plane worlds named by ``config`` and build the rank's
+    :class:`ParallelState` with the configured layout."""
+
+    config: EngineConfig
+
+    def __call__(self, rank: int, world_size: int, rendezvous: Rendezvous) -> ParallelRankContext:
+        parallel = self.config.parallel
+        allow = self.config.plugins.allow
+        registry = Registry.load(allow=allow, strict=self.config.plugins.strict)
+        data_backend = registry.get("communicator", parallel.communicator).load()()
+        control_backend = registry.get("communicator", parallel.control_communicator).load()()
+        data = data_backend.init_world(rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s)
+        control = control_backend.init_world(
+            rank, world_size, rendezvous.with_prefix("control"), parallel.timeout_s
+        )
+        state = ParallelState.create(parallel.layout, data, control)
+        return ParallelRankContext(state, data, control)

@@ -1,0 +1,1 @@
+"""The ``shardline`` command line."""

@@ -1,0 +1,115 @@
+"""Entry point of the ``shardline`` command. Errors end as one message, never a traceback
+(set ``SHARDLINE_DEBUG=1`` to see tracebacks of unexpected errors)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from shardline import __version__
+from shardline.config.loader import LoadedConfig, load_config
+from shardline.errors import ShardlineError, WorkerError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardline",
+        description="Transformer inference across ranks, every part chosen by config.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardline {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sub.add_argument("--config", "-c", metavar="FILE", help="config file (.yaml, .yml, .toml, .json)")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="override one value (repeatable), e.g. parallel.tensor_parallel_size=2",
+        )
+        return sub
+
+    with_config(commands.add_parser("plugins", help="list plugins, what they provide, and whether it runs here"))
+    with_config(commands.add_parser("explain", help="which backend a config selects and why"))
+
+    config = commands.add_parser("config", help="show, validate or describe configuration")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    with_config(config_commands.add_parser("show", help="the effective config and each value's source"))
+    with_config(config_commands.add_parser("validate", help="check a config against the installed plugins"))
+    config_commands.add_parser("schema", help="the JSON schema of the config")
+
+    conformance = commands.add_parser(
+        "conformance",
+        help="run the communicator conformance suite",
+        description="Run the conformance suite on a communicator. Arguments after -- go to pytest.",
+    )
+    conformance.add_argument("name", help="communicator name or package.module:Class")
+    conformance.add_argument("--world-sizes", default="1,2,3,4", help="default 1,2,3,4")
+    conformance.add_argument("--timeout", type=float, default=30.0, help="per-operation deadline (s)")
+    conformance.add_argument("--report", help="JSON report path")
+    conformance.add_argument("pytest_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    demo = with_config(
+        commands.add_parser("demo", help="start a world on this host and run checked, timed collectives")
+    )
+    demo.add_argument("--rounds", type=int, default=200, help="timed all-reduces per rank")
+    demo.add_argument("--hidden", type=int, default=576, help="elements per all-reduce")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> LoadedConfig:
+    return load_config(args.config, args.overrides)
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    from shardline.cli import config_cmd, conformance_cmd, demo_cmd, explain_cmd, plugins_cmd
+
+    if args.command == "plugins":
+        return plugins_cmd.run(_load(args).config)
+    if args.command == "explain":
+        return explain_cmd.run(_load(args))
+    if args.command == "config":
+        if args.config_command == "schema":
+            return config_cmd.schema()
+        loaded = _load(args)
+        return config_cmd.show(loaded) if args.config_command == "show" else config_cmd.validate(loaded)
+    if args.command == "conformance":
+        extra = [a for a in args.pytest_args if a != "--"]
+        return conformance_cmd.run(args.name, args.world_sizes, args.timeout, args.report, extra)
+    if args.command == "demo":
+        return demo_cmd.run(_load(args), args.rounds, args.hidden)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return dispatch(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except WorkerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        if os.environ.get("SHARDLINE_DEBUG"):
+            print(error.remote_traceback, file=sys.stderr)
+        return 1
+    except ShardlineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if os.environ.get("SHARDLINE_DEBUG"):
+            raise
+        print(
+            f"internal error: {type(error).__name__}: {error}\n"
+            "(this is a Shardline bug; rerun with SHARDLINE_DEBUG=1 for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Example third-party Shardline communicator over a key-value store."""
