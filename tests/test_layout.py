@@ -1,5 +1,7 @@
 """Rank layout as pure functions: the seeds' examples and properties over many sizes."""
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,7 +29,9 @@ def test_data_parallel_groups_stride_by_pp_times_tp():
     assert layout.groups_of(5) == {"tp": [4, 5], "pp": [5, 7], "dp": [1, 5]}
 
 
-@pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
+@pytest.mark.parametrize(
+    "field", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"]
+)
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_rejects_non_positive_sizes(field, value):
     with pytest.raises(ValueError, match=field):
@@ -46,14 +50,18 @@ sizes = st.integers(min_value=1, max_value=4)
 def test_layout_properties(tp, pp, dp, edp):
     layout = ParallelLayout(tp, pp, dp, edp)
     world = list(range(layout.world_size))
-    for groups, size in ((layout.tp_groups(), tp), (layout.pp_groups(), pp), (layout.dp_groups(), dp)):
+    for groups, size in (
+        (layout.tp_groups(), tp),
+        (layout.pp_groups(), pp),
+        (layout.dp_groups(), dp),
+    ):
         # Each axis partitions the world into groups of its size.
         assert sorted(r for g in groups for r in g) == world
         assert all(len(g) == size for g in groups)
     for group in layout.tp_groups():
         assert group == list(range(group[0], group[0] + tp))  # consecutive
     for group in layout.pp_groups():
-        assert all(b - a == tp for a, b in zip(group, group[1:]))  # stride tp
+        assert all(b - a == tp for a, b in itertools.pairwise(group))  # stride tp
     for rank in world:
         coordinates = layout.coordinates(rank)
         assert layout.rank_of(coordinates) == rank

@@ -23,8 +23,12 @@ def test_builtin_gloo_is_registered_through_its_entry_point():
 
 
 def test_plugin_that_raises_on_import_is_reported_and_others_load(plugin_dir):
-    install_plugin(plugin_dir, "broken-dist", "broken", "broken_plugin", "raise RuntimeError('no driver here')")
-    install_plugin(plugin_dir, "fine-dist", "fine", "fine_plugin", COMMUNICATOR_PLUGIN.format(name="fine"))
+    install_plugin(
+        plugin_dir, "broken-dist", "broken", "broken_plugin", "raise RuntimeError('no driver here')"
+    )
+    install_plugin(
+        plugin_dir, "fine-dist", "fine", "fine_plugin", COMMUNICATOR_PLUGIN.format(name="fine")
+    )
     registry = Registry.load()
     assert [f.name for f in registry.failures] == ["broken"]
     assert "RuntimeError: no driver here" in registry.failures[0].error
@@ -33,13 +37,19 @@ def test_plugin_that_raises_on_import_is_reported_and_others_load(plugin_dir):
 
 
 def test_strict_makes_a_failing_plugin_fatal(plugin_dir):
-    install_plugin(plugin_dir, "broken-dist", "broken", "broken_plugin", "import not_a_module_anywhere")
-    with pytest.raises(PluginError, match=r"plugin 'broken' \(broken_plugin\) failed to load: ModuleNotFoundError"):
+    install_plugin(
+        plugin_dir, "broken-dist", "broken", "broken_plugin", "import not_a_module_anywhere"
+    )
+    with pytest.raises(
+        PluginError, match=r"plugin 'broken' \(broken_plugin\) failed to load: ModuleNotFoundError"
+    ):
         Registry.load(strict=True)
 
 
 def test_two_plugins_claiming_one_name_is_an_error_naming_both(plugin_dir):
-    install_plugin(plugin_dir, "first-dist", "first", "first_plugin", COMMUNICATOR_PLUGIN.format(name="gloo"))
+    install_plugin(
+        plugin_dir, "first-dist", "first", "first_plugin", COMMUNICATOR_PLUGIN.format(name="gloo")
+    )
     with pytest.raises(PluginError) as error:
         Registry.load()
     assert "communicator 'gloo' is provided by two plugins" in str(error.value)
@@ -47,8 +57,12 @@ def test_two_plugins_claiming_one_name_is_an_error_naming_both(plugin_dir):
 
 
 def test_allow_list_loads_only_named_plugins(plugin_dir):
-    install_plugin(plugin_dir, "broken-dist", "broken", "broken_plugin", "raise RuntimeError('boom')")
-    install_plugin(plugin_dir, "extra-dist", "extra", "extra_plugin", COMMUNICATOR_PLUGIN.format(name="extra"))
+    install_plugin(
+        plugin_dir, "broken-dist", "broken", "broken_plugin", "raise RuntimeError('boom')"
+    )
+    install_plugin(
+        plugin_dir, "extra-dist", "extra", "extra_plugin", COMMUNICATOR_PLUGIN.format(name="extra")
+    )
     registry = Registry.load(allow=["gloo"])
     assert registry.names("communicator") == ["gloo"]
     assert registry.failures == []  # the broken plugin was never imported
@@ -56,7 +70,7 @@ def test_allow_list_loads_only_named_plugins(plugin_dir):
 
 
 def test_allow_list_naming_an_unknown_plugin_is_an_error():
-    with pytest.raises(PluginError, match="SHARDLINE_PLUGINS names 'nope'.*installed: .*gloo"):
+    with pytest.raises(PluginError, match=r"SHARDLINE_PLUGINS names 'nope'.*installed: .*gloo"):
         Registry.load(allow=["gloo", "nope"])
 
 

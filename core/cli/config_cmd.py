@@ -13,7 +13,10 @@ from shardline.registry import Registry
 
 
 def show(loaded: LoadedConfig) -> int:
-    rows = [(key, json.dumps(value), loaded.source_of(key)) for key, value in _flatten(loaded.config.model_dump())]
+    rows = [
+        (key, json.dumps(value), loaded.source_of(key))
+        for key, value in _flatten(loaded.config.model_dump())
+    ]
     print(render(("KEY", "VALUE", "SOURCE"), rows))
     return 0
 

@@ -25,7 +25,8 @@ def run(loaded: LoadedConfig, rounds: int, hidden: int) -> int:
     print(
         f"starting {layout.world_size} ranks (tp={layout.tensor_parallel_size}, "
         f"pp={layout.pipeline_parallel_size}, dp={layout.data_parallel_size}) with "
-        f"{config.parallel.communicator} (data) and {config.parallel.control_communicator} (control)"
+        f"{config.parallel.communicator} (data) and "
+        f"{config.parallel.control_communicator} (control)"
     )
     started = time.monotonic()
     with LocalWorld(
@@ -47,7 +48,19 @@ def run(loaded: LoadedConfig, rounds: int, hidden: int) -> int:
         )
         for r in results
     ]
-    print(render(("RANK", "TP GROUP", "PP GROUP", f"ALL_REDUCE [{hidden}] MEDIAN µs", "PIPELINE HOP", "CHECK"), rows))
+    print(
+        render(
+            (
+                "RANK",
+                "TP GROUP",
+                "PP GROUP",
+                f"ALL_REDUCE [{hidden}] MEDIAN µs",
+                "PIPELINE HOP",
+                "CHECK",
+            ),
+            rows,
+        )
+    )
     return 0 if all(r["correct"] for r in results) else 1
 
 
@@ -68,14 +81,18 @@ def demo_step(ctx: ParallelRankContext, rounds: int, hidden: int) -> dict:
     pipeline = "-"
     stage_input = torch.arange(4 * hidden, dtype=torch.float32).reshape(4, hidden)
     if not pp.is_last_rank:
-        works = pp.isend_tensor_dict({"hidden_states": stage_input + pp.rank_in_group}, all_gather_group=tp)
+        works = pp.isend_tensor_dict(
+            {"hidden_states": stage_input + pp.rank_in_group}, all_gather_group=tp
+        )
         for work in works:
             work.wait()
         pipeline = f"sent to rank {pp.ranks[pp.next_rank]}"
     if not pp.is_first_rank:
         received = pp.irecv_tensor_dict(all_gather_group=tp).wait()
         correct = correct and torch.equal(received["hidden_states"], stage_input + pp.prev_rank)
-        pipeline = f"got from rank {pp.ranks[pp.prev_rank]}" + ("" if pipeline == "-" else f", {pipeline}")
+        pipeline = f"got from rank {pp.ranks[pp.prev_rank]}" + (
+            "" if pipeline == "-" else f", {pipeline}"
+        )
     state.world.barrier()
     return {
         "rank": state.rank,

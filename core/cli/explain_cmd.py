@@ -28,7 +28,9 @@ def run(loaded: LoadedConfig) -> int:
     # An executor left on auto that is not installed is reported, not an error (as in
     # `config validate`); every other problem is.
     executor_on_auto = config.parallel.distributed_executor_backend == "auto"
-    failed = any(d.problem for d in decisions[:2]) or (decisions[2].problem and not executor_on_auto)
+    failed = any(d.problem for d in decisions[:2]) or (
+        decisions[2].problem and not executor_on_auto
+    )
     for decision in decisions:
         source = loaded.source_of(decision.field)
         print(f"\n{decision.field}: {decision.chosen} ({decision.reason}; set by {source})")

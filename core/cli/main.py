@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_config(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sub.add_argument("--config", "-c", metavar="FILE", help="config file (.yaml, .yml, .toml, .json)")
+        sub.add_argument(
+            "--config", "-c", metavar="FILE", help="config file (.yaml, .yml, .toml, .json)"
+        )
         sub.add_argument(
             "--set",
             dest="overrides",
@@ -33,28 +35,40 @@ def build_parser() -> argparse.ArgumentParser:
         )
         return sub
 
-    with_config(commands.add_parser("plugins", help="list plugins, what they provide, and whether it runs here"))
+    with_config(
+        commands.add_parser(
+            "plugins", help="list plugins, what they provide, and whether it runs here"
+        )
+    )
     with_config(commands.add_parser("explain", help="which backend a config selects and why"))
 
     config = commands.add_parser("config", help="show, validate or describe configuration")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    with_config(config_commands.add_parser("show", help="the effective config and each value's source"))
-    with_config(config_commands.add_parser("validate", help="check a config against the installed plugins"))
+    with_config(
+        config_commands.add_parser("show", help="the effective config and each value's source")
+    )
+    with_config(
+        config_commands.add_parser("validate", help="check a config against the installed plugins")
+    )
     config_commands.add_parser("schema", help="the JSON schema of the config")
 
     conformance = commands.add_parser(
         "conformance",
         help="run the communicator conformance suite",
-        description="Run the conformance suite on a communicator. Arguments after -- go to pytest.",
+        description="Run the conformance suite on a communicator. Arguments after -- go to "
+        "pytest (e.g. -- -k all_reduce -x).",
     )
     conformance.add_argument("name", help="communicator name or package.module:Class")
     conformance.add_argument("--world-sizes", default="1,2,3,4", help="default 1,2,3,4")
-    conformance.add_argument("--timeout", type=float, default=30.0, help="per-operation deadline (s)")
+    conformance.add_argument(
+        "--timeout", type=float, default=30.0, help="per-operation deadline (s)"
+    )
     conformance.add_argument("--report", help="JSON report path")
-    conformance.add_argument("pytest_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     demo = with_config(
-        commands.add_parser("demo", help="start a world on this host and run checked, timed collectives")
+        commands.add_parser(
+            "demo", help="start a world on this host and run checked, timed collectives"
+        )
     )
     demo.add_argument("--rounds", type=int, default=200, help="timed all-reduces per rank")
     demo.add_argument("--hidden", type=int, default=576, help="elements per all-reduce")
@@ -65,7 +79,7 @@ def _load(args: argparse.Namespace) -> LoadedConfig:
     return load_config(args.config, args.overrides)
 
 
-def dispatch(args: argparse.Namespace) -> int:
+def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
     from shardline.cli import config_cmd, conformance_cmd, demo_cmd, explain_cmd, plugins_cmd
 
     if args.command == "plugins":
@@ -76,19 +90,35 @@ def dispatch(args: argparse.Namespace) -> int:
         if args.config_command == "schema":
             return config_cmd.schema()
         loaded = _load(args)
-        return config_cmd.show(loaded) if args.config_command == "show" else config_cmd.validate(loaded)
+        return (
+            config_cmd.show(loaded)
+            if args.config_command == "show"
+            else config_cmd.validate(loaded)
+        )
     if args.command == "conformance":
-        extra = [a for a in args.pytest_args if a != "--"]
-        return conformance_cmd.run(args.name, args.world_sizes, args.timeout, args.report, extra)
+        return conformance_cmd.run(
+            args.name, args.world_sizes, args.timeout, args.report, passthrough
+        )
     if args.command == "demo":
         return demo_cmd.run(_load(args), args.rounds, args.hidden)
     raise AssertionError(f"unhandled command {args.command}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, passthrough = argv[:split], argv[split + 1 :]
     args = build_parser().parse_args(argv)
+    if passthrough and args.command != "conformance":
+        print(
+            f"error: arguments after -- are only for `shardline conformance`: {passthrough}",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        return dispatch(args)
+        return dispatch(args, passthrough)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -105,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(
             f"internal error: {type(error).__name__}: {error}\n"
-            "(this is a Shardline bug; rerun with SHARDLINE_DEBUG=1 for the traceback and report it)",
+            "(a Shardline bug: rerun with SHARDLINE_DEBUG=1 for the traceback and report it)",
             file=sys.stderr,
         )
         return 1

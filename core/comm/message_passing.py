@@ -72,13 +72,19 @@ class MessagePassingCommunicator(Communicator):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         mine = tensor.contiguous()
         received = self._exchange({r: mine for r in self._others()}, self._others())
-        parts = [mine if r == self.rank else _from_bytes(received[r], mine) for r in range(self.world_size)]
+        parts = [
+            mine if r == self.rank else _from_bytes(received[r], mine)
+            for r in range(self.world_size)
+        ]
         return _reduce(parts, ReduceOp(op))
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         mine = tensor.contiguous()
         received = self._exchange({r: mine for r in self._others()}, self._others())
-        parts = [mine if r == self.rank else _from_bytes(received[r], mine) for r in range(self.world_size)]
+        parts = [
+            mine if r == self.rank else _from_bytes(received[r], mine)
+            for r in range(self.world_size)
+        ]
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(
@@ -92,7 +98,10 @@ class MessagePassingCommunicator(Communicator):
         chunks = [c.contiguous() for c in tensor.chunk(self.world_size, dim=dim)]
         received = self._exchange({r: chunks[r] for r in self._others()}, self._others())
         mine = chunks[self.rank]
-        parts = [mine if r == self.rank else _from_bytes(received[r], mine) for r in range(self.world_size)]
+        parts = [
+            mine if r == self.rank else _from_bytes(received[r], mine)
+            for r in range(self.world_size)
+        ]
         return _reduce(parts, ReduceOp(op))
 
     def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = 0) -> torch.Tensor | None:
@@ -101,7 +110,9 @@ class MessagePassingCommunicator(Communicator):
             self._exchange({dst: mine}, [])
             return None
         received = self._exchange({}, self._others())
-        parts = [mine if r == dst else _from_bytes(received[r], mine) for r in range(self.world_size)]
+        parts = [
+            mine if r == dst else _from_bytes(received[r], mine) for r in range(self.world_size)
+        ]
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ValidationError
 
@@ -81,7 +81,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
-        raise ConfigError(f"{path}: cannot read config file: {error.strerror}", source=str(path)) from None
+        raise ConfigError(
+            f"{path}: cannot read config file: {error.strerror}", source=str(path)
+        ) from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
@@ -90,7 +92,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
         else:
             data = yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
-        raise ConfigError(f"{path}: not valid {path.suffix[1:]}: {error}", source=str(path)) from None
+        raise ConfigError(
+            f"{path}: not valid {path.suffix[1:]}: {error}", source=str(path)
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -140,7 +144,9 @@ def _nest(dotted: str, value: Any) -> dict[str, Any]:
     return result
 
 
-def _merge(target: dict, sources: dict[str, str], update: Mapping, source: str, prefix: str = "") -> None:
+def _merge(
+    target: dict, sources: dict[str, str], update: Mapping, source: str, prefix: str = ""
+) -> None:
     for key, value in update.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, Mapping) and isinstance(target.get(key, {}), dict):

@@ -45,7 +45,9 @@ def detect_launcher(environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def choose_executor(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> Decision:
+def choose_executor(
+    config: EngineConfig, registry: Registry, environ: Mapping[str, str]
+) -> Decision:
     """Resolve ``parallel.distributed_executor_backend``; ``auto`` picks ``uni`` for one rank,
     ``external_launcher`` under torchrun or mpiexec, else ``mp``."""
     field_name = "parallel.distributed_executor_backend"
@@ -58,7 +60,10 @@ def choose_executor(config: EngineConfig, registry: Registry, environ: Mapping[s
         elif launcher is not None:
             chosen, reason = "external_launcher", f"auto: this process was started by {launcher}"
         else:
-            chosen, reason = "mp", f"auto: {world_size} ranks, no launcher detected: one process per rank"
+            chosen, reason = (
+                "mp",
+                f"auto: {world_size} ranks, no launcher detected: one process per rank",
+            )
     else:
         chosen, reason = requested, "configured"
     alternatives = [
@@ -148,10 +153,8 @@ def check_config(
         choose_communicator(config, registry, "parallel.control_communicator"),
         choose_executor(config, registry, environ),
     ]
-    if config.parallel.distributed_executor_backend == "auto":
-        checked = decisions[:2]
-    else:
-        checked = decisions
+    on_auto = config.parallel.distributed_executor_backend == "auto"
+    checked = decisions[:2] if on_auto else decisions
     problems = [f"{loaded.source_of(d.field)}: {d.problem}" for d in checked if d.problem]
     if config.parallel.world_size % config.parallel.nnodes:
         problems.append(

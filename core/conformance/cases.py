@@ -61,7 +61,9 @@ def assert_same(actual: torch.Tensor | None, expected: torch.Tensor, what: str) 
     if actual.dtype != expected.dtype:
         raise AssertionError(f"{what}: dtype {actual.dtype}, expected {expected.dtype}")
     if tuple(actual.shape) != tuple(expected.shape):
-        raise AssertionError(f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+        raise AssertionError(
+            f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+        )
     if not torch.equal(actual, expected):
         wrong = (actual != expected).nonzero()
         index = tuple(wrong[0].tolist())

@@ -179,7 +179,8 @@ def objects(ctx) -> None:
 
 def _sample_tensor_dict(rank: int) -> dict:
     result = {
-        f"t_{dtype}": make_input(rank, "odd", dtype) for dtype in ("float32", "float16", "bfloat16", "int32", "int64")
+        f"t_{dtype}": make_input(rank, "odd", dtype)
+        for dtype in ("float32", "float16", "bfloat16", "int32", "int64")
     }
     result.update(
         {
@@ -200,7 +201,9 @@ def _check_tensor_dict(received: dict, sender: int) -> None:
         if isinstance(value, torch.Tensor):
             assert_same(received[key], value.contiguous(), f"tensor dict entry {key!r}")
         else:
-            assert received[key] == value, f"tensor dict entry {key!r}: {received[key]!r} != {value!r}"
+            assert received[key] == value, (
+                f"tensor dict entry {key!r}: {received[key]!r} != {value!r}"
+            )
 
 
 def tensor_dicts(ctx, asynchronous: bool) -> None:
@@ -226,7 +229,9 @@ def subgroups(ctx, rounds: int) -> None:
     for several rounds, then the PP groups gather and exchange tensor dicts."""
     comm = ctx.comm
     control = comm.new_group(list(range(comm.world_size)))
-    state = ParallelState.create(ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2), comm, control)
+    state = ParallelState.create(
+        ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2), comm, control
+    )
     try:
         tp, pp = state.tp, state.pp
         expected_tp = {0: [0, 1], 1: [2, 3]}[comm.rank // 2]

@@ -158,7 +158,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             operation = f"{operation}[{params['op']}]"
         reason = ""
         if report.skipped:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            reason = (
+                report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            )
             reason = reason.removeprefix("Skipped: ")
         item.config.stash.setdefault(_RESULTS, []).append(
             {
@@ -176,7 +178,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "shardline_op(name): the operation a conformance test checks")
+    config.addinivalue_line(
+        "markers", "shardline_op(name): the operation a conformance test checks"
+    )
     config.addinivalue_line(
         "markers", "shardline_world_sizes(*sizes): world sizes a conformance test applies to"
     )
@@ -187,12 +191,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     name = session.config.getoption("--shardline-communicator", None)
     if not results or not name:
         return
-    path = Path(session.config.getoption("--shardline-report") or f"shardline-conformance-{_safe(name)}.json")
+    path = Path(
+        session.config.getoption("--shardline-report")
+        or f"shardline-conformance-{_safe(name)}.json"
+    )
     matrix: dict[str, dict[str, dict[str, str]]] = {}
     for case in results:
         cell = matrix.setdefault(case["operation"], {}).setdefault(case["dtype"], {})
         key = str(case["world_size"])
-        verdict = case["outcome"] if case["outcome"] != "unsupported" else f"unsupported({case['reason']})"
+        verdict = (
+            case["outcome"]
+            if case["outcome"] != "unsupported"
+            else f"unsupported({case['reason']})"
+        )
         if cell.get(key, "passed") == "passed" or verdict == "failed":
             cell[key] = verdict
     counts: dict[str, int] = {}

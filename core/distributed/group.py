@@ -150,7 +150,7 @@ class GroupCoordinator:
         self.control.send_object(metadata, dst)
         keys = [key for key, value in metadata if isinstance(value, td.TensorMeta) and value.numel]
         works = []
-        for key, tensor in zip(keys, tensors):
+        for key, tensor in zip(keys, tensors, strict=True):
             part = _slice_for_rank(tensor, key, all_gather_group, all_gather_tensors)
             works.append(self.data.isend(part, dst))
         return works
@@ -171,7 +171,7 @@ class GroupCoordinator:
         keys = [key for key, value in metadata if isinstance(value, td.TensorMeta) and value.numel]
         works = []
         parts: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        for key, buffer in zip(keys, buffers):
+        for key, buffer in zip(keys, buffers, strict=True):
             part = _slice_for_rank(buffer, key, all_gather_group, all_gather_tensors)
             if part is not buffer:
                 part = torch.empty_like(part)
@@ -179,7 +179,9 @@ class GroupCoordinator:
             parts.append((key, buffer, part))
         return _TensorDictReceive(works, result, parts, all_gather_group)
 
-    def send_tensor_dict(self, tensor_dict: dict[str, Any], dst: int | None = None, **kwargs) -> None:
+    def send_tensor_dict(
+        self, tensor_dict: dict[str, Any], dst: int | None = None, **kwargs
+    ) -> None:
         """Blocking :meth:`isend_tensor_dict`."""
         CompositeWork(self.isend_tensor_dict(tensor_dict, dst, **kwargs)).wait()
 

@@ -150,9 +150,9 @@ class Communicator(abc.ABC):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s picklable ``obj``, returned on every rank (``obj`` is ignored
         elsewhere)."""
-        from shardline.comm import objects
-
         import torch
+
+        from shardline.comm import objects
 
         size = torch.zeros(1, dtype=torch.int64, device=self.control_device)
         payload = None
@@ -172,9 +172,9 @@ class Communicator(abc.ABC):
 
     def recv_object(self, src: int) -> Any:
         """The next object sent by rank ``src``."""
-        from shardline.comm import objects
-
         import torch
+
+        from shardline.comm import objects
 
         self._complete_deferred_receives(src)
         size = self.recv(torch.empty(1, dtype=torch.int64, device=self.control_device), src)
@@ -182,9 +182,9 @@ class Communicator(abc.ABC):
         return objects.from_tensor(self.recv(payload, src))
 
     def _isend_object(self, obj: Any, dst: int) -> list[Work]:
-        from shardline.comm import objects
-
         import torch
+
+        from shardline.comm import objects
 
         payload = objects.to_tensor(obj, self.control_device)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.control_device)

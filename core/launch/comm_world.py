@@ -73,7 +73,9 @@ class ParallelSetup:
         registry = Registry.load(allow=allow, strict=self.config.plugins.strict)
         data_backend = registry.get("communicator", parallel.communicator).load()()
         control_backend = registry.get("communicator", parallel.control_communicator).load()()
-        data = data_backend.init_world(rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s)
+        data = data_backend.init_world(
+            rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s
+        )
         control = control_backend.init_world(
             rank, world_size, rendezvous.with_prefix("control"), parallel.timeout_s
         )

@@ -11,6 +11,7 @@ is idempotent and leaves no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -92,7 +93,9 @@ class LocalWorld:
         a death or a timeout the world is marked :attr:`broken` and refuses further calls.
         """
         if self.broken is not None:
-            raise PeerLostError(f"this world is unusable: {self.broken}", op=getattr(fn, "__name__", "run"))
+            raise PeerLostError(
+                f"this world is unusable: {self.broken}", op=getattr(fn, "__name__", "run")
+            )
         for connection in self._connections:
             connection.send((fn, args, kwargs))
         name = getattr(fn, "__name__", repr(fn))
@@ -101,10 +104,8 @@ class LocalWorld:
     def close(self) -> None:
         """Stop every rank (politely, then by force). Idempotent."""
         for connection in self._connections:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 connection.send(_STOP)
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + _JOIN_GRACE_S
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -147,7 +148,9 @@ class LocalWorld:
             kind, *payload = replies[rank]
             if kind == "error":
                 exc_type, message, remote_traceback = payload
-                raise WorkerError(message, rank=rank, exc_type=exc_type, remote_traceback=remote_traceback)
+                raise WorkerError(
+                    message, rank=rank, exc_type=exc_type, remote_traceback=remote_traceback
+                )
             if kind == "lost":
                 raise PeerLostError(payload[0], op=what, rank=rank)
             results.append(payload[0])
@@ -156,7 +159,9 @@ class LocalWorld:
     def _death(self, rank: int, what: str) -> tuple:
         process = self._processes[rank]
         process.join(1.0)
-        self.broken = f"rank {rank} (pid {process.pid}) exited with code {process.exitcode} during {what}"
+        self.broken = (
+            f"rank {rank} (pid {process.pid}) exited with code {process.exitcode} during {what}"
+        )
         return ("lost", self.broken)
 
 

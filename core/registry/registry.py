@@ -47,7 +47,9 @@ class Registry:
         failures: Sequence[PluginFailure] = (),
         skipped: Sequence[str] = (),
     ) -> None:
-        self._by_kind: dict[str, dict[str, Component]] = {k: {} for k in hookspecs.HOOK_KINDS.values()}
+        self._by_kind: dict[str, dict[str, Component]] = {
+            k: {} for k in hookspecs.HOOK_KINDS.values()
+        }
         for component in components:
             existing = self._by_kind[component.kind].get(component.name)
             if existing is not None:

@@ -154,9 +154,7 @@ class GlooCommunicator(Communicator):
         outputs = [torch.empty_like(source) for _ in range(self._world_size)] if is_root else []
         options = dist.GatherOptions()
         options.rootRank = dst
-        self._run(
-            "gather", lambda pg: pg.gather([outputs] if is_root else [], [source], options)
-        )
+        self._run("gather", lambda pg: pg.gather([outputs] if is_root else [], [source], options))
         return torch.cat(outputs, dim=dim) if is_root else None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -200,8 +198,10 @@ class GlooCommunicator(Communicator):
         self._complete_deferred_receives(src)
         if tensor.numel() == 0:
             return OnceWork(lambda timeout: None, lambda: True, result=tensor)
-        buffer = tensor if tensor.is_contiguous() else torch.empty_like(
-            tensor, memory_format=torch.contiguous_format
+        buffer = (
+            tensor
+            if tensor.is_contiguous()
+            else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         )
         native = self._start("recv", lambda pg: pg.recv([buffer], src, _P2P_TAG))
         copy_back = (lambda: tensor.copy_(buffer)) if buffer is not tensor else None
@@ -209,7 +209,9 @@ class GlooCommunicator(Communicator):
 
     # ---- groups and lifetime ---------------------------------------------------------------------
 
-    def new_group(self, ranks: list[int], timeout_s: float | None = None) -> GlooCommunicator | None:
+    def new_group(
+        self, ranks: list[int], timeout_s: float | None = None
+    ) -> GlooCommunicator | None:
         ranks = list(ranks)
         if len(set(ranks)) != len(ranks) or any(not 0 <= r < self._world_size for r in ranks):
             raise ValueError(
@@ -265,7 +267,9 @@ class GlooCommunicator(Communicator):
         where = f"gloo {op} on rank {self._rank} of {self._world_size} (group {self._prefix!r})"
         if "Timed out" in text or "timeout" in text.lower():
             return CommTimeoutError(
-                f"{where}: no answer from peers within the deadline ({text})", op=op, rank=self._rank
+                f"{where}: no answer from peers within the deadline ({text})",
+                op=op,
+                rank=self._rank,
             )
         if "Connection closed" in text or "Connection reset" in text or "Broken pipe" in text:
             return PeerLostError(f"{where}: a peer went away ({text})", op=op, rank=self._rank)

@@ -1,0 +1,101 @@
+"""The ``shardline`` command as a user runs it: tables, explanations, one-line errors."""
+
+import json
+
+from support.cli import ROOT, shardline
+from support.fake_plugins import install_plugin
+
+EXAMPLE = str(ROOT / "examples" / "configs" / "tp2-pp2-gloo.yaml")
+
+
+def _no_traceback(result):
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_plugins_lists_gloo_as_available():
+    result = shardline("plugins")
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith("gloo "))
+    assert "communicator gloo" in row and "available" in row
+
+
+def test_plugins_reports_a_broken_plugin_by_name_and_strict_makes_it_fatal(tmp_path):
+    install_plugin(
+        tmp_path, "broken-dist", "broken", "broken_plugin", "raise ImportError('libfoo.so missing')"
+    )
+    env = {"PYTHONPATH": str(tmp_path)}
+    result = shardline("plugins", env=env)
+    assert result.returncode == 1
+    assert "failed to load: ImportError: libfoo.so missing" in result.stdout
+    assert "communicator gloo" in result.stdout
+    strict = shardline("plugins", env={**env, "SHARDLINE_STRICT_PLUGINS": "1"})
+    assert strict.returncode == 2
+    assert strict.stderr.startswith("error: plugin 'broken' (broken_plugin) failed to load")
+    _no_traceback(strict)
+
+
+def test_explain_shows_layout_choice_and_sources():
+    result = shardline("explain", "--config", EXAMPLE)
+    assert result.returncode == 0, result.stderr
+    assert "tp groups: [[0, 1], [2, 3]]" in result.stdout
+    assert "pp groups: [[0, 2], [1, 3]]" in result.stdout
+    assert "output rank 2" in result.stdout
+    assert f"parallel.communicator: gloo (configured; set by {EXAMPLE})" in result.stdout
+
+
+def test_explain_names_the_rejected_combination():
+    result = shardline("explain", "--set", "parallel.device=cuda")
+    assert result.returncode == 2
+    assert "device cuda not supported (supported: cpu)" in result.stdout
+
+
+def test_config_show_on_a_typo_is_one_clear_message(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("parallel:\n  tensor_paralel_size: 2\n")
+    result = shardline("config", "show", "--config", str(path))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert f"{path}: parallel.tensor_paralel_size = 2: unknown key" in result.stderr
+    assert "Did you mean 'parallel.tensor_parallel_size'?" in result.stderr
+    _no_traceback(result)
+
+
+def test_config_show_lists_values_with_sources():
+    result = shardline("config", "show", "--config", EXAMPLE, "--set", "parallel.timeout_s=12")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
+    assert rows["parallel.tensor_parallel_size"][1:] == ["2", EXAMPLE]
+    assert rows["parallel.timeout_s"][1] == "12.0"
+    assert rows["parallel.timeout_s"][2:] == ["--set", "parallel.timeout_s=12"]
+    assert rows["model.dtype"][1:] == ['"float32"', "default"]
+
+
+def test_config_validate_and_schema():
+    valid = shardline("config", "validate", "--config", EXAMPLE)
+    assert valid.returncode == 0 and "valid (world size 4)" in valid.stdout
+    unknown = shardline("config", "validate", "--set", "parallel.communicator=glo")
+    assert unknown.returncode == 2
+    assert (
+        "parallel.communicator = 'glo'" in unknown.stderr
+        and "did you mean 'gloo'?" in unknown.stderr
+    )
+    _no_traceback(unknown)
+    schema = shardline("config", "schema")
+    assert json.loads(schema.stdout)["title"] == "EngineConfig"
+
+
+def test_malformed_set_is_a_clear_error():
+    result = shardline("config", "show", "--set", "parallel.tensor_parallel_size")
+    assert result.returncode == 2
+    assert "expected section.key=value" in result.stderr
+    _no_traceback(result)
+
+
+def test_demo_runs_a_checked_tp2_pp2_world():
+    result = shardline("demo", "--config", EXAMPLE, "--rounds", "20", timeout=180)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 4
+    assert all(row.rstrip().endswith("ok") for row in rows)
+    assert "got from rank 0" in result.stdout and "sent to rank 3" in result.stdout

@@ -1,0 +1,159 @@
+"""Config loading: formats, layering and sources, clear errors, cross-field checks."""
+
+import json
+
+import pytest
+
+from shardline.config import load_config
+from shardline.config.schema import EngineConfig
+from shardline.config.selection import check_config, choose_executor
+from shardline.errors import ConfigError
+from shardline.registry import Registry
+
+CONTENT = {
+    ".yaml": "parallel:\n  tensor_parallel_size: 2\n  timeout_s: 9\n",
+    ".yml": "parallel:\n  tensor_parallel_size: 2\n  timeout_s: 9\n",
+    ".toml": "[parallel]\ntensor_parallel_size = 2\ntimeout_s = 9\n",
+    ".json": json.dumps({"parallel": {"tensor_parallel_size": 2, "timeout_s": 9}}),
+}
+
+
+@pytest.mark.parametrize("suffix", sorted(CONTENT))
+def test_every_format_loads_by_extension(tmp_path, suffix):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(CONTENT[suffix])
+    loaded = load_config(path, environ={})
+    assert loaded.config.parallel.tensor_parallel_size == 2
+    assert loaded.config.parallel.timeout_s == 9
+    assert loaded.source_of("parallel.tensor_parallel_size") == str(path)
+    assert loaded.source_of("parallel.communicator") == "default"
+
+
+def test_environment_overrides_file_and_set_overrides_both(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CONTENT[".yaml"])
+    environ = {
+        "SHARDLINE_PARALLEL__TENSOR_PARALLEL_SIZE": "4",
+        "SHARDLINE_PARALLEL__TIMEOUT_S": "5",
+    }
+    loaded = load_config(path, ["parallel.timeout_s=7"], environ)
+    assert loaded.config.parallel.tensor_parallel_size == 4
+    assert (
+        loaded.source_of("parallel.tensor_parallel_size")
+        == "env SHARDLINE_PARALLEL__TENSOR_PARALLEL_SIZE"
+    )
+    assert loaded.config.parallel.timeout_s == 7
+    assert loaded.source_of("parallel.timeout_s") == "--set parallel.timeout_s=7"
+
+
+def test_plugin_shorthands_from_the_environment():
+    loaded = load_config(
+        environ={"SHARDLINE_PLUGINS": "gloo, mine", "SHARDLINE_STRICT_PLUGINS": "1"}
+    )
+    assert loaded.config.plugins.allow == ["gloo", "mine"]
+    assert loaded.config.plugins.strict is True
+
+
+def test_unknown_key_names_file_field_value_and_suggestion(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("parallel:\n  tensor_paralel_size: 2\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path, environ={})
+    message = str(error.value)
+    assert str(path) in message
+    assert "parallel.tensor_paralel_size = 2" in message
+    assert "Did you mean 'parallel.tensor_parallel_size'?" in message
+    assert "Allowed in [parallel]:" in message
+
+
+def test_bad_value_names_what_is_allowed():
+    with pytest.raises(
+        ConfigError,
+        match=r"--set parallel.device=tpu: parallel.device = 'tpu': Input should be 'cpu' or 'cuda",
+    ):
+        load_config(overrides=["parallel.device=tpu"], environ={})
+
+
+def test_several_problems_are_listed_in_one_error():
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=["parallel.timeout_s=0", "model.dtyp=float16"], environ={})
+    lines = str(error.value).splitlines()
+    assert lines[0] == "invalid configuration:"
+    assert len(lines) == 3
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        ("parallel.tensor_parallel_size", "expected section.key=value"),
+        ("=3", "expected section.key=value"),
+    ],
+)
+def test_malformed_set_is_refused(item, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(overrides=[item], environ={})
+
+
+def test_unsupported_extension_and_malformed_file(tmp_path):
+    ini = tmp_path / "c.ini"
+    ini.write_text("x")
+    with pytest.raises(
+        ConfigError,
+        match=r"unsupported config file type '.ini'; allowed: .yaml, .yml, .toml, .json",
+    ):
+        load_config(ini, environ={})
+    broken = tmp_path / "c.json"
+    broken.write_text("{ nope")
+    with pytest.raises(ConfigError, match=r"c.json: not valid json"):
+        load_config(broken, environ={})
+    listing = tmp_path / "c.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(listing, environ={})
+
+
+def test_capability_mismatch_is_refused_with_the_alternatives():
+    registry = Registry.load()
+    loaded = load_config(overrides=["parallel.device=cuda"], environ={})
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.communicator = 'gloo': device cuda not supported \(supported: cpu\)",
+    ):
+        check_config(loaded, registry, {})
+
+
+def test_uni_executor_with_several_ranks_is_refused():
+    loaded = load_config(
+        overrides=[
+            "parallel.distributed_executor_backend=uni",
+            "parallel.pipeline_parallel_size=2",
+        ],
+        environ={},
+    )
+    with pytest.raises(
+        ConfigError, match="'uni' runs one rank in-process, but the layout has 2 ranks"
+    ):
+        check_config(loaded, Registry.load(), {})
+
+
+@pytest.mark.parametrize(
+    ("environ", "sizes", "expected"),
+    [
+        ({}, [], "uni"),
+        ({}, ["parallel.tensor_parallel_size=2"], "mp"),
+        ({"TORCHELASTIC_RUN_ID": "x"}, ["parallel.tensor_parallel_size=2"], "external_launcher"),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, ["parallel.tensor_parallel_size=2"], "external_launcher"),
+        ({"PMI_SIZE": "2"}, ["parallel.tensor_parallel_size=2"], "external_launcher"),
+    ],
+)
+def test_auto_executor_selection(environ, sizes, expected):
+    decision = choose_executor(
+        load_config(overrides=sizes, environ={}).config, Registry.load(), environ
+    )
+    assert decision.chosen == expected
+
+
+def test_schema_describes_every_section():
+    schema = EngineConfig.model_json_schema()
+    assert set(schema["properties"]) == {"model", "parallel", "plugins"}
+    assert "tensor_parallel_size" in json.dumps(schema)
