@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardline.errors import ConfigError, PluginError
+from shardline.errors import BackendUnavailableError, ConfigError, PluginError
 from shardline.registry import Registry
 from support.fake_plugins import COMMUNICATOR_PLUGIN, install_plugin
 
@@ -89,3 +89,30 @@ def test_import_path_selects_a_class_directly():
     assert component.capabilities.async_p2p is True
     with pytest.raises(ConfigError, match="cannot import it"):
         Registry.load().get("communicator", "no_such_module:Backend")
+
+
+def test_unavailable_component_raises_the_typed_error(plugin_dir):
+    install_plugin(
+        plugin_dir,
+        "ghost-dist",
+        "ghost",
+        "ghost_plugin",
+        """
+        from shardline.registry import Component, hookimpl
+
+        class GhostBackend:
+            @classmethod
+            def unavailable_reason(cls):
+                return "needs 8 CUDA devices, found 0"
+
+        @hookimpl
+        def shardline_communicators():
+            return [Component(name="ghost", target="ghost_plugin:GhostBackend")]
+        """,
+    )
+    component = Registry.load().get("communicator", "ghost")
+    assert component.unavailable_reason() == "needs 8 CUDA devices, found 0"
+    with pytest.raises(
+        BackendUnavailableError, match="communicator 'ghost' cannot run here: needs 8 CUDA"
+    ):
+        component.load_available()

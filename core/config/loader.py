@@ -15,12 +15,12 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 from pydantic import BaseModel, ValidationError
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class ReduceOp(str, enum.Enum):
+class ReduceOp(enum.StrEnum):
     """Element-wise reductions every backend names the same way."""
 
     SUM = "sum"

@@ -40,7 +40,7 @@ class CommunicatorSetup:
 
     def __call__(self, rank: int, world_size: int, rendezvous: Rendezvous) -> RankContext:
         registry = Registry.load(allow=self.allow_plugins)
-        backend = registry.get("communicator", self.backend).load()()
+        backend = registry.get("communicator", self.backend).load_available()()
         comm = backend.init_world(rank, world_size, rendezvous, self.timeout_s)
         return RankContext(rank, world_size, comm, registry, rendezvous, self.timeout_s)
 
@@ -71,8 +71,12 @@ class ParallelSetup:
         parallel = self.config.parallel
         allow = self.config.plugins.allow
         registry = Registry.load(allow=allow, strict=self.config.plugins.strict)
-        data_backend = registry.get("communicator", parallel.communicator).load()()
-        control_backend = registry.get("communicator", parallel.control_communicator).load()()
+        data_backend = registry.get(
+            "communicator", parallel.communicator, "parallel.communicator"
+        ).load_available()()
+        control_backend = registry.get(
+            "communicator", parallel.control_communicator, "parallel.control_communicator"
+        ).load_available()()
         data = data_backend.init_world(
             rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s
         )

@@ -7,6 +7,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from shardline.errors import BackendUnavailableError
 from shardline.interfaces.capabilities import Capabilities
 
 
@@ -31,6 +32,16 @@ class Component:
     def load(self) -> Any:
         """The object ``target`` names. Raises ImportError or AttributeError if it is missing."""
         return import_target(self.target)
+
+    def load_available(self) -> Any:
+        """Like :meth:`load`, but raises :class:`BackendUnavailableError` with the reason when
+        this part cannot run here."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"{self.kind or 'component'} {self.name!r} cannot run here: {reason}"
+            )
+        return self.load()
 
     def unavailable_reason(self) -> str | None:
         """Why this part cannot run here, or None. Import failures count as a reason."""
