@@ -15,6 +15,10 @@ def run(name: str, world_sizes: str, timeout_s: float, report: str | None, extra
         "-p",
         "no:cacheprovider",
         "-q",
+        # The CLI has imported shardline already, so pytest cannot rewrite its asserts; the
+        # suite's checks raise their own messages and do not need it.
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
     ]
     if report:
         args.append(f"--shardline-report={report}")
