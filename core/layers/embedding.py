@@ -1,0 +1,82 @@
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is padded to a multiple of ``pad_to * tp`` and split in equal ranges
+(:func:`~shardline.layers.sharding.vocab_shard`). The embedding looks up the tokens in its
+range, zeroes the others, and all-reduces; the head computes logits for its range and
+all-gathers them, dropping the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardline.distributed import GroupCoordinator
+from shardline.layers.sharding import vocab_shard
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding split along the vocabulary."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: GroupCoordinator,
+        *,
+        pad_to: int = 64,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.shard = vocab_shard(vocab_size, tp.world_size, tp.rank_in_group, pad_to)
+        self.weight = nn.Parameter(
+            torch.zeros(self.shard.padded_per_rank, hidden_size, dtype=dtype), requires_grad=False
+        )
+
+    def load_full(self, weight: torch.Tensor) -> None:
+        """Copy this rank's rows of the full ``[vocab, hidden]`` table; padding rows stay 0."""
+        if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(
+                f"embedding: checkpoint shape {tuple(weight.shape)}, expected "
+                f"{(self.vocab_size, self.hidden_size)}"
+            )
+        rows = self.shard.end - self.shard.start
+        with torch.no_grad():
+            self.weight[:rows].copy_(weight[self.shard.start : self.shard.end])
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(token_ids, self.weight)
+        inside = (token_ids >= self.shard.start) & (token_ids < self.shard.end)
+        local = torch.where(inside, token_ids - self.shard.start, 0)
+        embedded = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(embedded)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary, computed per vocabulary range and gathered. With tied
+    embeddings, pass the embedding layer: the head then shares its weight."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: GroupCoordinator,
+        *,
+        tied_to: VocabParallelEmbedding | None = None,
+        pad_to: int = 64,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(vocab_size, hidden_size, tp, pad_to=pad_to, dtype=dtype)
+        if tied_to is not None:
+            self.weight = tied_to.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab_size]`` logits, identical on every TP rank."""
+        local = F.linear(hidden, self.weight)
+        full = self.tp.all_gather(local, dim=-1)
+        return full[..., : self.vocab_size]

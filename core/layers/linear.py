@@ -1,0 +1,195 @@
+"""Tensor-parallel linear layers (weights ``[out, in]``, as torch and HF store them).
+
+Each layer holds only its rank's shard and loads it from the *full* checkpoint tensor with
+``load_full`` (or ``load_part`` for merged layers): the narrowing is
+:mod:`shardline.layers.sharding`, so a rank never keeps more than its share.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardline.distributed import GroupCoordinator
+from shardline.layers.sharding import (
+    KVHeadLayout,
+    column_slice,
+    divide,
+    qkv_slices,
+    row_slice,
+)
+
+
+def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X W^T``, W split along its output dim: input replicated, output sharded
+    (``[..., out / tp]``), no communication unless ``gather_output``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: GroupCoordinator,
+        *,
+        bias: bool = False,
+        gather_output: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        self.out_per_rank = divide(out_features, tp.world_size, "output features")
+        self.weight = _parameter(self.out_per_rank, in_features, dtype=dtype)
+        self.bias = _parameter(self.out_per_rank, dtype=dtype) if bias else None
+
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's rows of the full ``[out, in]`` weight (and bias)."""
+        part = column_slice(self.out_features, self.tp.world_size, self.tp.rank_in_group)
+        _copy(self.weight, part.apply(weight), "weight")
+        if self.bias is not None and bias is not None:
+            _copy(self.bias, part.apply(bias), "bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.tp.all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in a single GEMM (e.g. gate and up):
+    the rank's output is its shard of each part, concatenated in order."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        tp: GroupCoordinator,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        for size in output_sizes:
+            divide(size, tp.world_size, "output features of each merged part")
+        super().__init__(in_features, sum(output_sizes), tp, bias=bias, dtype=dtype)
+        self.output_sizes = list(output_sizes)
+
+    def load_part(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's shard of part ``index`` (its full ``[out_i, in]`` weight)."""
+        size = self.output_sizes[index]
+        part = column_slice(size, self.tp.world_size, self.tp.rank_in_group)
+        offset = sum(self.output_sizes[:index]) // self.tp.world_size
+        _copy(
+            self.weight[offset : offset + part.length], part.apply(weight), f"weight part {index}"
+        )
+        if self.bias is not None and bias is not None:
+            _copy(self.bias[offset : offset + part.length], part.apply(bias), f"bias part {index}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections split by heads; with ``tp > num_kv_heads`` each KV
+    head is replicated on ``tp / num_kv_heads`` ranks. Output: ``[q | k | v]`` of this rank."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp: GroupCoordinator,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        tp_size = tp.world_size
+        self.num_heads = divide(num_heads, tp_size, "attention heads")
+        self.kv_layout = KVHeadLayout.of(num_kv_heads, tp_size)
+        self.num_kv_heads = self.kv_layout.heads_per_rank
+        self.head_dim = head_dim
+        self.total_heads = num_heads
+        self.total_kv_heads = num_kv_heads
+        out_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out_per_rank * tp_size, tp, bias=bias, dtype=dtype)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def load_part(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's heads of the full ``q``, ``k`` or ``v`` projection."""
+        slices = qkv_slices(
+            self.total_heads,
+            self.total_kv_heads,
+            self.head_dim,
+            self.tp.world_size,
+            self.tp.rank_in_group,
+        )
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[name]
+        part = slices[name]
+        _copy(self.weight[offset : offset + part.length], part.apply(weight), f"{name} weight")
+        if self.bias is not None and bias is not None:
+            _copy(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
+
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        raise TypeError("QKVParallelLinear loads q, k and v separately: use load_part")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X W^T``, W split along its input dim: each rank multiplies its slice of X and
+    the partial results are all-reduced (``reduce_results``). The bias is added once, after
+    the reduction."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: GroupCoordinator,
+        *,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.in_per_rank = divide(in_features, tp.world_size, "input features")
+        self.weight = _parameter(out_features, self.in_per_rank, dtype=dtype)
+        self.bias = _parameter(out_features, dtype=dtype) if bias else None
+
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        part = row_slice(self.in_features, self.tp.world_size, self.tp.rank_in_group)
+        _copy(self.weight, part.apply(weight), "weight")
+        if self.bias is not None and bias is not None:
+            _copy(self.bias, bias, "bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = x.narrow(-1, self.tp.rank_in_group * self.in_per_rank, self.in_per_rank)
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(
+            f"{what}: checkpoint shard has shape {tuple(source.shape)}, "
+            f"expected {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(source)
