@@ -1,0 +1,113 @@
+"""Parallel layers in real gloo worlds (tp = 2 and 4) against the unsharded computation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardline.config import load_config
+from shardline.launch.comm_world import ParallelSetup
+from shardline.launch.local_world import LocalWorld
+from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardline.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from shardline.layers.sharding import KVHeadLayout
+
+pytestmark = pytest.mark.timeout(180)
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 8, 2, 4, 100
+
+
+def _full_weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    return {
+        "x": randn(5, HIDDEN),
+        "w": randn(48, HIDDEN),
+        "b": randn(48),
+        "gate": randn(64, HIDDEN),
+        "up": randn(64, HIDDEN),
+        "q": randn(HEADS * HEAD_DIM, HIDDEN),
+        "k": randn(KV_HEADS * HEAD_DIM, HIDDEN),
+        "v": randn(KV_HEADS * HEAD_DIM, HIDDEN),
+        "row_w": randn(HIDDEN, 64),
+        "row_b": randn(HIDDEN),
+        "row_x": randn(5, 64),
+        "embedding": randn(VOCAB, HIDDEN),
+        "ids": torch.tensor([0, 1, 63, 64, 99, 50, 7]),
+    }
+
+
+def _run_layers(ctx) -> dict:
+    tp = ctx.state.tp
+    w = _full_weights()
+    out = {}
+    column = ColumnParallelLinear(HIDDEN, 48, tp, bias=True, gather_output=True)
+    column.load_full(w["w"], w["b"])
+    out["column_gathered"] = column(w["x"])
+    column.gather_output = False
+    out["column_local"] = column(w["x"])
+    merged = MergedColumnParallelLinear(HIDDEN, [64, 64], tp)
+    merged.load_part(0, w["gate"])
+    merged.load_part(1, w["up"])
+    out["merged"] = merged(w["x"])
+    qkv = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, tp)
+    for name in "qkv":
+        qkv.load_part(name, w[name])
+    out["qkv"] = qkv(w["x"])
+    row = RowParallelLinear(64, HIDDEN, tp, bias=True)
+    row.load_full(w["row_w"], w["row_b"])
+    shard = 64 // tp.world_size
+    out["row"] = row(w["row_x"][:, tp.rank_in_group * shard : (tp.rank_in_group + 1) * shard])
+    row.input_is_parallel = False
+    out["row_full_input"] = row(w["row_x"])
+    embedding = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
+    embedding.load_full(w["embedding"])
+    out["embedding"] = embedding(w["ids"])
+    head = ParallelLMHead(VOCAB, HIDDEN, tp, tied_to=embedding)
+    out["logits"] = head(w["x"])
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def tp_world(request):
+    config = load_config(overrides=[f"parallel.tensor_parallel_size={request.param}"], environ={})
+    with LocalWorld(request.param, ParallelSetup(config.config), call_timeout_s=60) as world:
+        yield request.param, world
+
+
+def test_layers_match_the_unsharded_computation(tp_world):
+    tp, world = tp_world
+    w = _full_weights()
+    results = world.run(_run_layers)
+    full_column = F.linear(w["x"], w["w"], w["b"])
+    full_row = F.linear(w["row_x"], w["row_w"], w["row_b"])
+    kv = KVHeadLayout.of(KV_HEADS, tp)
+    for rank, out in enumerate(results):
+        close = {"atol": 1e-5, "rtol": 1e-5}
+        torch.testing.assert_close(out["column_gathered"], full_column, **close)
+        torch.testing.assert_close(out["column_local"], full_column.chunk(tp, -1)[rank], **close)
+        gate_up = torch.cat(
+            [
+                F.linear(w["x"], w["gate"]).chunk(tp, -1)[rank],
+                F.linear(w["x"], w["up"]).chunk(tp, -1)[rank],
+            ],
+            -1,
+        )
+        torch.testing.assert_close(out["merged"], gate_up, **close)
+        q = F.linear(w["x"], w["q"]).chunk(tp, -1)[rank]
+        head = kv.first_head(rank)
+        kv_cols = slice(head * HEAD_DIM, (head + kv.heads_per_rank) * HEAD_DIM)
+        k = F.linear(w["x"], w["k"])[:, kv_cols]
+        v = F.linear(w["x"], w["v"])[:, kv_cols]
+        torch.testing.assert_close(out["qkv"], torch.cat([q, k, v], -1), **close)
+        torch.testing.assert_close(out["row"], full_row, **close)
+        torch.testing.assert_close(out["row_full_input"], full_row, **close)
+        assert torch.equal(out["embedding"], F.embedding(w["ids"], w["embedding"]))
+        torch.testing.assert_close(out["logits"], F.linear(w["x"], w["embedding"]), **close)
