@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.distributed import GroupCoordinator
-from shardline.layers.sharding import vocab_shard
+from shardline.layers.sharding import TensorSource, vocab_shard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.zeros(self.shard.padded_per_rank, hidden_size, dtype=dtype), requires_grad=False
         )
 
-    def load_full(self, weight: torch.Tensor) -> None:
+    def load_full(self, weight: TensorSource) -> None:
         """Copy this rank's rows of the full ``[vocab, hidden]`` table; padding rows stay 0."""
         if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
             raise ValueError(

@@ -14,6 +14,7 @@ from torch import nn
 from shardline.distributed import GroupCoordinator
 from shardline.layers.sharding import (
     KVHeadLayout,
+    TensorSource,
     column_slice,
     divide,
     qkv_slices,
@@ -48,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _parameter(self.out_per_rank, in_features, dtype=dtype)
         self.bias = _parameter(self.out_per_rank, dtype=dtype) if bias else None
 
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
         """Copy this rank's rows of the full ``[out, in]`` weight (and bias)."""
         part = column_slice(self.out_features, self.tp.world_size, self.tp.rank_in_group)
         _copy(self.weight, part.apply(weight), "weight")
@@ -78,7 +79,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), tp, bias=bias, dtype=dtype)
         self.output_sizes = list(output_sizes)
 
-    def load_part(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load_part(self, index: int, weight: TensorSource, bias: TensorSource | None = None) -> None:
         """Copy this rank's shard of part ``index`` (its full ``[out_i, in]`` weight)."""
         size = self.output_sizes[index]
         part = column_slice(size, self.tp.world_size, self.tp.rank_in_group)
@@ -123,7 +124,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def load_part(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load_part(self, name: str, weight: TensorSource, bias: TensorSource | None = None) -> None:
         """Copy this rank's heads of the full ``q``, ``k`` or ``v`` projection."""
         slices = qkv_slices(
             self.total_heads,
@@ -138,7 +139,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if self.bias is not None and bias is not None:
             _copy(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
 
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
         raise TypeError("QKVParallelLinear loads q, k and v separately: use load_part")
 
 
@@ -168,11 +169,11 @@ class RowParallelLinear(nn.Module):
         self.weight = _parameter(out_features, self.in_per_rank, dtype=dtype)
         self.bias = _parameter(out_features, dtype=dtype) if bias else None
 
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
         part = row_slice(self.in_features, self.tp.world_size, self.tp.rank_in_group)
         _copy(self.weight, part.apply(weight), "weight")
         if self.bias is not None and bias is not None:
-            _copy(self.bias, bias, "bias")
+            _copy(self.bias, bias[:], "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -186,6 +187,7 @@ class RowParallelLinear(nn.Module):
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    """Copy (and cast) ``source`` into ``target``; shapes must match."""
     if tuple(target.shape) != tuple(source.shape):
         raise ValueError(
             f"{what}: checkpoint shard has shape {tuple(source.shape)}, "

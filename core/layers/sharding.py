@@ -13,8 +13,19 @@ Weights follow torch's ``Linear`` layout ``[out_features, in_features]``:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+
+class TensorSource(Protocol):
+    """A full checkpoint tensor, possibly not in memory: it has a ``shape`` and indexing with
+    slices returns just that part as a tensor. A ``torch.Tensor`` is one."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -25,14 +36,15 @@ class ShardSlice:
     start: int
     length: int
 
-    def apply(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of ``full`` (a view; no copy)."""
+    def apply(self, full: TensorSource) -> torch.Tensor:
+        """This rank's part of ``full``: a view of a tensor, or only that part read from a
+        lazy checkpoint tensor."""
         if self.start + self.length > full.shape[self.dim]:
             raise ValueError(
                 f"shard [{self.start}, {self.start + self.length}) along dim {self.dim} exceeds "
                 f"the checkpoint tensor's shape {tuple(full.shape)}"
             )
-        return full.narrow(self.dim, self.start, self.length)
+        return full[(slice(None),) * self.dim + (slice(self.start, self.start + self.length),)]
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

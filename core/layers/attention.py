@@ -1,0 +1,83 @@
+"""Attention over a paged KV cache, for ragged batches mixing prefill and decode.
+
+The batch is flattened: ``N`` tokens from ``B`` sequences. Sequence ``i`` contributes the
+query tokens ``query_start_loc[i]:query_start_loc[i+1]``; those are the *last* tokens of a
+sequence that is ``seq_lens[i]`` tokens long once they are added. Keys and values live in a
+cache of fixed-size blocks; ``block_tables[i]`` lists sequence ``i``'s blocks in order and
+``slot_mapping[t]`` is where token ``t``'s key and value are written (``block * size + offset``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries are in the batch and where its keys live in the cache."""
+
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    slot_mapping: torch.Tensor
+    block_tables: list[list[int]]
+
+
+class KVCache:
+    """One layer's keys and values: ``[num_blocks, block_size, kv_heads, head_dim]`` each."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        self.block_size = block_size
+        self.key = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        self.value = torch.zeros_like(self.key)
+
+    def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``key``/``value`` (``[N, kv_heads, d]``) at the flat slots."""
+        self.key.view(-1, *self.key.shape[2:])[slot_mapping] = key
+        self.value.view(-1, *self.value.shape[2:])[slot_mapping] = value
+
+    def read(self, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` keys and values of a sequence stored in ``blocks``."""
+        index = torch.tensor(blocks, dtype=torch.long)
+        key = self.key[index].reshape(-1, *self.key.shape[2:])[:length]
+        value = self.value[index].reshape(-1, *self.value.shape[2:])[:length]
+        return key, value
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of ``q`` (``[N, heads, d]``) over each sequence's cached keys, after
+    writing this batch's ``k``/``v``. Query heads share KV heads in equal consecutive groups
+    (GQA). Returns ``[N, heads * d]``."""
+    cache.write(metadata.slot_mapping, k, v)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(metadata.seq_lens):
+        start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+        if end == start:
+            continue
+        keys, values = cache.read(metadata.block_tables[i], seq_len)
+        query = q[start:end].transpose(0, 1)  # [heads, n_q, d]
+        keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, seq, d]
+        values = values.transpose(0, 1).repeat_interleave(group, dim=0)
+        n_q = end - start
+        # Query t sits at position seq_len - n_q + t and sees keys up to there.
+        visible = torch.arange(seq_len).unsqueeze(0) <= (
+            seq_len - n_q + torch.arange(n_q)
+        ).unsqueeze(1)
+        attended = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=visible, scale=scale
+        )
+        out[start:end] = attended.transpose(0, 1)
+    return out.reshape(q.shape[0], -1)

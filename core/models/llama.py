@@ -1,0 +1,223 @@
+"""A tensor- and pipeline-parallel Llama decoder (RMSNorm, RoPE, GQA attention, SwiGLU).
+
+Each rank builds only its pipeline stage: the first stage owns the embedding, the last the
+final norm and LM head; stages exchange ``hidden_states`` and ``residual``. Inside a stage,
+attention and MLP are column-parallel in, row-parallel out (one all-reduce each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardline.distributed import GroupCoordinator, ParallelState
+from shardline.interfaces import IntermediateTensors
+from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
+from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardline.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shardline.layers.norm import RMSNorm
+from shardline.layers.rotary import RotaryEmbedding
+from shardline.layers.sharding import TensorSource
+from shardline.models.architecture import LlamaArchitecture, partition_layers
+
+#: Reads a full checkpoint tensor by its HF name (lazily: only the parts indexed are read).
+WeightLookup = Callable[[str], TensorSource]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, arch: LlamaArchitecture, tp: GroupCoordinator, rotary: RotaryEmbedding, dtype
+    ) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_heads,
+            arch.num_kv_heads,
+            tp,
+            bias=arch.attention_bias,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            arch.num_heads * arch.head_dim,
+            arch.hidden_size,
+            tp,
+            bias=arch.attention_bias,
+            dtype=dtype,
+        )
+        self.rotary = rotary
+        self.head_dim = arch.head_dim
+        self.scale = arch.head_dim**-0.5
+
+    def forward(
+        self, hidden, positions, metadata: AttentionMetadata, cache: KVCache
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, q_size // self.head_dim, self.head_dim)
+        k = k.reshape(-1, kv_size // self.head_dim, self.head_dim)
+        v = v.reshape(-1, kv_size // self.head_dim, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(paged_attention(q, k, v, cache, metadata, self.scale))
+
+    def load(self, prefix: str, weight: WeightLookup, has_bias: bool) -> None:
+        for name in "qkv":
+            bias = weight(f"{prefix}.{name}_proj.bias") if has_bias else None
+            self.qkv_proj.load_part(name, weight(f"{prefix}.{name}_proj.weight"), bias)
+        self.o_proj.load_full(
+            weight(f"{prefix}.o_proj.weight"), weight(f"{prefix}.o_proj.bias") if has_bias else None
+        )
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [size, size], tp, bias=arch.mlp_bias, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(
+            size, arch.hidden_size, tp, bias=arch.mlp_bias, dtype=dtype
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def load(self, prefix: str, weight: WeightLookup, has_bias: bool) -> None:
+        for index, name in enumerate(("gate_proj", "up_proj")):
+            bias = weight(f"{prefix}.{name}.bias") if has_bias else None
+            self.gate_up_proj.load_part(index, weight(f"{prefix}.{name}.weight"), bias)
+        bias = weight(f"{prefix}.down_proj.bias") if has_bias else None
+        self.down_proj.load_full(weight(f"{prefix}.down_proj.weight"), bias)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: LlamaArchitecture, tp: GroupCoordinator, rotary: RotaryEmbedding, dtype
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(arch, tp, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(arch, tp, dtype)
+
+    def forward(self, hidden, residual, positions, metadata, cache):
+        """Returns ``(hidden, residual)`` with the last add deferred to the next layer."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, metadata, cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def load(self, prefix: str, weight: WeightLookup, arch: LlamaArchitecture) -> None:
+        _copy_full(self.input_layernorm.weight, weight(f"{prefix}.input_layernorm.weight"))
+        _copy_full(
+            self.post_attention_layernorm.weight,
+            weight(f"{prefix}.post_attention_layernorm.weight"),
+        )
+        self.self_attn.load(f"{prefix}.self_attn", weight, arch.attention_bias)
+        self.mlp.load(f"{prefix}.mlp", weight, arch.mlp_bias)
+
+
+class LlamaForCausalLM(nn.Module):
+    """One pipeline stage of a Llama model, sharded over the rank's TP group."""
+
+    def __init__(
+        self, arch: LlamaArchitecture, state: ParallelState, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        tp, pp = state.tp, state.pp
+        self.arch = arch
+        self.dtype = dtype
+        self.layer_range = partition_layers(arch.num_layers, pp.world_size, pp.rank_in_group)
+        self.is_first_stage = pp.is_first_rank
+        self.is_last_stage = pp.is_last_rank
+        rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_positions)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype=dtype)
+            if self.is_first_stage
+            else None
+        )
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaDecoderLayer(arch, tp, rotary, dtype) for i in self.layer_range}
+        )
+        if self.is_last_stage:
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+            tied = self.embed_tokens if arch.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(
+                arch.vocab_size, arch.hidden_size, tp, tied_to=tied, dtype=dtype
+            )
+        self.kv_heads_per_rank = self.layers[
+            str(self.layer_range.start)
+        ].self_attn.qkv_proj.num_kv_heads
+
+    def make_kv_caches(self, num_blocks: int, block_size: int) -> dict[int, KVCache]:
+        """An empty paged cache for every layer of this stage."""
+        return {
+            i: KVCache(
+                num_blocks, block_size, self.kv_heads_per_rank, self.arch.head_dim, self.dtype
+            )
+            for i in self.layer_range
+        }
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_caches: dict[int, KVCache],
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """First stage: from ``input_ids``; others: from ``intermediate``. Returns the final
+        normalized hidden states ``[N, hidden]`` on the last stage, else IntermediateTensors."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        for i in self.layer_range:
+            hidden, residual = self.layers[str(i)](
+                hidden, residual, positions, metadata, kv_caches[i]
+            )
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` (last stage only), equal on every TP rank."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weight: WeightLookup) -> None:
+        """Load this rank's shard of this stage's weights, by HF tensor name."""
+        arch = self.arch
+        if self.embed_tokens is not None:
+            self.embed_tokens.load_full(weight("model.embed_tokens.weight"))
+        for i in self.layer_range:
+            self.layers[str(i)].load(f"model.layers.{i}", weight, arch)
+        if self.is_last_stage:
+            _copy_full(self.norm.weight, weight("model.norm.weight"))
+            if not arch.tie_word_embeddings:
+                self.lm_head.load_full(weight("lm_head.weight"))
+            elif self.embed_tokens is None:
+                # Tied head on a stage without the embedding: load the shared table here.
+                self.lm_head.load_full(weight("model.embed_tokens.weight"))
+
+
+def _copy_full(target: torch.Tensor, source: TensorSource) -> None:
+    full = source[:]
+    if tuple(full.shape) != tuple(target.shape):
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(full.shape)}, expected {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(full)

@@ -1,0 +1,1 @@
+"""Reading checkpoints so that each rank reads only the parts it keeps."""

@@ -1,0 +1,65 @@
+"""HF checkpoint directories: ``config.json`` plus ``model.safetensors`` or a sharded index.
+
+Tensors are opened lazily through safetensors' memory map: indexing a tensor reads only the
+rows or columns asked for, so a rank's peak memory is its shard, not the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from shardline.errors import ConfigError
+from shardline.models.architecture import LlamaArchitecture
+
+
+class LazySafetensor:
+    """A tensor in a safetensors file: ``shape`` and slicing, nothing read until indexed."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._slice[index]
+
+
+class HFCheckpoint:
+    """An HF model directory, read lazily."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        config_path = self.directory / "config.json"
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ConfigError(f"{config_path}: cannot read the model config: {error}") from None
+        self.architecture = LlamaArchitecture.from_hf_config(config, str(config_path))
+        self._files = self._tensor_files()
+        self._handles: dict[Path, Any] = {}
+
+    def _tensor_files(self) -> dict[str, Path]:
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.directory / file for name, file in weight_map.items()}
+        single = self.directory / "model.safetensors"
+        if not single.exists():
+            raise ConfigError(
+                f"{self.directory}: no model.safetensors or model.safetensors.index.json found"
+            )
+        with safe_open(single, framework="pt") as handle:
+            return dict.fromkeys(handle.keys(), single)
+
+    def tensor(self, name: str) -> LazySafetensor:
+        """The checkpoint tensor ``name`` (HF naming), unread until sliced."""
+        path = self._files.get(name)
+        if path is None:
+            raise ConfigError(f"{self.directory}: the checkpoint has no tensor {name!r}")
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        return LazySafetensor(self._handles[path], name)

@@ -1,0 +1,39 @@
+"""A small random Llama written by HF transformers (real safetensors files), and the reference
+logits transformers computes for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+PROMPTS = [[1, 5, 9, 33, 2, 7, 7, 80], [3, 99, 4]]
+
+
+def write_tiny_llama(directory: Path, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=100,  # not a multiple of 64 * tp: exercises vocab padding
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+def reference_logits(directory: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Per sequence, transformers' logits ``[len, vocab]`` for the whole sequence."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([seq])).logits[0] for seq in sequences]
