@@ -73,7 +73,8 @@ def test_unsupported_configs_are_refused_by_name(change, message):
 
 def test_missing_weights_file_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "rope_theta": 1.0}))
-    with pytest.raises(ConfigError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
+    missing = r"no model\.safetensors or model\.safetensors\.index\.json"
+    with pytest.raises(ConfigError, match=missing):
         HFCheckpoint(tmp_path)
 
 
