@@ -1,0 +1,157 @@
+"""GGUF files (llama architecture): metadata, tokenizer and lazily dequantized tensors.
+
+Tensors are read through the file's memory map: a rank that keeps rows ``[a, b)`` of a
+weight dequantizes only those rows, and a column range aligned to quantization blocks is cut
+from the raw bytes before dequantizing. Q and K projections are un-permuted: GGUF conversion
+reorders each head's rows for its interleaved RoPE; Shardline uses HF's "rotate half" order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardline.errors import ConfigError
+from shardline.models.architecture import LlamaArchitecture
+
+SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name of an HF Llama tensor name."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    parts = hf_name.split(".", 3)  # model, layers, i, rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
+        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
+    raise KeyError(hf_name)
+
+
+class GGUFCheckpoint:
+    """A llama-architecture GGUF file, opened lazily."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except (OSError, ValueError, KeyError, IndexError) as error:
+            raise ConfigError(f"{self.path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.architecture = self._architecture()
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value (strings decoded, arrays as lists)."""
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _architecture(self) -> LlamaArchitecture:
+        arch = self.metadata("general.architecture")
+        if arch != "llama":
+            raise ConfigError(f"{self.path}: general.architecture = {arch!r}: only 'llama' is supported")
+
+        def need(key: str) -> Any:
+            value = self.metadata(f"llama.{key}")
+            if value is None:
+                raise ConfigError(f"{self.path}: metadata llama.{key} is missing")
+            return value
+
+        hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+        vocab = self.metadata("llama.vocab_size") or len(self.metadata("tokenizer.ggml.tokens", []))
+        return LlamaArchitecture(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")),
+            num_layers=int(need("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self.metadata("llama.attention.head_count_kv") or heads),
+            head_dim=int(self.metadata("llama.attention.key_length") or hidden // heads),
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(self.metadata("llama.rope.freq_base") or 10000.0),
+            max_positions=int(need("context_length")),
+            tie_word_embeddings="output.weight" not in self._tensors,
+        )
+
+    def tensor(self, hf_name: str) -> GGUFTensor:
+        """The tensor HF calls ``hf_name``, unread until indexed."""
+        try:
+            name = gguf_name(hf_name)
+            raw = self._tensors[name]
+        except KeyError:
+            raise ConfigError(f"{self.path}: no tensor for {hf_name!r}") from None
+        if raw.tensor_type.name not in SUPPORTED_TYPES:
+            raise ConfigError(
+                f"{self.path}: tensor {name} has type {raw.tensor_type.name}; "
+                f"supported: {', '.join(SUPPORTED_TYPES)}"
+            )
+        arch = self.architecture
+        heads = {"attn_q.weight": arch.num_heads, "attn_k.weight": arch.num_kv_heads}.get(name.split(".", 2)[-1])
+        return GGUFTensor(raw, permuted_head_dim=arch.head_dim if heads else None)
+
+
+class GGUFTensor:
+    """One GGUF tensor in torch's ``[out, in]`` order; slicing dequantizes only that part."""
+
+    def __init__(self, raw: Any, permuted_head_dim: int | None) -> None:
+        import gguf
+
+        self._raw = raw
+        self._type = raw.tensor_type
+        self._block, self._block_bytes = gguf.GGML_QUANT_SIZES[raw.tensor_type]
+        self._quantized = raw.data.dtype == np.uint8 and self._type.name not in ("F32", "F16")
+        self.shape = tuple(int(n) for n in reversed(raw.shape.tolist()))  # GGUF lists ne0 first
+        self._head_dim = permuted_head_dim
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        import gguf
+
+        if not isinstance(index, tuple):
+            index = (index,)
+        rows = index[0] if index else slice(None)
+        cols = index[1] if len(index) > 1 else slice(None)
+        row_start, row_stop, _ = rows.indices(self.shape[0])
+        data = self._raw.data[row_start:row_stop]
+        if len(self.shape) == 1:
+            return torch.from_numpy(np.array(data, dtype=np.float32))
+        col_start, col_stop, _ = cols.indices(self.shape[1])
+        aligned = col_start % self._block == 0 and col_stop % self._block == 0
+        if self._quantized and aligned:
+            first, last = col_start // self._block * self._block_bytes, col_stop // self._block * self._block_bytes
+            values = gguf.dequantize(np.ascontiguousarray(data[:, first:last]), self._type)
+        else:
+            values = np.asarray(gguf.dequantize(data, self._type) if self._quantized else data, dtype=np.float32)
+            values = values[:, col_start:col_stop]
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(row_stop - row_start, col_stop - col_start)
+        if self._head_dim is not None:
+            tensor = _unpermute_rows(tensor, self._head_dim, row_start)
+        return tensor
+
+
+def _unpermute_rows(rows: torch.Tensor, head_dim: int, first_row: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row permutation for whole heads. GGUF stores each head's
+    rows as pairs (0, d/2, 1, d/2+1, ...); HF keeps (0, 1, ..., d/2-1, d/2, ...)."""
+    if first_row % head_dim or rows.shape[0] % head_dim:
+        raise ValueError("Q/K rows must be read in whole heads to undo the GGUF permutation")
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
