@@ -34,27 +34,35 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, checkpoint: Any) -> Tokenizer:
         """Build from ``tokenizer.ggml.*`` metadata of a :class:`GGUFCheckpoint`."""
-        from tokenizers import AddedToken, pre_tokenizers
+        from tokenizers import AddedToken, decoders, pre_tokenizers
         from tokenizers import Tokenizer as Backend
-        from tokenizers import decoders
         from tokenizers.models import BPE
 
         model = checkpoint.metadata("tokenizer.ggml.model")
         if model != "gpt2":
             raise ConfigError(
-                f"{checkpoint.path}: tokenizer.ggml.model = {model!r}: only 'gpt2' (byte-level BPE) is supported"
+                f"{checkpoint.path}: tokenizer.ggml.model = {model!r}: "
+                "only 'gpt2' (byte-level BPE) is supported"
             )
         tokens = checkpoint.metadata("tokenizer.ggml.tokens")
         merges = [tuple(m.split(" ", 1)) for m in checkpoint.metadata("tokenizer.ggml.merges")]
         types = checkpoint.metadata("tokenizer.ggml.token_type") or [1] * len(tokens)
-        backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        backend = Backend(
+            BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        )
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if checkpoint.metadata("tokenizer.ggml.pre") == "smollm":
             # llama.cpp's "smollm" pre-tokenizer splits every digit before the GPT-2 regex.
-            byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            byte_level = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
         backend.pre_tokenizer = byte_level
         backend.decoder = decoders.ByteLevel()
-        specials = [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(types) if kind in _SPECIAL_TOKEN_TYPES]
+        specials = [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(types)
+            if kind in _SPECIAL_TOKEN_TYPES
+        ]
         backend.add_special_tokens(specials)
         eos = checkpoint.metadata("tokenizer.ggml.eos_token_id")
         eos_ids = {int(eos)} if eos is not None else set()
@@ -107,7 +115,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``), rendered
         with the model's own template in a sandbox."""
         if not self.chat_template:

@@ -22,6 +22,16 @@ class ModelConfig(Section):
         default=None, description="HF safetensors directory or GGUF file; None: no model"
     )
     dtype: DType = Field(default="float32", description="compute dtype of weights and activations")
+    runner: str = Field(
+        default="llama", description="model runner: a registered name or package.module:Class"
+    )
+
+
+class CacheConfig(Section):
+    """The paged KV cache of every rank."""
+
+    block_size: PositiveInt = Field(default=16, description="tokens per cache block")
+    num_blocks: PositiveInt = Field(default=512, description="cache blocks per rank and layer")
 
 
 class ParallelConfig(Section):
@@ -82,5 +92,6 @@ class EngineConfig(Section):
     """The whole configuration."""
 
     model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
     parallel: ParallelConfig = ParallelConfig()
     plugins: PluginsConfig = PluginsConfig()

@@ -57,7 +57,9 @@ class GGUFCheckpoint:
         try:
             self._reader = gguf.GGUFReader(self.path)
         except (OSError, ValueError, KeyError, IndexError) as error:
-            raise ConfigError(f"{self.path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+            raise ConfigError(
+                f"{self.path}: not a readable GGUF file ({type(error).__name__}: {error})"
+            ) from None
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.architecture = self._architecture()
 
@@ -69,7 +71,9 @@ class GGUFCheckpoint:
     def _architecture(self) -> LlamaArchitecture:
         arch = self.metadata("general.architecture")
         if arch != "llama":
-            raise ConfigError(f"{self.path}: general.architecture = {arch!r}: only 'llama' is supported")
+            raise ConfigError(
+                f"{self.path}: general.architecture = {arch!r}: only 'llama' is supported"
+            )
 
         def need(key: str) -> Any:
             value = self.metadata(f"llama.{key}")
@@ -106,7 +110,9 @@ class GGUFCheckpoint:
                 f"supported: {', '.join(SUPPORTED_TYPES)}"
             )
         arch = self.architecture
-        heads = {"attn_q.weight": arch.num_heads, "attn_k.weight": arch.num_kv_heads}.get(name.split(".", 2)[-1])
+        heads = {"attn_q.weight": arch.num_heads, "attn_k.weight": arch.num_kv_heads}.get(
+            name.split(".", 2)[-1]
+        )
         return GGUFTensor(raw, permuted_head_dim=arch.head_dim if heads else None)
 
 
@@ -137,12 +143,19 @@ class GGUFTensor:
         col_start, col_stop, _ = cols.indices(self.shape[1])
         aligned = col_start % self._block == 0 and col_stop % self._block == 0
         if self._quantized and aligned:
-            first, last = col_start // self._block * self._block_bytes, col_stop // self._block * self._block_bytes
+            first, last = (
+                col_start // self._block * self._block_bytes,
+                col_stop // self._block * self._block_bytes,
+            )
             values = gguf.dequantize(np.ascontiguousarray(data[:, first:last]), self._type)
         else:
-            values = np.asarray(gguf.dequantize(data, self._type) if self._quantized else data, dtype=np.float32)
+            values = np.asarray(
+                gguf.dequantize(data, self._type) if self._quantized else data, dtype=np.float32
+            )
             values = values[:, col_start:col_stop]
-        tensor = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(row_stop - row_start, col_stop - col_start)
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+            row_stop - row_start, col_stop - col_start
+        )
         if self._head_dim is not None:
             tensor = _unpermute_rows(tensor, self._head_dim, row_start)
         return tensor

@@ -1,0 +1,1 @@
+"""One rank's execution: the Worker (pipeline boundary) and the Llama ModelRunner."""

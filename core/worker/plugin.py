@@ -1,0 +1,15 @@
+"""Registers the built-in Llama model runner through the ``shardline.plugins`` entry point,
+the same way a third party registers one."""
+
+from shardline.registry import Component, hookimpl
+
+
+@hookimpl
+def shardline_model_runners() -> list[Component]:
+    return [
+        Component(
+            name="llama",
+            target="shardline.worker.model_runner:LlamaModelRunner",
+            summary="tensor- and pipeline-parallel Llama (HF safetensors or GGUF)",
+        )
+    ]

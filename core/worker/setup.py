@@ -1,0 +1,49 @@
+"""Building a rank's Worker from the config: join the worlds, build the ParallelState, pick
+the model runner, load the model. Used by every executor and by test drivers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardline.config.schema import EngineConfig
+from shardline.interfaces.communicator_backend import Rendezvous
+from shardline.launch.comm_world import ParallelRankContext, ParallelSetup
+from shardline.registry import Registry
+from shardline.worker.worker import Worker
+
+
+@dataclass
+class WorkerContext:
+    """A rank's Worker and the worlds under it."""
+
+    worker: Worker
+    parallel: ParallelRankContext
+
+    def close(self) -> None:
+        self.worker.close()
+        self.parallel.close()
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Callable that makes a rank's :class:`WorkerContext` (picklable, for rank processes)."""
+
+    config: EngineConfig
+    load_model: bool = True
+
+    def __call__(self, rank: int, world_size: int, rendezvous: Rendezvous) -> WorkerContext:
+        parallel = ParallelSetup(self.config)(rank, world_size, rendezvous)
+        registry = Registry.load(allow=self.config.plugins.allow, strict=self.config.plugins.strict)
+        runner_class = registry.get(
+            "model_runner", self.config.model.runner, "model.runner"
+        ).load_available()
+        worker = Worker(parallel.state, runner_class(self.config, parallel.state))
+        if self.load_model:
+            worker.load_model()
+        return WorkerContext(worker, parallel)
+
+
+def call_worker(context: WorkerContext, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Run ``Worker.method(*args, **kwargs)`` in a rank (for :meth:`LocalWorld.run`)."""
+    return getattr(context.worker, method)(*args, **kwargs)

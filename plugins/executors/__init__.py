@@ -1,0 +1,1 @@
+"""Shardline's executors: how ranks are started and driven."""

@@ -1,0 +1,14 @@
+"""Entry point of the built-in executors (``shardline.plugins`` group, name ``executors``)."""
+
+from shardline.registry import Component, hookimpl
+
+
+@hookimpl
+def shardline_executors() -> list[Component]:
+    return [
+        Component(
+            name="uni",
+            target="shardline_executors.uni:UniProcExecutor",
+            summary="one rank, in this process",
+        )
+    ]
