@@ -70,15 +70,34 @@ def _prefill_then_decode(ctx, directory: str) -> dict | None:
     return {"prefill": prefill, "decode": decode}
 
 
+# GQA with 8 query / 2 KV heads; and 9 / 3 heads (as SmolLM2), which no tp > 1 here divides.
+SHAPES = {
+    "gqa": {},
+    "uneven": {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3},
+}
+CASES = [
+    ("gqa", 1, 1),
+    ("gqa", 2, 1),
+    ("gqa", 1, 2),
+    ("gqa", 2, 2),
+    ("uneven", 2, 1),
+    ("uneven", 4, 1),
+]
+
+
 @pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def checkpoints(tmp_path_factory):
+    return {
+        name: write_tiny_llama(tmp_path_factory.mktemp(name), **shape)
+        for name, shape in SHAPES.items()
+    }
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)], ids=["tp1", "tp2", "pp2", "tp2pp2"]
+    ("shape", "tp", "pp"), CASES, ids=[f"{s}-tp{t}-pp{p}" for s, t, p in CASES]
 )
-def test_matches_transformers(checkpoint_dir, tp, pp):
+def test_matches_transformers(checkpoints, shape, tp, pp):
+    checkpoint_dir = checkpoints[shape]
     config = load_config(
         overrides=[f"parallel.tensor_parallel_size={tp}", f"parallel.pipeline_parallel_size={pp}"],
         environ={},

@@ -14,7 +14,7 @@ from shardline.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from shardline.layers.sharding import KVHeadLayout
+from shardline.layers.sharding import head_shard
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,7 +88,7 @@ def test_layers_match_the_unsharded_computation(tp_world):
     results = world.run(_run_layers)
     full_column = F.linear(w["x"], w["w"], w["b"])
     full_row = F.linear(w["row_x"], w["row_w"], w["row_b"])
-    kv = KVHeadLayout.of(KV_HEADS, tp)
+
     for rank, out in enumerate(results):
         close = {"atol": 1e-5, "rtol": 1e-5}
         torch.testing.assert_close(out["column_gathered"], full_column, **close)
@@ -102,8 +102,8 @@ def test_layers_match_the_unsharded_computation(tp_world):
         )
         torch.testing.assert_close(out["merged"], gate_up, **close)
         q = F.linear(w["x"], w["q"]).chunk(tp, -1)[rank]
-        head = kv.first_head(rank)
-        kv_cols = slice(head * HEAD_DIM, (head + kv.heads_per_rank) * HEAD_DIM)
+        heads = head_shard(HEADS, KV_HEADS, tp, rank)
+        kv_cols = slice(heads.kv_start * HEAD_DIM, heads.kv_end * HEAD_DIM)
         k = F.linear(w["x"], w["k"])[:, kv_cols]
         v = F.linear(w["x"], w["v"])[:, kv_cols]
         torch.testing.assert_close(out["qkv"], torch.cat([q, k, v], -1), **close)

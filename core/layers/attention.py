@@ -55,13 +55,12 @@ def paged_attention(
     cache: KVCache,
     metadata: AttentionMetadata,
     scale: float,
+    kv_index: torch.Tensor,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (``[N, heads, d]``) over each sequence's cached keys, after
-    writing this batch's ``k``/``v``. Query heads share KV heads in equal consecutive groups
-    (GQA). Returns ``[N, heads * d]``."""
+    writing this batch's ``k``/``v``. Query head ``i`` reads KV head ``kv_index[i]`` (GQA).
+    Returns ``[N, heads * d]``."""
     cache.write(metadata.slot_mapping, k, v)
-    heads, kv_heads = q.shape[1], k.shape[1]
-    group = heads // kv_heads
     out = torch.empty_like(q)
     for i, seq_len in enumerate(metadata.seq_lens):
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
@@ -69,8 +68,8 @@ def paged_attention(
             continue
         keys, values = cache.read(metadata.block_tables[i], seq_len)
         query = q[start:end].transpose(0, 1)  # [heads, n_q, d]
-        keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, seq, d]
-        values = values.transpose(0, 1).repeat_interleave(group, dim=0)
+        keys = keys.transpose(0, 1).index_select(0, kv_index)  # [heads, seq, d]
+        values = values.transpose(0, 1).index_select(0, kv_index)
         n_q = end - start
         # Query t sits at position seq_len - n_q + t and sees keys up to there.
         visible = torch.arange(seq_len).unsqueeze(0) <= (

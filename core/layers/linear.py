@@ -13,10 +13,11 @@ from torch import nn
 
 from shardline.distributed import GroupCoordinator
 from shardline.layers.sharding import (
-    KVHeadLayout,
+    ShardSlice,
     TensorSource,
     column_slice,
     divide,
+    head_shard,
     qkv_slices,
     row_slice,
 )
@@ -91,9 +92,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _copy(self.bias[offset : offset + part.length], part.apply(bias), f"bias part {index}")
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """Query, key and value projections split by heads; with ``tp > num_kv_heads`` each KV
-    head is replicated on ``tp / num_kv_heads`` ranks. Output: ``[q | k | v]`` of this rank."""
+class QKVParallelLinear(nn.Module):
+    """Query, key and value projections split by heads (:class:`HeadShard`): the rank's output
+    is ``[q | k | v]`` for its query heads and the KV heads they read. No communication."""
 
     def __init__(
         self,
@@ -106,23 +107,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        tp_size = tp.world_size
-        self.num_heads = divide(num_heads, tp_size, "attention heads")
-        self.kv_layout = KVHeadLayout.of(num_kv_heads, tp_size)
-        self.num_kv_heads = self.kv_layout.heads_per_rank
+        super().__init__()
+        self.tp = tp
+        self.heads = head_shard(num_heads, num_kv_heads, tp.world_size, tp.rank_in_group)
         self.head_dim = head_dim
         self.total_heads = num_heads
         self.total_kv_heads = num_kv_heads
-        out_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden_size, out_per_rank * tp_size, tp, bias=bias, dtype=dtype)
+        out_per_rank = self.q_size + 2 * self.kv_size
+        self.weight = _parameter(out_per_rank, hidden_size, dtype=dtype)
+        self.bias = _parameter(out_per_rank, dtype=dtype) if bias else None
 
     @property
     def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+        return self.heads.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        return self.heads.num_kv_heads * self.head_dim
 
     def load_part(self, name: str, weight: TensorSource, bias: TensorSource | None = None) -> None:
         """Copy this rank's heads of the full ``q``, ``k`` or ``v`` projection."""
@@ -139,8 +140,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         if self.bias is not None and bias is not None:
             _copy(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
 
-    def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
-        raise TypeError("QKVParallelLinear loads q, k and v separately: use load_part")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -157,6 +158,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = False,
         input_is_parallel: bool = True,
         reduce_results: bool = True,
+        input_shard: ShardSlice | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
@@ -165,19 +167,19 @@ class RowParallelLinear(nn.Module):
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
-        self.in_per_rank = divide(in_features, tp.world_size, "input features")
-        self.weight = _parameter(out_features, self.in_per_rank, dtype=dtype)
+        # Even split by default; attention passes its heads' range, which may be uneven.
+        self.input_shard = input_shard or row_slice(in_features, tp.world_size, tp.rank_in_group)
+        self.weight = _parameter(out_features, self.input_shard.length, dtype=dtype)
         self.bias = _parameter(out_features, dtype=dtype) if bias else None
 
     def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
-        part = row_slice(self.in_features, self.tp.world_size, self.tp.rank_in_group)
-        _copy(self.weight, part.apply(weight), "weight")
+        _copy(self.weight, self.input_shard.apply(weight), "weight")
         if self.bias is not None and bias is not None:
             _copy(self.bias, bias[:], "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = x.narrow(-1, self.tp.rank_in_group * self.in_per_rank, self.in_per_rank)
+            x = x.narrow(-1, self.input_shard.start, self.input_shard.length)
         y = F.linear(x, self.weight)
         if self.reduce_results:
             y = self.tp.all_reduce(y)

@@ -4,9 +4,10 @@ Weights follow torch's ``Linear`` layout ``[out_features, in_features]``:
 
 - column-parallel splits the output dim (dim 0) into ``tp`` equal parts;
 - row-parallel splits the input dim (dim 1);
-- QKV splits by heads: rank r keeps query heads ``[r*h/t, (r+1)*h/t)``; key/value heads are
-  split the same way when ``tp <= num_kv_heads``, and otherwise each KV head is replicated on
-  ``tp / num_kv_heads`` consecutive ranks, rank r keeping KV head ``r // replicas``;
+- QKV splits by heads (:class:`HeadShard`): rank r keeps query heads ``[r*h/t, (r+1)*h/t)``
+  and the key/value heads those read; when ``tp`` divides the counts, KV heads are split the
+  same way for ``tp <= num_kv_heads`` and otherwise replicated on ``tp / num_kv_heads``
+  consecutive ranks, rank r keeping KV head ``r // replicas``;
 - vocab-parallel embeddings split the (padded) vocabulary into equal ranges.
 """
 
@@ -67,33 +68,65 @@ def row_slice(in_features: int, tp_size: int, tp_rank: int) -> ShardSlice:
 
 
 @dataclass(frozen=True)
-class KVHeadLayout:
-    """How key/value heads spread over a TP group: ``heads_per_rank`` on each rank, each
-    head held by ``replicas`` ranks."""
+class HeadShard:
+    """The attention heads one TP rank keeps: query heads ``[q_start, q_end)`` and the
+    key/value heads they use, ``[kv_start, kv_end)``.
 
-    heads_per_rank: int
-    replicas: int
+    Query heads are split in balanced contiguous ranges (equal when ``tp`` divides the head
+    count). Query head ``h`` reads KV head ``h // group`` (``group = heads / kv_heads``), so a
+    rank keeps exactly the KV heads of its query heads. When ``tp`` divides the head counts
+    this is the usual layout: KV heads split evenly, or, with ``tp >= kv_heads``, each KV
+    head replicated on ``tp / kv_heads`` ranks, rank r keeping KV head ``r // replicas``.
+    Otherwise (9 heads, 3 KV heads over 2 ranks) ranks hold 4 and 5 query heads and a KV head
+    may be held by both neighbours.
+    """
 
-    @classmethod
-    def of(cls, num_kv_heads: int, tp_size: int) -> KVHeadLayout:
-        if tp_size >= num_kv_heads:
-            return cls(1, divide(tp_size, num_kv_heads, "tensor-parallel size over KV heads"))
-        return cls(divide(num_kv_heads, tp_size, "key/value heads"), 1)
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+    group: int
 
-    def first_head(self, tp_rank: int) -> int:
-        """Index of the first KV head rank ``tp_rank`` keeps."""
-        return (tp_rank // self.replicas) * self.heads_per_rank
+    @property
+    def num_heads(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_end - self.kv_start
+
+    def kv_index_of_query_heads(self) -> list[int]:
+        """For each local query head, the local index of the KV head it reads."""
+        return [h // self.group - self.kv_start for h in range(self.q_start, self.q_end)]
+
+
+def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """The heads rank ``tp_rank`` of ``tp_size`` keeps (see :class:`HeadShard`)."""
+    group = divide_by(num_heads, num_kv_heads, "attention heads", "key/value heads")
+    if num_heads < tp_size:
+        raise ValueError(
+            f"attention heads ({num_heads}) are fewer than the tensor-parallel size ({tp_size})"
+        )
+    q_start = tp_rank * num_heads // tp_size
+    q_end = (tp_rank + 1) * num_heads // tp_size
+    return HeadShard(q_start, q_end, q_start // group, (q_end - 1) // group + 1, group)
+
+
+def divide_by(numerator: int, denominator: int, what: str, by: str) -> int:
+    """``numerator / denominator`` or ValueError naming both quantities."""
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by {by} ({denominator})")
+    return numerator // denominator
 
 
 def qkv_slices(
     num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, tp_rank: int
 ) -> dict[str, ShardSlice]:
     """Rows of the full ``q_proj``, ``k_proj`` and ``v_proj`` weights this rank keeps."""
-    q_heads = divide(num_heads, tp_size, "attention heads")
-    kv = KVHeadLayout.of(num_kv_heads, tp_size)
-    kv_slice = ShardSlice(0, kv.first_head(tp_rank) * head_dim, kv.heads_per_rank * head_dim)
+    heads = head_shard(num_heads, num_kv_heads, tp_size, tp_rank)
+    kv_slice = ShardSlice(0, heads.kv_start * head_dim, heads.num_kv_heads * head_dim)
     return {
-        "q": ShardSlice(0, tp_rank * q_heads * head_dim, q_heads * head_dim),
+        "q": ShardSlice(0, heads.q_start * head_dim, heads.num_heads * head_dim),
         "k": kv_slice,
         "v": kv_slice,
     }

@@ -20,7 +20,7 @@ from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardline.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shardline.layers.norm import RMSNorm
 from shardline.layers.rotary import RotaryEmbedding
-from shardline.layers.sharding import TensorSource
+from shardline.layers.sharding import ShardSlice, TensorSource
 from shardline.models.architecture import LlamaArchitecture, partition_layers
 
 #: Reads a full checkpoint tensor by its HF name (lazily: only the parts indexed are read).
@@ -41,13 +41,18 @@ class LlamaAttention(nn.Module):
             bias=arch.attention_bias,
             dtype=dtype,
         )
+        heads = self.qkv_proj.heads
         self.o_proj = RowParallelLinear(
             arch.num_heads * arch.head_dim,
             arch.hidden_size,
             tp,
             bias=arch.attention_bias,
+            input_shard=ShardSlice(
+                1, heads.q_start * arch.head_dim, heads.num_heads * arch.head_dim
+            ),
             dtype=dtype,
         )
+        self.kv_index = torch.tensor(heads.kv_index_of_query_heads(), dtype=torch.long)
         self.rotary = rotary
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim**-0.5
@@ -62,7 +67,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, kv_size // self.head_dim, self.head_dim)
         v = v.reshape(-1, kv_size // self.head_dim, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(paged_attention(q, k, v, cache, metadata, self.scale))
+        return self.o_proj(paged_attention(q, k, v, cache, metadata, self.scale, self.kv_index))
 
     def load(self, prefix: str, weight: WeightLookup, has_bias: bool) -> None:
         for name in "qkv":
@@ -155,9 +160,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(
                 arch.vocab_size, arch.hidden_size, tp, tied_to=tied, dtype=dtype
             )
-        self.kv_heads_per_rank = self.layers[
-            str(self.layer_range.start)
-        ].self_attn.qkv_proj.num_kv_heads
+        first_layer = self.layers[str(self.layer_range.start)]
+        self.kv_heads_per_rank = first_layer.self_attn.qkv_proj.heads.num_kv_heads
 
     def make_kv_caches(self, num_blocks: int, block_size: int) -> dict[int, KVCache]:
         """An empty paged cache for every layer of this stage."""

@@ -64,3 +64,46 @@ def run_script(
     idle = execute(SchedulerOutput(finished_req_ids={"A", "B"}))
     assert idle is None, "a step without tokens returned output"
     return {req_id: tokens[:new_tokens] for req_id, tokens in generated.items()}
+
+
+def generate(
+    execute: Callable[[SchedulerOutput], object],
+    prompts: list[list[int]],
+    new_tokens: int,
+    block_size: int,
+) -> list[list[int]]:
+    """Greedy generation of ``new_tokens`` for every prompt, batched: one prefill step for
+    all prompts, then one decode step per token. Blocks are handed out in order."""
+    next_block = 0
+
+    def allocate(count: int) -> list[int]:
+        nonlocal next_block
+        blocks = list(range(next_block, next_block + count))
+        next_block += count
+        return blocks
+
+    req_ids = [f"r{i}" for i in range(len(prompts))]
+    blocks = {r: allocate(-(-len(p) // block_size)) for r, p in zip(req_ids, prompts, strict=True)}
+    lengths = {r: len(p) for r, p in zip(req_ids, prompts, strict=True)}
+    step = SchedulerOutput(
+        new_requests=[
+            NewRequest(r, p, GREEDY, blocks[r]) for r, p in zip(req_ids, prompts, strict=True)
+        ],
+        num_scheduled_tokens=dict(lengths),
+    )
+    generated: dict[str, list[int]] = {r: [] for r in req_ids}
+    for _ in range(new_tokens):
+        output = execute(step)
+        for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
+            generated[req_id].append(token)
+        cached = []
+        for req_id in req_ids:
+            computed = lengths[req_id]
+            lengths[req_id] += 1
+            grow = allocate(1) if len(blocks[req_id]) * block_size < lengths[req_id] else []
+            blocks[req_id] += grow
+            cached.append(CachedRequest(req_id, [generated[req_id][-1]], grow, computed))
+        step = SchedulerOutput(
+            cached_requests=cached, num_scheduled_tokens=dict.fromkeys(req_ids, 1)
+        )
+    return [generated[r] for r in req_ids]
