@@ -130,35 +130,42 @@ class GGUFTensor:
         self._head_dim = permuted_head_dim
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        import gguf
-
         if not isinstance(index, tuple):
             index = (index,)
         rows = index[0] if index else slice(None)
         cols = index[1] if len(index) > 1 else slice(None)
         row_start, row_stop, _ = rows.indices(self.shape[0])
-        data = self._raw.data[row_start:row_stop]
         if len(self.shape) == 1:
-            return torch.from_numpy(np.array(data, dtype=np.float32))
+            return torch.from_numpy(np.array(self._raw.data[row_start:row_stop], dtype=np.float32))
         col_start, col_stop, _ = cols.indices(self.shape[1])
-        aligned = col_start % self._block == 0 and col_stop % self._block == 0
-        if self._quantized and aligned:
-            first, last = (
-                col_start // self._block * self._block_bytes,
-                col_stop // self._block * self._block_bytes,
+        out = torch.empty(row_stop - row_start, col_stop - col_start, dtype=torch.float32)
+        # Dequantize a bounded number of rows at a time: the transient buffers of
+        # dequantization stay small whatever the tensor's size.
+        for first in range(row_start, row_stop, _ROWS_PER_CHUNK):
+            last = min(first + _ROWS_PER_CHUNK, row_stop)
+            out[first - row_start : last - row_start] = torch.from_numpy(
+                self._rows(first, last, col_start, col_stop)
             )
-            values = gguf.dequantize(np.ascontiguousarray(data[:, first:last]), self._type)
-        else:
-            values = np.asarray(
-                gguf.dequantize(data, self._type) if self._quantized else data, dtype=np.float32
-            )
-            values = values[:, col_start:col_stop]
-        tensor = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
-            row_stop - row_start, col_stop - col_start
-        )
         if self._head_dim is not None:
-            tensor = _unpermute_rows(tensor, self._head_dim, row_start)
-        return tensor
+            out = _unpermute_rows(out, self._head_dim, row_start)
+        return out
+
+    def _rows(self, first: int, last: int, col_start: int, col_stop: int) -> np.ndarray:
+        """Rows ``[first, last)``, columns ``[col_start, col_stop)``, as float32."""
+        import gguf
+
+        data = self._raw.data[first:last]
+        if not self._quantized:
+            return np.asarray(data[:, col_start:col_stop], dtype=np.float32)
+        if col_start % self._block == 0 and col_stop % self._block == 0:
+            # Whole quantization blocks: cut the raw bytes, dequantize only those.
+            lo = col_start // self._block * self._block_bytes
+            hi = col_stop // self._block * self._block_bytes
+            return gguf.dequantize(np.ascontiguousarray(data[:, lo:hi]), self._type)
+        return gguf.dequantize(data, self._type)[:, col_start:col_stop]
+
+
+_ROWS_PER_CHUNK = 1024
 
 
 def _unpermute_rows(rows: torch.Tensor, head_dim: int, first_row: int) -> torch.Tensor:
