@@ -66,7 +66,8 @@ def main() -> int:
     for r in results:
         ratio = f"{r['peak_growth'] / base:.2f}" if base else "-"
         print(
-            f"{r['tp']:>3} {r['rank']:>4} {r['parameters'] / mib:>11.1f} {r['peak_growth'] / mib:>20.1f} {ratio:>8}"
+            f"{r['tp']:>3} {r['rank']:>4} {r['parameters'] / mib:>11.1f} "
+            f"{r['peak_growth'] / mib:>20.1f} {ratio:>8}"
         )
     if args.json:
         with open(args.json, "w") as handle:
