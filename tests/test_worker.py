@@ -9,6 +9,7 @@ from shardline.config import load_config
 from shardline.launch.local_world import LocalWorld
 from shardline.registry import Registry
 from shardline.worker.setup import WorkerSetup, call_worker
+from shardline.worker.types import SamplingParams
 from support.greedy_driver import PROMPT_A, PROMPT_B, run_script
 from support.tiny_llama import write_tiny_llama
 
@@ -85,3 +86,64 @@ def test_workers_generate_transformers_tokens(checkpoint_dir, expected, tp, pp):
     # Only the output rank ever returned something.
     for seen in replies_seen[:-1]:
         assert seen == [rank == output_rank for rank in range(tp * pp)]
+
+
+def _runner_steps(context, steps):
+    """Run steps through this rank's ModelRunner directly (TP ranks of the last stage all
+    sample)."""
+    return [context.worker.model_runner.execute_model(step, None) for step in steps]
+
+
+def test_every_tp_rank_samples_the_same_tokens(checkpoint_dir):
+    from shardline.worker.types import CachedRequest, NewRequest, SamplingParams, SchedulerOutput
+
+    hot = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=1234)
+    steps = [
+        SchedulerOutput(
+            new_requests=[
+                NewRequest("A", PROMPT_A, hot, [0, 1, 2]),
+                NewRequest("B", PROMPT_B, hot, [3]),
+            ],
+            num_scheduled_tokens={"A": len(PROMPT_A), "B": len(PROMPT_B)},
+        )
+    ]
+    for i in range(4):
+        steps.append(
+            SchedulerOutput(
+                cached_requests=[
+                    CachedRequest("A", [10 + i], [], len(PROMPT_A) + i),
+                    CachedRequest("B", [20 + i], [4] if i == 1 else [], len(PROMPT_B) + i),
+                ],
+                num_scheduled_tokens={"A": 1, "B": 1},
+            )
+        )
+    with LocalWorld(2, WorkerSetup(_config(checkpoint_dir, tp=2)), call_timeout_s=120) as world:
+        per_rank = world.run(_runner_steps, steps)
+    assert per_rank[0] == per_rank[1]
+    assert all(token is not None for output in per_rank[0] for token in output.sampled_token_ids)
+
+
+def test_runner_refuses_inconsistent_schedules(checkpoint_dir):
+    from shardline.worker.types import CachedRequest, NewRequest, SchedulerOutput
+
+    executor = (
+        Registry.load()
+        .get("executor", "uni")
+        .load_available()(_config(checkpoint_dir, executor="uni"))
+    )
+    try:
+        too_few_blocks = SchedulerOutput(
+            new_requests=[NewRequest("A", PROMPT_A, SamplingParams(), [0])],
+            num_scheduled_tokens={"A": 8},
+        )
+        with pytest.raises(
+            ValueError, match=r"request 'A': 8 tokens need 2 cache blocks, the scheduler gave 1"
+        ):
+            executor.execute_model(too_few_blocks)
+        unknown = SchedulerOutput(
+            cached_requests=[CachedRequest("Z", [1], [], 0)], num_scheduled_tokens={"Z": 1}
+        )
+        with pytest.raises(ValueError, match="continued request 'Z', which this rank never saw"):
+            executor.execute_model(unknown)
+    finally:
+        executor.shutdown()
