@@ -1,9 +1,9 @@
 """Per-rank memory of loading a model: each rank should hold about its shard, not the model.
 
 For each tensor-parallel size, starts that many ranks (gloo, this host), lets every rank join
-its worlds and build its model runner, then loads the weights and reports, per rank, the
-growth of its peak resident memory (``ru_maxrss``) during the load and the bytes of its
-parameters. Prints a table and writes JSON.
+its worlds and build its model runner, then loads the weights and reports, per rank, its peak
+resident memory (``ru_maxrss``) after the load, the growth of that peak during the load, and
+the bytes of its parameters. Prints a table and writes JSON.
 
     python benchmarks/load_memory.py --model PATH.gguf --tp 1 2 [--json out.json]
 """
@@ -62,12 +62,15 @@ def main() -> int:
     mib = 1024 * 1024
     single = [r for r in results if r["tp"] == 1]
     base = single[0]["peak_growth"] if single else None
-    print(f"{'tp':>3} {'rank':>4} {'params MiB':>11} {'peak RSS growth MiB':>20} {'vs tp=1':>8}")
+    print(
+        f"{'tp':>3} {'rank':>4} {'params MiB':>11} {'peak RSS MiB':>13} "
+        f"{'peak RSS growth MiB':>20} {'growth vs tp=1':>15}"
+    )
     for r in results:
         ratio = f"{r['peak_growth'] / base:.2f}" if base else "-"
         print(
             f"{r['tp']:>3} {r['rank']:>4} {r['parameters'] / mib:>11.1f} "
-            f"{r['peak_growth'] / mib:>20.1f} {ratio:>8}"
+            f"{r['peak_rss'] / mib:>13.1f} {r['peak_growth'] / mib:>20.1f} {ratio:>15}"
         )
     if args.json:
         with open(args.json, "w") as handle:

@@ -111,6 +111,6 @@ def test_matches_transformers(checkpoints, shape, tp, pp):
     last_stage = results[(pp - 1) * tp :]
     assert all(r is None for r in results[: (pp - 1) * tp])
     for result in last_stage:  # every TP rank of the last stage has the full logits
-        torch.testing.assert_close(result["prefill"], expected_prefill, atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(result["decode"], expected_decode, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(result["prefill"], expected_prefill, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(result["decode"], expected_decode, atol=1e-5, rtol=1e-5)
         assert torch.equal(result["decode"].argmax(-1), expected_decode.argmax(-1))

@@ -15,7 +15,7 @@ from support.tiny_llama import write_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 
-NEW_TOKENS = 6
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def _config(checkpoint_dir, tp=1, pp=1, executor="auto"):
         overrides=[
             f"model.path={checkpoint_dir}",
             "cache.block_size=4",
-            "cache.num_blocks=16",
+            "cache.num_blocks=40",
             f"parallel.tensor_parallel_size={tp}",
             f"parallel.pipeline_parallel_size={pp}",
             f"parallel.distributed_executor_backend={executor}",

@@ -78,3 +78,56 @@ def partition_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def check_tensor_parallel(arch: LlamaArchitecture, tp_size: int) -> None:
+    """Refuse a tensor-parallel size the model cannot be split over, naming the field and the
+    sizes that would work. Heads may split unevenly; the MLP width must divide evenly."""
+    if arch.num_heads % arch.num_kv_heads:
+        raise ConfigError(
+            f"model: num_attention_heads ({arch.num_heads}) is not a multiple of "
+            f"num_key_value_heads ({arch.num_kv_heads})"
+        )
+    allowed = [t for t in range(1, arch.num_heads + 1) if arch.intermediate_size % t == 0]
+    if tp_size > arch.num_heads or arch.intermediate_size % tp_size:
+        reason = (
+            f"more than the model's {arch.num_heads} attention heads"
+            if tp_size > arch.num_heads
+            else f"does not divide the model's intermediate_size ({arch.intermediate_size})"
+        )
+        raise ConfigError(
+            f"parallel.tensor_parallel_size = {tp_size}: {reason}; allowed: "
+            f"{', '.join(map(str, allowed))}"
+        )
+
+
+def expected_shape(arch: LlamaArchitecture, hf_name: str) -> tuple[int, ...]:
+    """The full shape the config implies for checkpoint tensor ``hf_name`` (HF naming)."""
+    hidden, q, kv = (
+        arch.hidden_size,
+        arch.num_heads * arch.head_dim,
+        arch.num_kv_heads * arch.head_dim,
+    )
+    suffix = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else hf_name
+    shapes = {
+        "model.embed_tokens.weight": (arch.vocab_size, hidden),
+        "lm_head.weight": (arch.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.bias": (hidden,),
+        "mlp.gate_proj.weight": (arch.intermediate_size, hidden),
+        "mlp.up_proj.weight": (arch.intermediate_size, hidden),
+        "mlp.down_proj.weight": (hidden, arch.intermediate_size),
+        "mlp.gate_proj.bias": (arch.intermediate_size,),
+        "mlp.up_proj.bias": (arch.intermediate_size,),
+        "mlp.down_proj.bias": (hidden,),
+    }
+    return shapes[suffix]

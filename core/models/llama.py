@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.distributed import GroupCoordinator, ParallelState
+from shardline.errors import ConfigError
 from shardline.interfaces import IntermediateTensors
 from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -21,7 +22,12 @@ from shardline.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from shardline.layers.norm import RMSNorm
 from shardline.layers.rotary import RotaryEmbedding
 from shardline.layers.sharding import ShardSlice, TensorSource
-from shardline.models.architecture import LlamaArchitecture, partition_layers
+from shardline.models.architecture import (
+    LlamaArchitecture,
+    check_tensor_parallel,
+    expected_shape,
+    partition_layers,
+)
 
 #: Reads a full checkpoint tensor by its HF name (lazily: only the parts indexed are read).
 WeightLookup = Callable[[str], TensorSource]
@@ -140,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         tp, pp = state.tp, state.pp
+        check_tensor_parallel(arch, tp.world_size)
         self.arch = arch
         self.dtype = dtype
         self.layer_range = partition_layers(arch.num_layers, pp.world_size, pp.rank_in_group)
@@ -201,20 +208,33 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden]`` -> ``[N, vocab]`` (last stage only), equal on every TP rank."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weight: WeightLookup) -> None:
-        """Load this rank's shard of this stage's weights, by HF tensor name."""
+    def load_weights(self, weight: WeightLookup, source: str = "checkpoint") -> None:
+        """Load this rank's shard of this stage's weights, by HF tensor name. Every tensor's
+        full shape is checked against the config first: a mismatch is a ConfigError naming
+        ``source`` and the tensor."""
         arch = self.arch
+
+        def checked(name: str) -> TensorSource:
+            tensor = weight(name)
+            expected = expected_shape(arch, name)
+            if tuple(tensor.shape) != expected:
+                raise ConfigError(
+                    f"{source}: tensor {name} has shape {tuple(tensor.shape)}; the model config "
+                    f"implies {expected}"
+                )
+            return tensor
+
         if self.embed_tokens is not None:
-            self.embed_tokens.load_full(weight("model.embed_tokens.weight"))
+            self.embed_tokens.load_full(checked("model.embed_tokens.weight"))
         for i in self.layer_range:
-            self.layers[str(i)].load(f"model.layers.{i}", weight, arch)
+            self.layers[str(i)].load(f"model.layers.{i}", checked, arch)
         if self.is_last_stage:
-            _copy_full(self.norm.weight, weight("model.norm.weight"))
+            _copy_full(self.norm.weight, checked("model.norm.weight"))
             if not arch.tie_word_embeddings:
-                self.lm_head.load_full(weight("lm_head.weight"))
+                self.lm_head.load_full(checked("lm_head.weight"))
             elif self.embed_tokens is None:
                 # Tied head on a stage without the embedding: load the shared table here.
-                self.lm_head.load_full(weight("model.embed_tokens.weight"))
+                self.lm_head.load_full(checked("model.embed_tokens.weight"))
 
 
 def _copy_full(target: torch.Tensor, source: TensorSource) -> None:

@@ -60,7 +60,7 @@ class LlamaModelRunner(ModelRunner):
         model = LlamaForCausalLM(
             checkpoint.architecture, self.state, torch_dtype(self.config.model.dtype)
         )
-        model.load_weights(checkpoint.tensor)
+        model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
         self.model = model
         self.kv_caches = model.make_kv_caches(
             self.config.cache.num_blocks, self.config.cache.block_size

@@ -19,7 +19,7 @@ def run_script(
     has ``new_tokens`` generated tokens; block size 4. Returns the generated tokens."""
     generated: dict[str, list[int]] = {"A": [], "B": []}
     blocks = {"A": [3, 0, 7], "B": [5]}
-    spare = [9, 2, 11, 12, 13]
+    spare = [9, 2, *range(11, 40)]
     computed = {"A": 0, "B": 0}
     length = {"A": len(PROMPT_A), "B": len(PROMPT_B)}
 

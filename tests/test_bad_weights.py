@@ -1,0 +1,155 @@
+"""Bad weights and impossible layouts end in one ConfigError naming the tensor or field."""
+
+import re
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from shardline.config import load_config
+from shardline.errors import ConfigError
+from shardline.models.architecture import LlamaArchitecture, check_tensor_parallel
+from shardline.registry import Registry
+from shardline.weights.gguf_checkpoint import GGUFCheckpoint
+from support.tiny_llama import write_tiny_llama
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path):
+    return write_tiny_llama(tmp_path / "tiny")
+
+
+def _start_uni(path):
+    config = load_config(
+        overrides=[f"model.path={path}", "parallel.distributed_executor_backend=uni"], environ={}
+    )
+    executor = Registry.load().get("executor", "uni").load_available()(config.config)
+    executor.shutdown()
+
+
+def _rewrite(directory, change):
+    tensors = load_file(directory / "model.safetensors")
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(checkpoint_dir):
+    _rewrite(checkpoint_dir, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(
+        ConfigError, match=re.escape("no tensor 'model.layers.1.mlp.up_proj.weight'")
+    ):
+        _start_uni(checkpoint_dir)
+
+
+def test_wrong_shape_is_named(checkpoint_dir):
+    def shrink(tensors):
+        tensors["model.layers.0.self_attn.k_proj.weight"] = tensors[
+            "model.layers.0.self_attn.k_proj.weight"
+        ][:4]
+
+    _rewrite(checkpoint_dir, shrink)
+    message = re.escape(
+        "tensor model.layers.0.self_attn.k_proj.weight has shape (4, 64); "
+        "the model config implies (16, 64)"
+    )
+    with pytest.raises(ConfigError, match=message):
+        _start_uni(checkpoint_dir)
+
+
+def test_missing_model_path_and_wrong_kind_of_path(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("model.path is not set")):
+        _start_uni_config([])
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(
+        ConfigError, match=re.escape("not an HF model directory or an existing .gguf file")
+    ):
+        _start_uni(tmp_path / "weights.bin")
+
+
+def _start_uni_config(overrides):
+    config = load_config(
+        overrides=["parallel.distributed_executor_backend=uni", *overrides], environ={}
+    )
+    Registry.load().get("executor", "uni").load_available()(config.config).shutdown()
+
+
+def _write_gguf(path, tensor_type):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 8,
+        "llama.feed_forward_length": 96,
+        "llama.block_count": 1,
+        "llama.context_length": 64,
+    }.items():
+        writer.add_uint32(key, value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    if tensor_type == "BF16":
+        data = np.zeros((100, 64), dtype=np.uint16)
+        writer.add_tensor("token_embd.weight", data, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        writer.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unsupported_gguf_type_is_named(tmp_path):
+    path = tmp_path / "bf16.gguf"
+    _write_gguf(path, "BF16")
+    checkpoint = GGUFCheckpoint(path)
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "tensor token_embd.weight has type BF16; supported: F32, F16, Q8_0, Q4_0, Q4_1"
+        ),
+    ):
+        checkpoint.tensor("model.embed_tokens.weight")
+
+
+def test_corrupt_gguf_is_a_clear_error(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(ConfigError, match="not a readable GGUF file"):
+        GGUFCheckpoint(path)
+
+
+ARCH = LlamaArchitecture(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+    max_positions=64,
+    tie_word_embeddings=False,
+)
+
+
+def test_tensor_parallel_sizes_the_model_cannot_take():
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "tensor_parallel_size = 5: does not divide the model's intermediate_size (96); "
+            "allowed: 1, 2, 3, 4, 6, 8"
+        ),
+    ):
+        check_tensor_parallel(ARCH, 5)
+    with pytest.raises(
+        ConfigError, match="tensor_parallel_size = 16: more than the model's 8 attention heads"
+    ):
+        check_tensor_parallel(ARCH, 16)
+    import dataclasses
+
+    with pytest.raises(
+        ConfigError,
+        match=r"num_attention_heads \(8\) is not a multiple of num_key_value_heads \(3\)",
+    ):
+        check_tensor_parallel(dataclasses.replace(ARCH, num_kv_heads=3), 2)
+    check_tensor_parallel(ARCH, 3)  # uneven heads (3, 3, 2) are fine: 96 divides by 3
