@@ -25,7 +25,7 @@ def _peak_rss_bytes() -> int:
 
 
 def measure_load(context) -> dict:
-    """In a rank: load the model, report peak RSS growth and parameter bytes."""
+    """In a rank: load the model; report peak RSS, its growth, and parameter bytes."""
     before = _peak_rss_bytes()
     context.worker.load_model()
     after = _peak_rss_bytes()
@@ -33,6 +33,7 @@ def measure_load(context) -> dict:
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         "rank": context.worker.rank,
+        "peak_rss": after,
         "peak_growth": after - before,
         "parameters": parameter_bytes,
     }
