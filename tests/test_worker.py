@@ -70,7 +70,9 @@ def test_uni_executor_generates_transformers_tokens(checkpoint_dir, expected):
         executor.check_health()
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2pp2"])
+@pytest.mark.parametrize(
+    ("tp", "pp"), [(2, 1), (4, 1), (1, 2), (2, 2)], ids=["tp2", "tp4", "pp2", "tp2pp2"]
+)
 def test_workers_generate_transformers_tokens(checkpoint_dir, expected, tp, pp):
     config = _config(checkpoint_dir, tp, pp)
     output_rank = config.parallel.layout.output_rank
