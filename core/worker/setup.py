@@ -3,6 +3,7 @@ the model runner, load the model. Used by every executor and by test drivers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,14 +34,33 @@ class WorkerSetup:
     load_model: bool = True
 
     def __call__(self, rank: int, world_size: int, rendezvous: Rendezvous) -> WorkerContext:
+        return self.build(rank, world_size, rendezvous)
+
+    def build(
+        self,
+        rank: int,
+        world_size: int,
+        rendezvous: Rendezvous,
+        on_phase: Callable[[str], None] = lambda phase: None,
+    ) -> WorkerContext:
+        """Join the worlds (phase "distributed init"), then build the runner and load the
+        model (phase "model load"); ``on_phase`` is called as each phase completes."""
         parallel = ParallelSetup(self.config)(rank, world_size, rendezvous)
-        registry = Registry.load(allow=self.config.plugins.allow, strict=self.config.plugins.strict)
-        runner_class = registry.get(
-            "model_runner", self.config.model.runner, "model.runner"
-        ).load_available()
-        worker = Worker(parallel.state, runner_class(self.config, parallel.state))
-        if self.load_model:
-            worker.load_model()
+        on_phase("distributed init")
+        try:
+            registry = Registry.load(
+                allow=self.config.plugins.allow, strict=self.config.plugins.strict
+            )
+            runner_class = registry.get(
+                "model_runner", self.config.model.runner, "model.runner"
+            ).load_available()
+            worker = Worker(parallel.state, runner_class(self.config, parallel.state))
+            if self.load_model:
+                worker.load_model()
+        except BaseException:
+            parallel.close()
+            raise
+        on_phase("model load")
         return WorkerContext(worker, parallel)
 
 

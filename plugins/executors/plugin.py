@@ -10,5 +10,10 @@ def shardline_executors() -> list[Component]:
             name="uni",
             target="shardline_executors.uni:UniProcExecutor",
             summary="one rank, in this process",
-        )
+        ),
+        Component(
+            name="mp",
+            target="shardline_executors.mp:MultiprocExecutor",
+            summary="one process per rank on this host, driven through shared memory",
+        ),
     ]

@@ -1,0 +1,358 @@
+"""The ``mp`` executor: one worker process per rank on this host, driven through shared memory.
+
+Every call is broadcast once on a shared-memory ring that all workers read; each worker
+answers on its own ring, and only the requested rank replies. Liveness: a monitor thread
+waits on the workers' process handles, so a death is seen at once and turns every pending and
+later call into a :class:`PeerLostError` naming the rank and its exit code. Deadlines: every
+start-up phase and every call has one. Shutdown is idempotent and leaves no process and no
+shared-memory segment, also after a failure.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from shardline.comm.store import serve_store
+from shardline.config.schema import EngineConfig
+from shardline.errors import CommTimeoutError, PeerLostError, ShardlineError, WorkerError
+from shardline.interfaces import Executor
+from shardline_executors.mp_protocol import PHASES, Call, Failure, Phase, Reply
+from shardline_executors.mp_worker import worker_main
+from shardline_executors.shm_ring import ShmRing
+from shardline_executors.waiting import wait_until
+
+_JOIN_S = 5.0
+
+
+@dataclass
+class _PendingCall:
+    call_id: int
+    name: str
+    ranks: list[int]
+    deadline: float | None
+    future: Future = field(default_factory=Future)
+    replies: dict[int, Any] = field(default_factory=dict)
+
+
+class MultiprocExecutor(Executor):
+    """Starts ``world_size`` worker processes and drives them (see module docstring)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.world_size = config.parallel.world_size
+        self._output_rank = config.parallel.layout.output_rank
+        self._call_timeout_s = config.parallel.timeout_s
+        self._failure: ShardlineError | None = None
+        self._closed = False
+        self._next_call = 0
+        self._pending: deque[_PendingCall] = deque()
+        self._collect_lock = threading.Lock()
+        self._wake_collector = threading.Condition()
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._store, rendezvous = serve_store(timeout_s=config.parallel.startup_timeout_s)
+        self._calls = ShmRing.create(readers=self.world_size)
+        self._replies = [ShmRing.create(readers=1) for _ in range(self.world_size)]
+        self._inboxes: list[deque[Any]] = [deque() for _ in range(self.world_size)]
+        atexit.register(self.shutdown)
+        try:
+            context = multiprocessing.get_context("spawn")
+            for rank in range(self.world_size):
+                process = context.Process(
+                    target=worker_main,
+                    args=(
+                        rank,
+                        self.world_size,
+                        config,
+                        rendezvous,
+                        self._calls.handle,
+                        self._replies[rank].handle,
+                        os.getpid(),
+                    ),
+                    name=f"shardline-worker-{rank}",
+                    daemon=True,
+                )
+                process.start()
+                self._processes.append(process)
+            threading.Thread(
+                target=self._watch_workers, name="shardline-liveness", daemon=True
+            ).start()
+            self._start_up(config.parallel.startup_timeout_s)
+            threading.Thread(
+                target=self._collect_in_background, name="shardline-replies", daemon=True
+            ).start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- start-up ------------------------------------------------------------------------------
+
+    def _start_up(self, timeout_s: float) -> None:
+        """Every rank reports each phase in order, each phase within ``timeout_s``."""
+        for phase in PHASES:
+            deadline = time.monotonic() + timeout_s
+            for rank in range(self.world_size):
+                try:
+                    message = self._receive(rank, deadline, f"phase {phase!r}")
+                except CommTimeoutError:
+                    raise CommTimeoutError(
+                        f"mp executor start-up: rank {rank} did not finish phase {phase!r} "
+                        f"within {timeout_s:g} s (parallel.startup_timeout_s)",
+                        op=phase,
+                        rank=rank,
+                    ) from None
+                if isinstance(message, Failure):
+                    raise WorkerError(
+                        f"failed in start-up phase {message.phase!r}: {message.message}",
+                        rank=rank,
+                        exc_type=message.exc_type,
+                        remote_traceback=message.traceback,
+                    )
+                if not (isinstance(message, Phase) and message.name == phase):
+                    raise PeerLostError(
+                        f"rank {rank} sent {message!r} during phase {phase!r}", rank=rank
+                    )
+
+    # ---- calls ---------------------------------------------------------------------------------
+
+    @property
+    def output_rank(self) -> int:
+        return self._output_rank
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        non_block: bool = False,
+    ) -> list[Any] | Future[list[Any]]:
+        self.check_health()
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
+            raise ValueError(
+                f"unique_reply_rank = {unique_reply_rank}: ranks are 0..{self.world_size - 1}"
+            )
+        payload = method if isinstance(method, str) else cloudpickle.dumps(method)
+        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        seconds = self._call_timeout_s if timeout is None else timeout
+        call = _PendingCall(
+            call_id=self._next_call,
+            name=name,
+            ranks=list(range(self.world_size))
+            if unique_reply_rank is None
+            else [unique_reply_rank],
+            deadline=time.monotonic() + seconds,
+        )
+        self._next_call += 1
+        message = Call(call.call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank)
+        self._calls.put(
+            pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL),
+            call.deadline,
+            self.check_health,
+        )
+        self._pending.append(call)
+        if non_block:
+            with self._wake_collector:
+                self._wake_collector.notify()
+            return call.future
+        self._collect_through(call)
+        return call.future.result()
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        """The output rank's reply; a Future when pipeline stages can hold several batches."""
+        result = self.collective_rpc(
+            "execute_model",
+            (scheduler_output,),
+            unique_reply_rank=self._output_rank,
+            non_block=self.config.parallel.pipeline_parallel_size > 1,
+        )
+        if isinstance(result, Future):
+            outer: Future = Future()
+            result.add_done_callback(lambda done: _chain_first(done, outer))
+            return outer
+        return result[0]
+
+    def check_health(self) -> None:
+        if self._closed:
+            raise PeerLostError("the mp executor was shut down", op="check_health")
+        if self._failure is not None:
+            raise self._failure
+
+    # ---- reply collection ------------------------------------------------------------------------
+
+    def _collect_through(self, target: _PendingCall) -> None:
+        """Collect replies of pending calls, oldest first, until ``target`` is resolved."""
+        while not target.future.done():
+            with self._collect_lock:
+                if self._pending and not target.future.done():
+                    self._collect_one(self._pending[0])
+
+    def _collect_in_background(self) -> None:
+        while not self._closed:
+            with self._wake_collector:
+                self._wake_collector.wait_for(lambda: self._pending or self._closed, timeout=0.5)
+            while self._pending and not self._closed:
+                with self._collect_lock:
+                    if self._pending:
+                        self._collect_one(self._pending[0])
+
+    def _collect_one(self, call: _PendingCall) -> None:
+        """Resolve the oldest pending call (caller holds the collect lock).
+
+        Each worker answers calls in order, so a message for a later call waits in that
+        rank's inbox. A failure from any rank, for this call or an earlier one whose reply
+        came from another rank, fails this call.
+        """
+        try:
+            waiting = [r for r in call.ranks if r not in call.replies]
+            while waiting:
+                progressed = False
+                for rank in range(self.world_size):
+                    message = self._peek(rank)
+                    if message is None:
+                        continue
+                    if isinstance(message, Failure) and (message.call_id or 0) <= call.call_id:
+                        self._inboxes[rank].popleft()
+                        raise WorkerError(
+                            f"{message.message} (in call {call.name!r})",
+                            rank=rank,
+                            exc_type=message.exc_type,
+                            remote_traceback=message.traceback,
+                        )
+                    if (
+                        isinstance(message, Reply)
+                        and message.call_id == call.call_id
+                        and rank in waiting
+                    ):
+                        self._inboxes[rank].popleft()
+                        call.replies[rank] = message.value
+                        progressed = True
+                waiting = [r for r in call.ranks if r not in call.replies]
+                if waiting and not progressed:
+                    watched = [r for r in range(self.world_size) if not self._inboxes[r]]
+                    wait_until(
+                        lambda watched=watched: (
+                            self._failure is not None
+                            or any(self._replies[r].ready(0) for r in watched)
+                        ),
+                        call.deadline,
+                        f"replies to {call.name!r}",
+                        self.check_health,
+                    )
+                    self.check_health()
+            _settle(call.future, value=[call.replies[r] for r in call.ranks])
+        except WorkerError as error:
+            _settle(call.future, error=error)
+        except CommTimeoutError:
+            silent = [r for r in call.ranks if r not in call.replies]
+            self._fail(
+                CommTimeoutError(
+                    f"call {call.name!r}: ranks {silent} did not answer by the deadline; the "
+                    "executor is unusable (a worker is stuck)",
+                    op=call.name,
+                )
+            )
+        except ShardlineError as error:
+            self._fail(error)
+        finally:
+            if self._pending and self._pending[0] is call and call.future.done():
+                self._pending.popleft()
+
+    def _peek(self, rank: int) -> Any:
+        """The oldest unconsumed message of ``rank``, or None when there is none yet."""
+        inbox = self._inboxes[rank]
+        if not inbox and self._replies[rank].ready(0):
+            inbox.append(pickle.loads(self._replies[rank].get(0)))
+        return inbox[0] if inbox else None
+
+    def _receive(self, rank: int, deadline: float | None, what: str) -> Any:
+        data = self._replies[rank].get(0, deadline, self.check_health)
+        return pickle.loads(data)
+
+    def _fail(self, error: ShardlineError) -> None:
+        """Make ``error`` the executor's state: every pending and later call raises it."""
+        if self._failure is None:
+            self._failure = error
+        for call in list(self._pending):
+            _settle(call.future, error=self._failure)
+        self._pending.clear()
+
+    # ---- liveness and shutdown -------------------------------------------------------------
+
+    def _watch_workers(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes)}
+        while sentinels and not self._closed:
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
+            for sentinel in ready:
+                rank = sentinels.pop(sentinel)
+                if self._closed:
+                    return
+                process = self._processes[rank]
+                process.join(0.1)
+                self._fail(
+                    PeerLostError(
+                        f"worker rank {rank} (pid {process.pid}) died with exit code "
+                        f"{process.exitcode}",
+                        op="liveness",
+                        rank=rank,
+                    )
+                )
+
+    def shutdown(self) -> None:
+        """Stop workers (asked, then killed after a grace period), remove every segment.
+        Idempotent; safe after any failure."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if self._processes and self._failure is None:
+            try:
+                stop = Call(-1, None, (), {}, None)
+                self._calls.put(pickle.dumps(stop), time.monotonic() + 1.0)
+            except ShardlineError:
+                pass
+        deadline = time.monotonic() + _JOIN_S
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+                process.join(_JOIN_S)
+        for call in list(self._pending):
+            _settle(call.future, error=PeerLostError("the mp executor was shut down"))
+        self._pending.clear()
+        with self._wake_collector:
+            self._wake_collector.notify_all()
+        for ring in [self._calls, *self._replies]:
+            ring.close()
+
+
+def _chain_first(done: Future, outer: Future) -> None:
+    error = done.exception()
+    if error is not None:
+        _settle(outer, error=error)
+    else:
+        _settle(outer, value=done.result()[0])
+
+
+def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` unless another thread already did (first outcome wins)."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)

@@ -1,0 +1,103 @@
+"""The body of an mp worker process: start up in phases, then serve broadcast calls.
+
+The process ignores Ctrl-C (the driver decides when workers stop) and exits by itself when
+its driver dies, unlinking the driver's shared-memory segments so none are left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from multiprocessing import shared_memory
+from typing import Any
+
+import cloudpickle
+
+from shardline.config.schema import EngineConfig
+from shardline.interfaces.communicator_backend import Rendezvous
+from shardline.worker.setup import WorkerSetup
+from shardline_executors.mp_protocol import Call, Failure, Phase, Reply
+from shardline_executors.shm_ring import RingHandle, ShmRing
+
+_PARENT_CHECK_S = 0.2
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    config: EngineConfig,
+    rendezvous: Rendezvous,
+    calls: RingHandle,
+    replies: RingHandle,
+    parent_pid: int,
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    segments = [calls.name, replies.name]
+    threading.Thread(target=_exit_with_parent, args=(parent_pid, segments), daemon=True).start()
+    inbox = ShmRing.attach(calls)
+    outbox = ShmRing.attach(replies)
+
+    def send(message: Any) -> None:
+        outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    phase = "spawn"
+    send(Phase(phase))
+    try:
+        context = None
+        phase = "distributed init"
+
+        def advance(done: str) -> None:
+            nonlocal phase
+            send(Phase(done))
+            phase = "model load" if done == "distributed init" else "ready"
+
+        context = WorkerSetup(config).build(rank, world_size, rendezvous, on_phase=advance)
+        send(Phase("ready"))
+    except BaseException as error:
+        send(Failure(None, phase, type(error).__name__, str(error), traceback.format_exc()))
+        return
+    try:
+        _serve(rank, context.worker, inbox, send)
+    finally:
+        context.close()
+        inbox.close()
+        outbox.close()
+
+
+def _serve(rank: int, worker: Any, inbox: ShmRing, send) -> None:
+    while True:
+        call: Call = pickle.loads(inbox.get(rank))
+        if call.method is None:
+            return
+        try:
+            if isinstance(call.method, str):
+                function = getattr(worker, call.method)
+                value = function(*call.args, **call.kwargs)
+            else:
+                value = cloudpickle.loads(call.method)(worker, *call.args, **call.kwargs)
+        except Exception as error:
+            send(
+                Failure(
+                    call.call_id, "call", type(error).__name__, str(error), traceback.format_exc()
+                )
+            )
+            continue
+        if call.reply_rank is None or call.reply_rank == rank:
+            send(Reply(call.call_id, value))
+
+
+def _exit_with_parent(parent_pid: int, segments: list[str]) -> None:
+    """Watch the driver; when it is gone, remove its segments and end this process."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_CHECK_S)
+    for name in segments:
+        with contextlib.suppress(FileNotFoundError):
+            segment = shared_memory.SharedMemory(name=name)
+            segment.close()
+            segment.unlink()
+    os._exit(3)
