@@ -110,6 +110,10 @@ def test_calls_replies_and_faults(checkpoint_dir):
         assert "planted failure on rank 1" in str(raised.value)
         assert "raise_on_rank" in raised.value.remote_traceback
         assert executor.collective_rpc(mp_helpers.echo, ("still fine",)) == ["still fine"] * 2
+        with pytest.raises(WorkerError, match="planted failure on every rank"):
+            executor.collective_rpc(mp_helpers.raise_everywhere)
+        # The second rank's copy of that failure is not reported again.
+        assert executor.collective_rpc(mp_helpers.echo, ("again",)) == ["again"] * 2
 
         start = time.monotonic()
         with pytest.raises(CommTimeoutError, match=r"ranks \[0\] did not answer"):
@@ -154,3 +158,70 @@ def test_start_up_failure_names_phase_and_rank(tmp_path):
     assert "start-up phase 'model load'" in str(raised.value)
     assert "not an HF model directory" in str(raised.value)
     assert _segments() == before
+
+
+def _start_driver(checkpoint_dir):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    driver = subprocess.Popen(
+        [sys.executable, str(tests / "support" / "mp_driver.py"), str(checkpoint_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tests)},
+    )
+    line = driver.stdout.readline()
+    if not line:
+        driver.kill()
+        raise AssertionError(driver.stderr.read())
+    return driver, json.loads(line)
+
+
+def _cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _alive(pids)
+
+
+def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(checkpoint_dir):
+    before = _segments()
+    driver, info = _start_driver(checkpoint_dir)
+    try:
+        workers = info["workers"]
+        time.sleep(0.5)
+        start = {pid: _cpu_seconds(pid) for pid in [driver.pid, *workers]}
+        time.sleep(3.0)
+        used = sum(_cpu_seconds(pid) - start[pid] for pid in start)
+        assert used / 3.0 < 0.05, f"idle engine used {used / 3.0:.1%} of a core"
+        driver.kill()
+        driver.wait(10)
+        assert _wait_gone(workers, 5.0) == []
+        assert _segments() == before
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_ctrl_c_on_the_driver_shuts_everything_down(checkpoint_dir):
+    before = _segments()
+    driver, info = _start_driver(checkpoint_dir)
+    try:
+        driver.send_signal(signal.SIGINT)
+        out, _ = driver.communicate(timeout=30)
+        assert "shut down" in out
+        assert _wait_gone(info["workers"], 5.0) == []
+        assert _segments() == before
+    finally:
+        if driver.poll() is None:
+            driver.kill()

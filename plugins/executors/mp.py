@@ -65,8 +65,13 @@ class MultiprocExecutor(Executor):
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._store, rendezvous = serve_store(timeout_s=config.parallel.startup_timeout_s)
         self._calls = ShmRing.create(readers=self.world_size)
+        doorbells = [
+            multiprocessing.get_context("spawn").Pipe(duplex=False) for _ in range(self.world_size)
+        ]
+        self._calls.set_doorbells([send for _, send in doorbells])
         self._replies = [ShmRing.create(readers=1) for _ in range(self.world_size)]
         self._inboxes: list[deque[Any]] = [deque() for _ in range(self.world_size)]
+        self._failed_calls: set[int] = set()
         atexit.register(self.shutdown)
         try:
             context = multiprocessing.get_context("spawn")
@@ -80,6 +85,7 @@ class MultiprocExecutor(Executor):
                         rendezvous,
                         self._calls.handle,
                         self._replies[rank].handle,
+                        doorbells[rank][0],
                         os.getpid(),
                     ),
                     name=f"shardline-worker-{rank}",
@@ -225,19 +231,21 @@ class MultiprocExecutor(Executor):
                     message = self._peek(rank)
                     if message is None:
                         continue
-                    if isinstance(message, Failure) and (message.call_id or 0) <= call.call_id:
+                    if message.call_id is not None and message.call_id < call.call_id:
+                        # Left over from an earlier call that already ended: a reply, or a
+                        # failure already reported, is dropped; a failure of a rank that was
+                        # not asked to reply (its call succeeded elsewhere) fails this call.
                         self._inboxes[rank].popleft()
-                        raise WorkerError(
-                            f"{message.message} (in call {call.name!r})",
-                            rank=rank,
-                            exc_type=message.exc_type,
-                            remote_traceback=message.traceback,
-                        )
-                    if (
-                        isinstance(message, Reply)
-                        and message.call_id == call.call_id
-                        and rank in waiting
-                    ):
+                        if (
+                            isinstance(message, Failure)
+                            and message.call_id not in self._failed_calls
+                        ):
+                            self._raise_failure(rank, message, call)
+                        continue
+                    if isinstance(message, Failure):
+                        self._inboxes[rank].popleft()
+                        self._raise_failure(rank, message, call)
+                    if isinstance(message, Reply) and rank in waiting:
                         self._inboxes[rank].popleft()
                         call.replies[rank] = message.value
                         progressed = True
@@ -256,6 +264,7 @@ class MultiprocExecutor(Executor):
                     self.check_health()
             _settle(call.future, value=[call.replies[r] for r in call.ranks])
         except WorkerError as error:
+            self._failed_calls.add(call.call_id)
             _settle(call.future, error=error)
         except CommTimeoutError:
             silent = [r for r in call.ranks if r not in call.replies]
@@ -271,6 +280,14 @@ class MultiprocExecutor(Executor):
         finally:
             if self._pending and self._pending[0] is call and call.future.done():
                 self._pending.popleft()
+
+    def _raise_failure(self, rank: int, message: Failure, call: _PendingCall) -> None:
+        raise WorkerError(
+            f"{message.message} (in call {call.name!r})",
+            rank=rank,
+            exc_type=message.exc_type,
+            remote_traceback=message.traceback,
+        )
 
     def _peek(self, rank: int) -> Any:
         """The oldest unconsumed message of ``rank``, or None when there is none yet."""

@@ -24,7 +24,7 @@ from shardline.worker.setup import WorkerSetup
 from shardline_executors.mp_protocol import Call, Failure, Phase, Reply
 from shardline_executors.shm_ring import RingHandle, ShmRing
 
-_PARENT_CHECK_S = 0.2
+_PARENT_CHECK_S = 0.5
 
 
 def worker_main(
@@ -34,6 +34,7 @@ def worker_main(
     rendezvous: Rendezvous,
     calls: RingHandle,
     replies: RingHandle,
+    doorbell: Any,
     parent_pid: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -62,16 +63,19 @@ def worker_main(
         send(Failure(None, phase, type(error).__name__, str(error), traceback.format_exc()))
         return
     try:
-        _serve(rank, context.worker, inbox, send)
+        _serve(rank, context.worker, inbox, doorbell, send)
+    except (EOFError, OSError):
+        # The doorbell's other end closed: the driver is gone.
+        _leave(segments)
     finally:
         context.close()
         inbox.close()
         outbox.close()
 
 
-def _serve(rank: int, worker: Any, inbox: ShmRing, send) -> None:
+def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, send) -> None:
     while True:
-        call: Call = pickle.loads(inbox.get(rank))
+        call: Call = pickle.loads(inbox.get(rank, doorbell=doorbell))
         if call.method is None:
             return
         try:
@@ -95,6 +99,11 @@ def _exit_with_parent(parent_pid: int, segments: list[str]) -> None:
     """Watch the driver; when it is gone, remove its segments and end this process."""
     while os.getppid() == parent_pid:
         time.sleep(_PARENT_CHECK_S)
+    _leave(segments)
+
+
+def _leave(segments: list[str]) -> None:
+    """The driver is gone: unlink its segments (it cannot) and end this process now."""
     for name in segments:
         with contextlib.suppress(FileNotFoundError):
             segment = shared_memory.SharedMemory(name=name)

@@ -1,8 +1,10 @@
-"""Waiting without burning the CPU: spin briefly, then yield, then sleep with backoff.
+"""Waiting without burning the CPU: spin briefly, then yield, then sleep with backoff, then
+block.
 
-A ready condition is seen within microseconds while the wait is short (spinning), and an
-idle waiter costs a few hundred short sleeps a second (well under 1% of a core) instead of a
-busy core. On a machine with more ranks than cores the yield phase lets the writer run.
+A ready condition is seen within microseconds while the wait is short (spinning); on a machine
+with more ranks than cores the yield phase lets the writer run; short sleeps cover waits of a
+few milliseconds (a model step); after that a waiter with a ``block`` function sleeps in the
+kernel until woken (an idle engine costs nothing), one without keeps sleeping in 2 ms steps.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ _YIELD_UNTIL_S = 0.001
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 0.002
 _IDLE_CHECK_EVERY_S = 0.05
+_BLOCK_AFTER_S = 0.02
+_BLOCK_AT_MOST_S = 0.2
 
 
 def wait_until(
@@ -25,10 +29,13 @@ def wait_until(
     deadline: float | None,
     what: str,
     on_idle: Callable[[], None] | None = None,
+    block: Callable[[float], None] | None = None,
 ) -> None:
     """Return once ``ready()`` is true. ``deadline`` is a ``time.monotonic()`` value (None:
     wait forever); passing it raises CommTimeoutError naming ``what``. ``on_idle`` runs about
-    every 50 ms while waiting (e.g. to check that peers are alive) and may raise."""
+    every 50 ms while waiting (e.g. to check that peers are alive) and may raise.
+    ``block(seconds)`` sleeps until woken or ``seconds`` pass; it is used once the wait has
+    lasted 20 ms, and must re-check readiness itself before sleeping."""
     for _ in range(_SPIN_CHECKS):
         if ready():
             return
@@ -46,5 +53,9 @@ def wait_until(
         if on_idle is not None and now - last_idle_check >= _IDLE_CHECK_EVERY_S:
             on_idle()
             last_idle_check = now
+        if block is not None and now - start >= _BLOCK_AFTER_S:
+            limit = _BLOCK_AT_MOST_S if deadline is None else min(_BLOCK_AT_MOST_S, deadline - now)
+            block(max(limit, 0.0))
+            continue
         time.sleep(sleep)
         sleep = min(sleep * 2, _MAX_SLEEP_S)

@@ -44,7 +44,9 @@ class GlooBackend(CommunicatorBackend):
         self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float
     ) -> GlooCommunicator:
         store = connect_store(rendezvous.with_prefix("gloo"), timeout_s)
-        return GlooCommunicator.create(store, rendezvous.host, rank, world_size, timeout_s, "w/")
+        # One transport device (one I/O thread) serves the world and all its subgroups.
+        device = _gloo_device(rendezvous.host)
+        return GlooCommunicator.create(store, device, rank, world_size, timeout_s, "w/")
 
 
 class GlooCommunicator(Communicator):
@@ -54,7 +56,7 @@ class GlooCommunicator(Communicator):
         self,
         process_group: dist.ProcessGroupGloo,
         store: dist.Store,
-        host: str,
+        device: dist.ProcessGroupGloo.Device,
         rank: int,
         world_size: int,
         timeout_s: float,
@@ -63,7 +65,7 @@ class GlooCommunicator(Communicator):
         super().__init__()
         self._pg: dist.ProcessGroupGloo | None = process_group
         self._store = store
-        self._host = host
+        self._device = device
         self._rank = rank
         self._world_size = world_size
         self._timeout_s = timeout_s
@@ -74,7 +76,7 @@ class GlooCommunicator(Communicator):
     def create(
         cls,
         store: dist.Store,
-        host: str,
+        device: dist.ProcessGroupGloo.Device,
         rank: int,
         world_size: int,
         timeout_s: float,
@@ -83,7 +85,7 @@ class GlooCommunicator(Communicator):
         """Join the group stored under ``prefix``; every member calls this."""
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        options._devices = [_gloo_device(host)]
+        options._devices = [device]
         try:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, options)
         except (RuntimeError, dist.DistError) as error:
@@ -93,7 +95,7 @@ class GlooCommunicator(Communicator):
                 op="new_group",
                 rank=rank,
             ) from error
-        return cls(pg, store, host, rank, world_size, timeout_s, prefix)
+        return cls(pg, store, device, rank, world_size, timeout_s, prefix)
 
     # ---- identity ----------------------------------------------------------------------------
 
@@ -223,7 +225,7 @@ class GlooCommunicator(Communicator):
             return None
         return GlooCommunicator.create(
             self._store,
-            self._host,
+            self._device,
             ranks.index(self._rank),
             len(ranks),
             self._timeout_s if timeout_s is None else timeout_s,

@@ -25,3 +25,7 @@ def sleep_on_rank(worker, rank: int, seconds: float):
 
 def echo(worker, value):
     return value
+
+
+def raise_everywhere(worker):
+    raise RuntimeError(f"planted failure on every rank ({worker.rank})")

@@ -1,0 +1,34 @@
+"""A driver process for the mp executor tests: starts an executor on the model given, prints
+its workers' pids as one JSON line, then waits to be killed or interrupted."""
+
+import json
+import sys
+import time
+
+from shardline.config import load_config
+from shardline.registry import Registry
+from support.mp_helpers import rank_and_pid
+
+
+def main(model_path: str) -> None:
+    config = load_config(
+        overrides=[
+            f"model.path={model_path}",
+            "parallel.tensor_parallel_size=2",
+            "parallel.distributed_executor_backend=mp",
+        ],
+        environ={},
+    ).config
+    executor = Registry.load().get("executor", "mp").load_available()(config)
+    pids = [pid for _, pid in executor.collective_rpc(rank_and_pid)]
+    try:
+        print(json.dumps({"workers": pids}), flush=True)
+        while True:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        executor.shutdown()
+        print("shut down", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
