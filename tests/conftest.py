@@ -3,3 +3,34 @@ from pathlib import Path
 
 # Test helpers live in tests/support and are imported as ``support.<module>``.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest
+
+from support.greedy_driver import GREEDY_TOKENS, PROMPT_A, PROMPT_B
+from support.tiny_llama import write_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A small random Llama written by transformers (real safetensors files)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_greedy(tiny_llama_dir):
+    """transformers' greedy continuations of PROMPT_A ("A") and PROMPT_B ("B")."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    result = {}
+    for req_id, prompt in (("A", PROMPT_A), ("B", PROMPT_B)):
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=GREEDY_TOKENS,
+            min_new_tokens=GREEDY_TOKENS,
+            do_sample=False,
+        )
+        result[req_id] = out[0, len(prompt) :].tolist()
+    return result

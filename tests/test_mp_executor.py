@@ -7,42 +7,20 @@ import signal
 import time
 
 import pytest
-import torch
 
 from shardline.config import load_config
 from shardline.errors import CommTimeoutError, PeerLostError, WorkerError
 from shardline.registry import Registry
 from support import mp_helpers
-from support.greedy_driver import PROMPT_A, PROMPT_B, run_script
-from support.tiny_llama import write_tiny_llama
+from support.greedy_driver import GREEDY_TOKENS, run_script
 
 pytestmark = pytest.mark.timeout(300)
 
-NEW_TOKENS = 32
 
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def expected(checkpoint_dir):
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
-    return {
-        req_id: model.generate(
-            torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
-        )[0, len(p) :].tolist()
-        for req_id, p in (("A", PROMPT_A), ("B", PROMPT_B))
-    }
-
-
-def _executor(checkpoint_dir, tp=1, pp=1, extra=()):
+def _executor(tiny_llama_dir, tp=1, pp=1, extra=()):
     config = load_config(
         overrides=[
-            f"model.path={checkpoint_dir}",
+            f"model.path={tiny_llama_dir}",
             "cache.block_size=4",
             "cache.num_blocks=40",
             f"parallel.tensor_parallel_size={tp}",
@@ -73,16 +51,16 @@ def _alive(pids):
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_mp_generates_transformers_tokens(checkpoint_dir, expected, tp, pp):
+def test_mp_generates_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp, pp):
     before = _segments()
-    executor = _executor(checkpoint_dir, tp, pp)
+    executor = _executor(tiny_llama_dir, tp, pp)
     try:
 
         def execute(step):
             result = executor.execute_model(step)
             return result.result(timeout=60) if pp > 1 else result
 
-        assert run_script(execute, NEW_TOKENS) == expected
+        assert run_script(execute, GREEDY_TOKENS) == tiny_llama_greedy
         assert executor.output_rank == tp * pp - tp
         pids = [pid for _, pid in executor.collective_rpc(mp_helpers.rank_and_pid)]
     finally:
@@ -91,9 +69,9 @@ def test_mp_generates_transformers_tokens(checkpoint_dir, expected, tp, pp):
     assert _segments() == before
 
 
-def test_calls_replies_and_faults(checkpoint_dir):
+def test_calls_replies_and_faults(tiny_llama_dir):
     before = _segments()
-    executor = _executor(checkpoint_dir, tp=2)
+    executor = _executor(tiny_llama_dir, tp=2)
     try:
         assert [r for r, _ in executor.collective_rpc(mp_helpers.rank_and_pid)] == [0, 1]
         assert executor.collective_rpc(mp_helpers.echo, ("x",), unique_reply_rank=1) == ["x"]
@@ -131,9 +109,9 @@ def test_calls_replies_and_faults(checkpoint_dir):
         executor.collective_rpc("load_model")
 
 
-def test_sigkill_is_noticed_within_a_second(checkpoint_dir):
+def test_sigkill_is_noticed_within_a_second(tiny_llama_dir):
     before = _segments()
-    executor = _executor(checkpoint_dir, tp=2)
+    executor = _executor(tiny_llama_dir, tp=2)
     try:
         pids = [pid for _, pid in executor.collective_rpc(mp_helpers.rank_and_pid)]
         pending = executor.collective_rpc(mp_helpers.sleep_on_rank, (1, 30.0), non_block=True)
@@ -160,7 +138,7 @@ def test_start_up_failure_names_phase_and_rank(tmp_path):
     assert _segments() == before
 
 
-def _start_driver(checkpoint_dir):
+def _start_driver(tiny_llama_dir):
     import json
     import subprocess
     import sys
@@ -168,7 +146,7 @@ def _start_driver(checkpoint_dir):
 
     tests = Path(__file__).parent
     driver = subprocess.Popen(
-        [sys.executable, str(tests / "support" / "mp_driver.py"), str(checkpoint_dir)],
+        [sys.executable, str(tests / "support" / "mp_driver.py"), str(tiny_llama_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -194,9 +172,9 @@ def _wait_gone(pids, seconds):
     return _alive(pids)
 
 
-def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(checkpoint_dir):
+def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(tiny_llama_dir):
     before = _segments()
-    driver, info = _start_driver(checkpoint_dir)
+    driver, info = _start_driver(tiny_llama_dir)
     try:
         workers = info["workers"]
         time.sleep(0.5)
@@ -213,9 +191,9 @@ def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(checkpoi
             driver.kill()
 
 
-def test_ctrl_c_on_the_driver_shuts_everything_down(checkpoint_dir):
+def test_ctrl_c_on_the_driver_shuts_everything_down(tiny_llama_dir):
     before = _segments()
-    driver, info = _start_driver(checkpoint_dir)
+    driver, info = _start_driver(tiny_llama_dir)
     try:
         driver.send_signal(signal.SIGINT)
         out, _ = driver.communicate(timeout=30)

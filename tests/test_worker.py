@@ -3,47 +3,21 @@ over two steps, growing block tables, an empty step) give transformers' greedy t
 the uni executor (TP=1) and in real gloo worlds (TP=2, PP=2, TP=2 x PP=2)."""
 
 import pytest
-import torch
 
 from shardline.config import load_config
 from shardline.launch.local_world import LocalWorld
 from shardline.registry import Registry
 from shardline.worker.setup import WorkerSetup, call_worker
 from shardline.worker.types import SamplingParams
-from support.greedy_driver import PROMPT_A, PROMPT_B, run_script
-from support.tiny_llama import write_tiny_llama
+from support.greedy_driver import GREEDY_TOKENS, PROMPT_A, PROMPT_B, run_script
 
 pytestmark = pytest.mark.timeout(300)
 
-NEW_TOKENS = 32
 
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def expected(checkpoint_dir):
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
-    result = {}
-    for req_id, prompt in (("A", PROMPT_A), ("B", PROMPT_B)):
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            min_new_tokens=NEW_TOKENS,
-        )
-        result[req_id] = out[0, len(prompt) :].tolist()
-    return result
-
-
-def _config(checkpoint_dir, tp=1, pp=1, executor="auto"):
+def _config(tiny_llama_dir, tp=1, pp=1, executor="auto"):
     return load_config(
         overrides=[
-            f"model.path={checkpoint_dir}",
+            f"model.path={tiny_llama_dir}",
             "cache.block_size=4",
             "cache.num_blocks=40",
             f"parallel.tensor_parallel_size={tp}",
@@ -54,12 +28,12 @@ def _config(checkpoint_dir, tp=1, pp=1, executor="auto"):
     ).config
 
 
-def test_uni_executor_generates_transformers_tokens(checkpoint_dir, expected):
-    config = _config(checkpoint_dir, executor="uni")
+def test_uni_executor_generates_transformers_tokens(tiny_llama_dir, tiny_llama_greedy):
+    config = _config(tiny_llama_dir, executor="uni")
     executor = Registry.load().get("executor", "uni").load_available()(config)
     try:
         assert executor.output_rank == 0
-        assert run_script(executor.execute_model, NEW_TOKENS) == expected
+        assert run_script(executor.execute_model, GREEDY_TOKENS) == tiny_llama_greedy
         assert executor.collective_rpc(lambda worker: worker.rank) == [0]
         assert executor.collective_rpc("load_model", non_block=True).result() == [None]
         executor.check_health()
@@ -73,8 +47,8 @@ def test_uni_executor_generates_transformers_tokens(checkpoint_dir, expected):
 @pytest.mark.parametrize(
     ("tp", "pp"), [(2, 1), (4, 1), (1, 2), (2, 2)], ids=["tp2", "tp4", "pp2", "tp2pp2"]
 )
-def test_workers_generate_transformers_tokens(checkpoint_dir, expected, tp, pp):
-    config = _config(checkpoint_dir, tp, pp)
+def test_workers_generate_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp, pp):
+    config = _config(tiny_llama_dir, tp, pp)
     output_rank = config.parallel.layout.output_rank
     replies_seen = []
     with LocalWorld(tp * pp, WorkerSetup(config), call_timeout_s=120) as world:
@@ -84,7 +58,7 @@ def test_workers_generate_transformers_tokens(checkpoint_dir, expected, tp, pp):
             replies_seen.append([r is not None for r in replies])
             return replies[output_rank]
 
-        assert run_script(execute, NEW_TOKENS) == expected
+        assert run_script(execute, GREEDY_TOKENS) == tiny_llama_greedy
     # Only the output rank ever returned something.
     for seen in replies_seen[:-1]:
         assert seen == [rank == output_rank for rank in range(tp * pp)]
@@ -96,7 +70,7 @@ def _runner_steps(context, steps):
     return [context.worker.model_runner.execute_model(step, None) for step in steps]
 
 
-def test_every_tp_rank_samples_the_same_tokens(checkpoint_dir):
+def test_every_tp_rank_samples_the_same_tokens(tiny_llama_dir):
     from shardline.worker.types import CachedRequest, NewRequest, SamplingParams, SchedulerOutput
 
     hot = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=1234)
@@ -119,19 +93,19 @@ def test_every_tp_rank_samples_the_same_tokens(checkpoint_dir):
                 num_scheduled_tokens={"A": 1, "B": 1},
             )
         )
-    with LocalWorld(2, WorkerSetup(_config(checkpoint_dir, tp=2)), call_timeout_s=120) as world:
+    with LocalWorld(2, WorkerSetup(_config(tiny_llama_dir, tp=2)), call_timeout_s=120) as world:
         per_rank = world.run(_runner_steps, steps)
     assert per_rank[0] == per_rank[1]
     assert all(token is not None for output in per_rank[0] for token in output.sampled_token_ids)
 
 
-def test_runner_refuses_inconsistent_schedules(checkpoint_dir):
+def test_runner_refuses_inconsistent_schedules(tiny_llama_dir):
     from shardline.worker.types import CachedRequest, NewRequest, SchedulerOutput
 
     executor = (
         Registry.load()
         .get("executor", "uni")
-        .load_available()(_config(checkpoint_dir, executor="uni"))
+        .load_available()(_config(tiny_llama_dir, executor="uni"))
     )
     try:
         too_few_blocks = SchedulerOutput(

@@ -10,6 +10,8 @@ from shardline.worker.types import CachedRequest, NewRequest, SamplingParams, Sc
 PROMPT_A = [1, 5, 9, 33, 2, 7, 7, 80]
 PROMPT_B = [3, 99, 4]
 GREEDY = SamplingParams(temperature=0.0)
+#: How many greedy tokens the model tests compare with transformers.
+GREEDY_TOKENS = 32
 
 
 def run_script(
