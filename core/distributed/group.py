@@ -51,10 +51,6 @@ class GroupCoordinator:
         return len(self.ranks)
 
     @property
-    def global_rank(self) -> int:
-        return self.ranks[self.rank_in_group]
-
-    @property
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
 

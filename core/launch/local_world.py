@@ -74,10 +74,6 @@ class LocalWorld:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._processes if p.pid is not None]
-
     def run(
         self,
         fn: Callable[..., Any],
