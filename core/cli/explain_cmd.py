@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from shardline.config.loader import LoadedConfig
-from shardline.config.selection import choose_communicator, choose_executor
+from shardline.config.selection import decide, is_error
 from shardline.registry import Registry
 
 
@@ -20,17 +20,8 @@ def run(loaded: LoadedConfig) -> int:
     )
     print(f"  tp groups: {layout.tp_groups()}")
     print(f"  pp groups: {layout.pp_groups()}")
-    decisions = [
-        choose_communicator(config, registry),
-        choose_communicator(config, registry, "parallel.control_communicator"),
-        choose_executor(config, registry, os.environ),
-    ]
-    # An executor left on auto that is not installed is reported, not an error (as in
-    # `config validate`); every other problem is.
-    executor_on_auto = config.parallel.distributed_executor_backend == "auto"
-    failed = any(d.problem for d in decisions[:2]) or (
-        decisions[2].problem and not executor_on_auto
-    )
+    decisions = decide(config, registry, os.environ)
+    failed = any(is_error(d, config) for d in decisions)
     for decision in decisions:
         source = loaded.source_of(decision.field)
         print(f"\n{decision.field}: {decision.chosen} ({decision.reason}; set by {source})")

@@ -139,23 +139,33 @@ def _fit(component: Component, config: EngineConfig, control: bool) -> str | Non
     )
 
 
-def check_config(
-    loaded: LoadedConfig, registry: Registry, environ: Mapping[str, str]
-) -> list[Decision]:
-    """Every decision; raises one :class:`ConfigError` listing each problem with its source.
-
-    An executor left on ``auto`` that no installed plugin provides is reported by
-    ``shardline explain`` but is not a config error: the config itself is fine.
-    """
-    config = loaded.config
-    decisions = [
+def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
+    """The data-plane communicator, control-plane communicator and executor decisions."""
+    return [
         choose_communicator(config, registry),
         choose_communicator(config, registry, "parallel.control_communicator"),
         choose_executor(config, registry, environ),
     ]
+
+
+def is_error(decision: Decision, config: EngineConfig) -> bool:
+    """Whether a decision's problem makes the config invalid. An executor left on ``auto``
+    that no installed plugin provides is reported, but the config itself is fine."""
+    if decision.problem is None:
+        return False
     on_auto = config.parallel.distributed_executor_backend == "auto"
-    checked = decisions[:2] if on_auto else decisions
-    problems = [f"{loaded.source_of(d.field)}: {d.problem}" for d in checked if d.problem]
+    return not (decision.field == "parallel.distributed_executor_backend" and on_auto)
+
+
+def check_config(
+    loaded: LoadedConfig, registry: Registry, environ: Mapping[str, str]
+) -> list[Decision]:
+    """Every decision; raises one :class:`ConfigError` listing each problem with its source."""
+    config = loaded.config
+    decisions = decide(config, registry, environ)
+    problems = [
+        f"{loaded.source_of(d.field)}: {d.problem}" for d in decisions if is_error(d, config)
+    ]
     if config.parallel.world_size % config.parallel.nnodes:
         problems.append(
             f"{loaded.source_of('parallel.nnodes')}: parallel.nnodes = {config.parallel.nnodes}: "
