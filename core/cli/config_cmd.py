@@ -23,7 +23,7 @@ def show(loaded: LoadedConfig) -> int:
 
 def validate(loaded: LoadedConfig) -> int:
     config = loaded.config
-    registry = Registry.load(allow=config.plugins.allow, strict=config.plugins.strict)
+    registry = Registry.for_plugins(config.plugins)
     check_config(loaded, registry, os.environ)
     where = str(loaded.path) if loaded.path else "the configuration (defaults, environment, --set)"
     print(f"{where}: valid (world size {config.parallel.world_size})")

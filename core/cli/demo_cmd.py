@@ -19,7 +19,7 @@ from shardline.registry import Registry
 
 def run(loaded: LoadedConfig, rounds: int, hidden: int) -> int:
     config = loaded.config
-    registry = Registry.load(allow=config.plugins.allow, strict=config.plugins.strict)
+    registry = Registry.for_plugins(config.plugins)
     check_config(loaded, registry, os.environ)
     layout = config.parallel.layout
     print(

@@ -11,7 +11,7 @@ from shardline.registry import Registry
 
 def run(loaded: LoadedConfig) -> int:
     config = loaded.config
-    registry = Registry.load(allow=config.plugins.allow, strict=config.plugins.strict)
+    registry = Registry.for_plugins(config.plugins)
     layout = config.parallel.layout
     print(
         f"layout: tp={layout.tensor_parallel_size} pp={layout.pipeline_parallel_size} "

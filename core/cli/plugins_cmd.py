@@ -8,7 +8,7 @@ from shardline.registry import Registry
 
 
 def run(config: EngineConfig) -> int:
-    registry = Registry.load(allow=config.plugins.allow, strict=config.plugins.strict)
+    registry = Registry.for_plugins(config.plugins)
     rows = []
     for kind in ("communicator", "executor", "model_runner"):
         for component in registry.components(kind):

@@ -20,6 +20,3 @@ class IntermediateTensors:
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
-
-    def keys(self):
-        return self.tensors.keys()

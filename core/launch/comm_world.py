@@ -14,15 +14,11 @@ from shardline.registry import Registry
 
 @dataclass
 class RankContext:
-    """What a rank of a communicator world holds: its rank, the world communicator, and the
-    registry it was resolved from."""
+    """What a rank of a communicator world holds: its rank and the world communicator."""
 
     rank: int
     world_size: int
     comm: Communicator
-    registry: Registry
-    rendezvous: Rendezvous
-    timeout_s: float
 
     def close(self) -> None:
         self.comm.close()
@@ -42,7 +38,7 @@ class CommunicatorSetup:
         registry = Registry.load(allow=self.allow_plugins)
         backend = registry.get("communicator", self.backend).load_available()()
         comm = backend.init_world(rank, world_size, rendezvous, self.timeout_s)
-        return RankContext(rank, world_size, comm, registry, rendezvous, self.timeout_s)
+        return RankContext(rank, world_size, comm)
 
 
 @dataclass
@@ -68,20 +64,27 @@ class ParallelSetup:
     config: EngineConfig
 
     def __call__(self, rank: int, world_size: int, rendezvous: Rendezvous) -> ParallelRankContext:
-        parallel = self.config.parallel
-        allow = self.config.plugins.allow
-        registry = Registry.load(allow=allow, strict=self.config.plugins.strict)
-        data_backend = registry.get(
-            "communicator", parallel.communicator, "parallel.communicator"
-        ).load_available()()
-        control_backend = registry.get(
-            "communicator", parallel.control_communicator, "parallel.control_communicator"
-        ).load_available()()
-        data = data_backend.init_world(
-            rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s
-        )
-        control = control_backend.init_world(
-            rank, world_size, rendezvous.with_prefix("control"), parallel.timeout_s
-        )
-        state = ParallelState.create(parallel.layout, data, control)
-        return ParallelRankContext(state, data, control)
+        registry = Registry.for_plugins(self.config.plugins)
+        return join_parallel_worlds(self.config, registry, rank, world_size, rendezvous)
+
+
+def join_parallel_worlds(
+    config: EngineConfig, registry: Registry, rank: int, world_size: int, rendezvous: Rendezvous
+) -> ParallelRankContext:
+    """Join the configured data-plane and control-plane worlds as ``rank`` and build the
+    rank's :class:`ParallelState`."""
+    parallel = config.parallel
+    data_backend = registry.get(
+        "communicator", parallel.communicator, "parallel.communicator"
+    ).load_available()()
+    control_backend = registry.get(
+        "communicator", parallel.control_communicator, "parallel.control_communicator"
+    ).load_available()()
+    data = data_backend.init_world(
+        rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s
+    )
+    control = control_backend.init_world(
+        rank, world_size, rendezvous.with_prefix("control"), parallel.timeout_s
+    )
+    state = ParallelState.create(parallel.layout, data, control)
+    return ParallelRankContext(state, data, control)

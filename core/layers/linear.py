@@ -53,9 +53,9 @@ class ColumnParallelLinear(nn.Module):
     def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
         """Copy this rank's rows of the full ``[out, in]`` weight (and bias)."""
         part = column_slice(self.out_features, self.tp.world_size, self.tp.rank_in_group)
-        _copy(self.weight, part.apply(weight), "weight")
+        copy_into(self.weight, part.apply(weight), "weight")
         if self.bias is not None and bias is not None:
-            _copy(self.bias, part.apply(bias), "bias")
+            copy_into(self.bias, part.apply(bias), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -85,11 +85,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[index]
         part = column_slice(size, self.tp.world_size, self.tp.rank_in_group)
         offset = sum(self.output_sizes[:index]) // self.tp.world_size
-        _copy(
+        copy_into(
             self.weight[offset : offset + part.length], part.apply(weight), f"weight part {index}"
         )
         if self.bias is not None and bias is not None:
-            _copy(self.bias[offset : offset + part.length], part.apply(bias), f"bias part {index}")
+            copy_into(
+                self.bias[offset : offset + part.length], part.apply(bias), f"bias part {index}"
+            )
 
 
 class QKVParallelLinear(nn.Module):
@@ -136,9 +138,9 @@ class QKVParallelLinear(nn.Module):
         )
         offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[name]
         part = slices[name]
-        _copy(self.weight[offset : offset + part.length], part.apply(weight), f"{name} weight")
+        copy_into(self.weight[offset : offset + part.length], part.apply(weight), f"{name} weight")
         if self.bias is not None and bias is not None:
-            _copy(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
+            copy_into(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -173,9 +175,9 @@ class RowParallelLinear(nn.Module):
         self.bias = _parameter(out_features, dtype=dtype) if bias else None
 
     def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
-        _copy(self.weight, self.input_shard.apply(weight), "weight")
+        copy_into(self.weight, self.input_shard.apply(weight), "weight")
         if self.bias is not None and bias is not None:
-            _copy(self.bias, bias[:], "bias")
+            copy_into(self.bias, bias[:], "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -188,7 +190,7 @@ class RowParallelLinear(nn.Module):
         return y
 
 
-def _copy(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+def copy_into(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
     """Copy (and cast) ``source`` into ``target``; shapes must match."""
     if tuple(target.shape) != tuple(source.shape):
         raise ValueError(

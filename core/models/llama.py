@@ -18,7 +18,12 @@ from shardline.errors import ConfigError
 from shardline.interfaces import IntermediateTensors
 from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shardline.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shardline.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    copy_into,
+)
 from shardline.layers.norm import RMSNorm
 from shardline.layers.rotary import RotaryEmbedding
 from shardline.layers.sharding import ShardSlice, TensorSource
@@ -129,11 +134,9 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def load(self, prefix: str, weight: WeightLookup, arch: LlamaArchitecture) -> None:
-        _copy_full(self.input_layernorm.weight, weight(f"{prefix}.input_layernorm.weight"))
-        _copy_full(
-            self.post_attention_layernorm.weight,
-            weight(f"{prefix}.post_attention_layernorm.weight"),
-        )
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            name = f"{prefix}.{norm}.weight"
+            copy_into(getattr(self, norm).weight, weight(name)[:], name)
         self.self_attn.load(f"{prefix}.self_attn", weight, arch.attention_bias)
         self.mlp.load(f"{prefix}.mlp", weight, arch.mlp_bias)
 
@@ -229,19 +232,9 @@ class LlamaForCausalLM(nn.Module):
         for i in self.layer_range:
             self.layers[str(i)].load(f"model.layers.{i}", checked, arch)
         if self.is_last_stage:
-            _copy_full(self.norm.weight, checked("model.norm.weight"))
+            copy_into(self.norm.weight, checked("model.norm.weight")[:], "model.norm.weight")
             if not arch.tie_word_embeddings:
                 self.lm_head.load_full(checked("lm_head.weight"))
             elif self.embed_tokens is None:
                 # Tied head on a stage without the embedding: load the shared table here.
                 self.lm_head.load_full(checked("model.embed_tokens.weight"))
-
-
-def _copy_full(target: torch.Tensor, source: TensorSource) -> None:
-    full = source[:]
-    if tuple(full.shape) != tuple(target.shape):
-        raise ValueError(
-            f"checkpoint tensor of shape {tuple(full.shape)}, expected {tuple(target.shape)}"
-        )
-    with torch.no_grad():
-        target.copy_(full)

@@ -6,12 +6,16 @@ import difflib
 import importlib.metadata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pluggy
 
 from shardline.errors import ConfigError, PluginError
 from shardline.registry import hookspecs
 from shardline.registry.component import Component, import_target
+
+if TYPE_CHECKING:
+    from shardline.config.schema import PluginsConfig
 
 ENTRY_POINT_GROUP = "shardline.plugins"
 
@@ -107,6 +111,11 @@ class Registry:
             dist = ep.dist.name if ep.dist is not None else "?"
             plugins.append(PluginInfo(ep.name, ep.value, dist))
         return cls(components, plugins, failures, skipped)
+
+    @classmethod
+    def for_plugins(cls, plugins: PluginsConfig) -> Registry:
+        """:meth:`load` with the config's ``plugins.allow`` and ``plugins.strict``."""
+        return cls.load(allow=plugins.allow, strict=plugins.strict)
 
     def names(self, kind: str) -> list[str]:
         """Component names of ``kind``, sorted."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from shardline.config.schema import EngineConfig
 from shardline.interfaces.communicator_backend import Rendezvous
-from shardline.launch.comm_world import ParallelRankContext, ParallelSetup
+from shardline.launch.comm_world import ParallelRankContext, join_parallel_worlds
 from shardline.registry import Registry
 from shardline.worker.worker import Worker
 
@@ -45,12 +45,10 @@ class WorkerSetup:
     ) -> WorkerContext:
         """Join the worlds (phase "distributed init"), then build the runner and load the
         model (phase "model load"); ``on_phase`` is called as each phase completes."""
-        parallel = ParallelSetup(self.config)(rank, world_size, rendezvous)
+        registry = Registry.for_plugins(self.config.plugins)
+        parallel = join_parallel_worlds(self.config, registry, rank, world_size, rendezvous)
         on_phase("distributed init")
         try:
-            registry = Registry.load(
-                allow=self.config.plugins.allow, strict=self.config.plugins.strict
-            )
             runner_class = registry.get(
                 "model_runner", self.config.model.runner, "model.runner"
             ).load_available()
