@@ -10,14 +10,17 @@ from shardline.errors import CommTimeoutError
 from shardline.interfaces.communicator_backend import Rendezvous
 
 
-def serve_store(host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[dist.Store, Rendezvous]:
-    """Start a store server on ``host`` at a port the OS chooses (never a fixed port).
+def serve_store(
+    host: str = "127.0.0.1", timeout_s: float = 60.0, port: int = 0
+) -> tuple[dist.Store, Rendezvous]:
+    """Start a store server on ``host`` at ``port``; 0 (the default) lets the OS choose, the
+    only safe choice unless a launcher reserved the port.
 
     The caller keeps the returned store alive for as long as ranks may connect to it.
     """
     store = dist.TCPStore(
         host,
-        0,
+        port,
         is_master=True,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),

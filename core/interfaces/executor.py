@@ -13,7 +13,23 @@ class Executor(abc.ABC):
 
     The pattern (from the reference design): one broadcast of (method, args, kwargs,
     reply rank) to every rank; every rank runs it; only the requested rank replies.
+
+    Class attributes describe how an executor runs, so that its conformance suite applies
+    the checks that fit: ``max_world_size`` (None: any), ``owns_processes`` (it starts and
+    watches the rank processes: death detection and leftover processes are its job) and
+    ``launched`` (a launcher such as torchrun started every rank; each process builds its
+    own executor, and every call returns the same result in every process).
     """
+
+    max_world_size: int | None = None
+    owns_processes: bool = False
+    launched: bool = False
+
+    @property
+    def reports_results(self) -> bool:
+        """True in the one process that should print or return results to the user (under
+        a launcher every rank runs the engine, and only rank 0 reports)."""
+        return True
 
     @property
     @abc.abstractmethod

@@ -51,6 +51,8 @@ class _PendingCall:
 class MultiprocExecutor(Executor):
     """Starts ``world_size`` worker processes and drives them (see module docstring)."""
 
+    owns_processes = True
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel.world_size

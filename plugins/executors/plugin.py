@@ -16,4 +16,9 @@ def shardline_executors() -> list[Component]:
             target="shardline_executors.mp:MultiprocExecutor",
             summary="one process per rank on this host, driven through shared memory",
         ),
+        Component(
+            name="external_launcher",
+            target="shardline_executors.external_launcher:ExternalLauncherExecutor",
+            summary="every rank started by torchrun or mpiexec runs its own engine",
+        ),
     ]

@@ -1,0 +1,207 @@
+"""The ``external_launcher`` executor: torchrun or mpiexec started every rank, and each process
+runs its own engine with this executor driving its one Worker.
+
+Every process makes the same calls in the same order (scheduling is deterministic), so a
+"broadcast" is each process calling its own Worker. Replies are exchanged so that a call
+returns the same list in every process: ``collective_rpc`` through the rendezvous store
+(each call has its own deadline and names the silent ranks), ``execute_model`` through a
+broadcast from the output rank on the control communicator, so that every rank's scheduler
+sees the sampled tokens. Only rank 0 reports results (:attr:`reports_results`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+
+from shardline.comm.store import connect_store
+from shardline.config.schema import EngineConfig
+from shardline.errors import (
+    CommTimeoutError,
+    ConfigError,
+    PeerLostError,
+    ShardlineError,
+    WorkerError,
+)
+from shardline.interfaces import Executor
+from shardline.worker.setup import WorkerContext, WorkerSetup
+from shardline_executors.launch_env import LaunchedRank, Meeting, meet
+
+#: How long the process serving the store waits at shutdown for the others to finish reading.
+_CLOSING_S = 10.0
+
+
+class ExternalLauncherExecutor(Executor):
+    """This process's rank of a world a launcher started (see module docstring).
+
+    ``environ`` (default ``os.environ``) holds the launcher's variables.
+    """
+
+    launched = True
+
+    def __init__(self, config: EngineConfig, environ: Mapping[str, str] | None = None) -> None:
+        launched = LaunchedRank.from_environ(os.environ if environ is None else environ)
+        if launched.world_size != config.parallel.world_size:
+            layout = config.parallel.layout
+            raise ConfigError(
+                f"{launched.launcher} started {launched.world_size} ranks but the parallel "
+                f"layout needs {config.parallel.world_size} (tp={layout.tensor_parallel_size} "
+                f"x pp={layout.pipeline_parallel_size} x dp={layout.data_parallel_size}); "
+                "allowed: launch exactly that many processes, or change the layout",
+                field="parallel",
+            )
+        self.rank = launched.rank
+        self.world_size = launched.world_size
+        self.launcher = launched.launcher
+        self._output_rank = config.parallel.layout.output_rank
+        self._pipelined = config.parallel.pipeline_parallel_size > 1
+        self._call_timeout_s = config.parallel.timeout_s
+        self._next_call = 0
+        self._failure: ShardlineError | None = None
+        self._meeting: Meeting | None = meet(launched, config.parallel.startup_timeout_s)
+        self._context: WorkerContext | None = None
+        try:
+            rendezvous = self._meeting.rendezvous
+            self._context = WorkerSetup(config).build(self.rank, self.world_size, rendezvous)
+            self._store = connect_store(
+                rendezvous.with_prefix("rpc"), config.parallel.startup_timeout_s
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def output_rank(self) -> int:
+        return self._output_rank
+
+    @property
+    def reports_results(self) -> bool:
+        return self.rank == 0
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        non_block: bool = False,
+    ) -> list[Any] | Future[list[Any]]:
+        """Run ``method`` on this process's Worker, then exchange replies with the other
+        processes; the result (or error) is the same in every process."""
+        self.check_health()
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
+            raise ValueError(
+                f"unique_reply_rank = {unique_reply_rank}: ranks are 0..{self.world_size - 1}"
+            )
+        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        worker = self._context.worker
+        try:
+            if isinstance(method, str):
+                value = getattr(worker, method)(*args, **(kwargs or {}))
+            else:
+                value = method(worker, *args, **(kwargs or {}))
+            replies = unique_reply_rank is None or unique_reply_rank == self.rank
+            envelope: tuple = ("ok", value if replies else None)
+        except Exception as error:
+            envelope = ("error", type(error).__name__, str(error), traceback.format_exc())
+        future: Future[list[Any]] = Future()
+        try:
+            envelopes = self._exchange(name, envelope, timeout)
+            for rank, (kind, *body) in enumerate(envelopes):
+                if kind == "error":
+                    exc_type, message, remote_traceback = body
+                    raise WorkerError(
+                        message, rank=rank, exc_type=exc_type, remote_traceback=remote_traceback
+                    )
+            values = [body[0] for _, *body in envelopes]
+            future.set_result(values if unique_reply_rank is None else [values[unique_reply_rank]])
+        except ShardlineError as error:
+            if not non_block:
+                raise
+            future.set_exception(error)
+        return future if non_block else future.result()
+
+    def _exchange(self, name: str, envelope: tuple, timeout: float | None) -> list[tuple]:
+        """Publish this rank's envelope of call number N and read every rank's."""
+        call_id = self._next_call
+        self._next_call += 1
+        keys = [f"{call_id}/{rank}" for rank in range(self.world_size)]
+        seconds = self._call_timeout_s if timeout is None else timeout
+        store = self._store
+        try:
+            store.set(keys[self.rank], pickle.dumps(envelope, protocol=pickle.HIGHEST_PROTOCOL))
+            try:
+                store.wait(keys, datetime.timedelta(seconds=seconds))
+            except (RuntimeError, dist.DistError) as error:
+                if "timeout" not in str(error).lower():
+                    raise
+                silent = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                self._failure = CommTimeoutError(
+                    f"collective_rpc {name!r}: ranks {silent} did not answer within {seconds:g} s "
+                    f"(timeout, default parallel.timeout_s); this executor is now unusable",
+                    op=name,
+                )
+                raise self._failure from error
+            envelopes = [pickle.loads(store.get(key)) for key in keys]
+            if store.add(f"{call_id}/read", 1) == self.world_size:
+                for key in [*keys, f"{call_id}/read"]:
+                    store.delete_key(key)
+        except (RuntimeError, dist.DistError) as error:
+            self._failure = PeerLostError(
+                f"collective_rpc {name!r}: the rendezvous store is unreachable (rank 0 or the "
+                f"launcher's agent is gone?): {error}",
+                op=name,
+            )
+            raise self._failure from error
+        return envelopes
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        """Run the step on this rank; every rank gets the output rank's result (a completed
+        Future when pipeline stages are configured, as the contract says)."""
+        self.check_health()
+        output = self._context.worker.execute_model(scheduler_output)
+        if self.world_size > 1:
+            world = self._context.parallel.state.world
+            output = world.broadcast_object(output, src=self._output_rank)
+        if not self._pipelined:
+            return output
+        future: Future = Future()
+        future.set_result(output)
+        return future
+
+    def check_health(self) -> None:
+        if self._context is None:
+            raise PeerLostError("the external_launcher executor was shut down", rank=self.rank)
+        if self._failure is not None:
+            raise self._failure
+
+    def shutdown(self) -> None:
+        """Close this rank's Worker; the process serving the store waits (briefly) until every
+        rank has reached shutdown, so no rank loses the store mid-call."""
+        if self._meeting is None:
+            return
+        context, self._context = self._context, None
+        if context is not None:
+            context.close()
+        store = getattr(self, "_store", None)
+        if store is not None and self._failure is None:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                store.add("closing", 1)
+                deadline = time.monotonic() + _CLOSING_S
+                while self._meeting.served_store is not None and time.monotonic() < deadline:
+                    if store.add("closing", 0) >= self.world_size:
+                        break
+                    time.sleep(0.01)
+        self._store = None
+        self._meeting.close()
+        self._meeting = None

@@ -1,0 +1,44 @@
+"""A rank of a launched world (torchrun / mpiexec): builds the executor ``auto`` picks for
+this process, runs the scripted greedy steps, and, in the process that reports results,
+prints one JSON line with the executor's name and the generated tokens."""
+
+import json
+import os
+import sys
+
+from shardline.config import load_config
+from shardline.config.selection import choose_executor
+from shardline.registry import Registry
+from support.greedy_driver import GREEDY_TOKENS, run_script
+
+
+def main(model_path: str, tp: int, pp: int) -> None:
+    config = load_config(
+        overrides=[
+            f"model.path={model_path}",
+            "cache.block_size=4",
+            "cache.num_blocks=40",
+            f"parallel.tensor_parallel_size={tp}",
+            f"parallel.pipeline_parallel_size={pp}",
+            "parallel.timeout_s=60",
+        ],
+        environ={},
+    ).config
+    registry = Registry.load()
+    decision = choose_executor(config, registry, os.environ)
+    executor = registry.get("executor", decision.chosen).load_available()(config)
+    try:
+
+        def execute(step):
+            result = executor.execute_model(step)
+            return result.result(timeout=60) if pp > 1 else result
+
+        tokens = run_script(execute, GREEDY_TOKENS)
+    finally:
+        executor.shutdown()
+    if executor.reports_results:
+        print(json.dumps({"executor": decision.chosen, "tokens": tokens}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

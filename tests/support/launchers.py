@@ -1,0 +1,98 @@
+"""Starting a real 2-rank world under torchrun or mpiexec, with a deadline, leaving nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+BIN_DIR = Path(sys.executable).parent
+
+
+def launcher_command(launcher: str, ranks: int) -> list[str]:
+    """The command prefix that starts ``ranks`` copies of a Python program."""
+    if launcher == "torchrun":
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+        ]
+    mpiexec = BIN_DIR / "mpiexec"
+    command = [str(mpiexec), "--oversubscribe", "-n", str(ranks)]
+    if launcher == "mpiexec+master":
+        with socket.socket() as probe:  # an OS-chosen free port, as a user would pass
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command += ["-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}"]
+    return [*command, sys.executable]
+
+
+def launcher_environment() -> dict[str, str]:
+    environ = dict(os.environ)
+    environ["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS_DIR), *filter(None, [environ.get("PYTHONPATH")])]
+    )
+    if os.geteuid() == 0:  # OpenMPI refuses root unless told twice
+        environ |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return environ
+
+
+@dataclass
+class LaunchedRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    #: Processes of the launcher's session still alive after it ended (killed since).
+    leftovers: list[int]
+
+
+def run_launched(launcher: str, ranks: int, program: list[str], timeout_s: float) -> LaunchedRun:
+    """Run ``program`` (``-m module args...``) on ``ranks`` ranks; the whole process group is
+    killed if it outlives ``timeout_s``."""
+    process = subprocess.Popen(
+        [*launcher_command(launcher, ranks), *program],
+        env=launcher_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"{launcher} run did not finish within {timeout_s} s\n{stdout}\n{stderr}"
+        ) from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    leftovers = session_processes(process.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    return LaunchedRun(process.returncode, stdout, stderr, leftovers)
+
+
+def session_processes(session_id: int) -> list[int]:
+    """Processes still alive in session ``session_id`` ."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            alive.append(int(entry.name))
+    return alive

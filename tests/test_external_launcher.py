@@ -1,0 +1,106 @@
+"""The external_launcher executor: launcher variables parsed with clear errors, and real
+2-rank worlds under torchrun and mpiexec giving transformers' greedy tokens, printed once,
+with no process or shared-memory segment left."""
+
+import json
+import os
+
+import pytest
+
+from shardline.config import load_config
+from shardline.errors import ConfigError
+from shardline_executors.external_launcher import ExternalLauncherExecutor
+from shardline_executors.launch_env import LaunchedRank
+from support.launchers import run_launched
+
+TORCHRUN = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+}
+
+
+def test_torchrun_variables():
+    launched = LaunchedRank.from_environ(TORCHRUN)
+    assert (launched.launcher, launched.rank, launched.world_size) == ("torchrun", 1, 2)
+    assert (launched.master_addr, launched.master_port) == ("10.0.0.1", 29500)
+    assert launched.agent_store and launched.restart == 2
+
+
+def test_mpiexec_variables():
+    openmpi = LaunchedRank.from_environ(
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        }
+    )
+    assert (openmpi.launcher, openmpi.rank, openmpi.world_size) == ("mpiexec (OpenMPI)", 3, 4)
+    assert openmpi.local_rank == 1 and openmpi.master_addr is None and not openmpi.agent_store
+    mpich = LaunchedRank.from_environ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_PORT": "7000"})
+    assert (mpich.launcher, mpich.rank, mpich.master_port) == ("mpiexec (MPICH/PMI)", 0, 7000)
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({}, "none of RANK/WORLD_SIZE"),
+        ({**TORCHRUN, "RANK": "2"}, r"environment RANK = '2': expected an integer >= 0 and < "),
+        ({**TORCHRUN, "WORLD_SIZE": "two"}, "environment WORLD_SIZE = 'two'"),
+        ({**TORCHRUN, "MASTER_PORT": ""}, "MASTER_ADDR / MASTER_PORT are not both set"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_PORT": "-1"}, "MASTER_PORT = '-1'"),
+    ],
+)
+def test_bad_launcher_variables_name_the_variable(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        LaunchedRank.from_environ(environ)
+
+
+def test_world_size_must_match_the_layout(tiny_llama_dir):
+    config = load_config(
+        overrides=[f"model.path={tiny_llama_dir}", "parallel.tensor_parallel_size=2"],
+        environ={},
+    ).config
+    with pytest.raises(ConfigError, match=r"torchrun started 3 ranks but the .* layout needs 2"):
+        ExternalLauncherExecutor(config, {**TORCHRUN, "WORLD_SIZE": "3"})
+
+
+def _segments():
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("launcher", "tp", "pp"),
+    [
+        ("torchrun", 2, 1),
+        ("torchrun", 1, 2),
+        ("mpiexec", 2, 1),
+        ("mpiexec", 1, 2),
+        # MASTER_ADDR/MASTER_PORT given to mpiexec: rank 0 serves the store there, no mpi4py.
+        ("mpiexec+master", 2, 1),
+    ],
+)
+def test_launched_world_generates_transformers_tokens(
+    tiny_llama_dir, tiny_llama_greedy, launcher, tp, pp
+):
+    before = _segments()
+    run = run_launched(
+        launcher,
+        2,
+        ["-m", "support.launched_driver", str(tiny_llama_dir), str(tp), str(pp)],
+        timeout_s=150,
+    )
+    assert run.returncode == 0, f"{launcher} failed:\n{run.stdout}\n{run.stderr}"
+    printed = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(printed) == 1, f"expected one report (rank 0 only), got:\n{run.stdout}"
+    report = json.loads(printed[0])
+    assert report["executor"] == "external_launcher"
+    assert report["tokens"] == tiny_llama_greedy
+    assert run.leftovers == []
+    assert _segments() <= before
