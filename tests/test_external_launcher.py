@@ -8,10 +8,10 @@ import os
 import pytest
 
 from shardline.config import load_config
+from shardline.conformance.executors.launching import run_launched
 from shardline.errors import ConfigError
+from shardline.launch.launcher_env import LaunchedRank
 from shardline_executors.external_launcher import ExternalLauncherExecutor
-from shardline_executors.launch_env import LaunchedRank
-from support.launchers import run_launched
 
 TORCHRUN = {
     "RANK": "1",

@@ -1,25 +1,79 @@
-"""``shardline conformance NAME``: the pytest-based suite on one communicator."""
+"""``shardline conformance NAME``: the pytest-based suite on one communicator or executor."""
 
 from __future__ import annotations
 
+import argparse
+import os
+
 import pytest
 
+from shardline.errors import ConfigError
+from shardline.interfaces import CommunicatorBackend, Executor
+from shardline.registry import Registry
 
-def run(name: str, world_sizes: str, timeout_s: float, report: str | None, extra: list[str]) -> int:
-    args = [
-        "--pyargs",
-        "shardline.conformance",
-        f"--shardline-communicator={name}",
-        f"--shardline-world-sizes={world_sizes}",
-        f"--shardline-timeout={timeout_s}",
+_BASES = {"communicator": CommunicatorBackend, "executor": Executor}
+
+
+def suite_kind(name: str, registry: Registry) -> str:
+    """Which suite checks ``name``: the kind of the registered component (or of the class a
+    ``package.module:Class`` names). ConfigError when it is none, or both."""
+    kinds = []
+    for kind, base in _BASES.items():
+        if ":" in name:
+            try:
+                target = registry.get(kind, name).load()
+            except ConfigError:
+                continue
+            if isinstance(target, type) and issubclass(target, base):
+                kinds.append(kind)
+        elif name in {component.name for component in registry.components(kind)}:
+            kinds.append(kind)
+    if len(kinds) == 1:
+        return kinds[0]
+    if kinds:
+        raise ConfigError(
+            f"conformance NAME = {name!r} is both a communicator and an executor; "
+            "allowed: pass --kind communicator or --kind executor"
+        )
+    installed = sorted(component.name for kind in _BASES for component in registry.components(kind))
+    raise ConfigError(
+        f"conformance NAME = {name!r} is no installed communicator or executor; allowed: "
+        f"{', '.join(installed)}, or package.module:Class"
+    )
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    allow = os.environ.get("SHARDLINE_PLUGINS")
+    registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
+    kind = args.kind or suite_kind(args.name, registry)
+    if kind == "communicator":
+        options = [
+            "--pyargs",
+            "shardline.conformance",
+            f"--shardline-communicator={args.name}",
+            f"--shardline-world-sizes={args.world_sizes or '1,2,3,4'}",
+            f"--shardline-timeout={args.timeout or 30.0}",
+        ]
+        if args.report:
+            options.append(f"--shardline-report={args.report}")
+    else:
+        options = [
+            "--pyargs",
+            "shardline.conformance.executors",
+            f"--shardline-executor={args.name}",
+            f"--shardline-executor-world-sizes={args.world_sizes or '1,2,4'}",
+            f"--shardline-executor-timeout={args.timeout or 20.0}",
+            f"--shardline-launcher={args.launcher}",
+        ]
+        if args.report:
+            options.append(f"--shardline-executor-report={args.report}")
+    common = [
         "-p",
         "no:cacheprovider",
         "-q",
         # The CLI has imported shardline already, so pytest cannot rewrite its asserts; the
-        # suite's checks raise their own messages and do not need it.
+        # suites' checks raise their own messages and do not need it.
         "-W",
         "ignore::pytest.PytestAssertRewriteWarning",
     ]
-    if report:
-        args.append(f"--shardline-report={report}")
-    return int(pytest.main(args + extra))
+    return int(pytest.main(options + common + extra))

@@ -54,14 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     conformance = commands.add_parser(
         "conformance",
-        help="run the communicator conformance suite",
-        description="Run the conformance suite on a communicator. Arguments after -- go to "
-        "pytest (e.g. -- -k all_reduce -x).",
+        help="run the conformance suite on a communicator or an executor",
+        description="Run the conformance suite on a communicator or an executor. Arguments "
+        "after -- go to pytest (e.g. -- -k all_reduce -x).",
     )
-    conformance.add_argument("name", help="communicator name or package.module:Class")
-    conformance.add_argument("--world-sizes", default="1,2,3,4", help="default 1,2,3,4")
+    conformance.add_argument("name", help="communicator or executor: name or package.module:Class")
     conformance.add_argument(
-        "--timeout", type=float, default=30.0, help="per-operation deadline (s)"
+        "--kind",
+        choices=("communicator", "executor"),
+        help="which suite (default: what NAME is; needed only if it names both)",
+    )
+    conformance.add_argument(
+        "--world-sizes", help="comma-separated (default: communicators 1,2,3,4; executors 1,2,4)"
+    )
+    conformance.add_argument(
+        "--timeout",
+        type=float,
+        help="deadline of every operation (communicators, default 30 s) or parallel.timeout_s "
+        "(executors, default 20 s)",
+    )
+    conformance.add_argument(
+        "--launcher",
+        choices=("torchrun", "mpiexec", "mpiexec+master"),
+        default="torchrun",
+        help="launcher for a launched executor such as external_launcher (default torchrun)",
     )
     conformance.add_argument("--report", help="JSON report path")
 
@@ -96,9 +112,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
             else config_cmd.validate(loaded)
         )
     if args.command == "conformance":
-        return conformance_cmd.run(
-            args.name, args.world_sizes, args.timeout, args.report, passthrough
-        )
+        return conformance_cmd.run(args, passthrough)
     if args.command == "demo":
         return demo_cmd.run(_load(args), args.rounds, args.hidden)
     raise AssertionError(f"unhandled command {args.command}")

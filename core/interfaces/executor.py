@@ -16,14 +16,16 @@ class Executor(abc.ABC):
 
     Class attributes describe how an executor runs, so that its conformance suite applies
     the checks that fit: ``max_world_size`` (None: any), ``owns_processes`` (it starts and
-    watches the rank processes: death detection and leftover processes are its job) and
+    watches the rank processes: death detection and leftover processes are its job),
     ``launched`` (a launcher such as torchrun started every rank; each process builds its
-    own executor, and every call returns the same result in every process).
+    own executor, and every call returns the same result in every process) and
+    ``enforces_deadlines`` (a call's ``timeout`` can end the wait for a rank still running).
     """
 
     max_world_size: int | None = None
     owns_processes: bool = False
     launched: bool = False
+    enforces_deadlines: bool = True
 
     @property
     def reports_results(self) -> bool:

@@ -33,8 +33,9 @@ from shardline.errors import (
     WorkerError,
 )
 from shardline.interfaces import Executor
+from shardline.launch.launcher_env import LaunchedRank
 from shardline.worker.setup import WorkerContext, WorkerSetup
-from shardline_executors.launch_env import LaunchedRank, Meeting, meet
+from shardline_executors.launch_env import Meeting, meet
 
 #: How long the process serving the store waits at shutdown for the others to finish reading.
 _CLOSING_S = 10.0
@@ -186,15 +187,16 @@ class ExternalLauncherExecutor(Executor):
             raise self._failure
 
     def shutdown(self) -> None:
-        """Close this rank's Worker; the process serving the store waits (briefly) until every
-        rank has reached shutdown, so no rank loses the store mid-call."""
+        """Close this rank's Worker; the process serving the store waits (at most
+        ``_CLOSING_S``, also after a failure) until every rank has reached shutdown, so no
+        rank loses the store mid-call."""
         if self._meeting is None:
             return
         context, self._context = self._context, None
         if context is not None:
             context.close()
         store = getattr(self, "_store", None)
-        if store is not None and self._failure is None:
+        if store is not None:
             with contextlib.suppress(RuntimeError, dist.DistError):
                 store.add("closing", 1)
                 deadline = time.monotonic() + _CLOSING_S

@@ -1,110 +1,16 @@
-"""Reading a rank's place in the world from its launcher's environment (torchrun, mpiexec),
-and meeting the other ranks at a rendezvous store."""
+"""Meeting the other ranks of a launched world at a rendezvous store."""
 
 from __future__ import annotations
 
-import os
+import itertools
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from shardline.comm.store import serve_store
 from shardline.errors import CommTimeoutError, ConfigError
 from shardline.interfaces.communicator_backend import Rendezvous
-
-#: (launcher, rank, world size, local rank, ranks on this host) variables, tried in order.
-_LAUNCHERS = (
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    (
-        "mpiexec (OpenMPI)",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    ("mpiexec (MPICH/PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-)
-
-
-@dataclass(frozen=True)
-class LaunchedRank:
-    """This process's rank as its launcher assigned it.
-
-    ``master_addr``/``master_port`` name the rendezvous store (torchrun always sets them;
-    under mpiexec they are optional, see :func:`meet`). ``agent_store`` is True when the
-    launcher already serves the store there (torchrun's c10d agent), so no rank serves one.
-    """
-
-    launcher: str
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str | None
-    master_port: int | None
-    agent_store: bool = False
-    restart: int = 0
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> LaunchedRank:
-        """Parse the launcher variables; ``ConfigError`` names the variable and its value."""
-        for launcher, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
-            if rank_var not in environ or size_var not in environ:
-                continue
-            world_size = _integer(environ, size_var, minimum=1)
-            rank = _integer(environ, rank_var, minimum=0, below=world_size, limit=size_var)
-            local_rank = _integer(environ, local_var, minimum=0, default=rank)
-            local_world_size = _integer(environ, local_size_var, minimum=1, default=world_size)
-            port = environ.get("MASTER_PORT")
-            master_port = _integer(environ, "MASTER_PORT", minimum=1) if port else None
-            if launcher == "torchrun" and (master_port is None or not environ.get("MASTER_ADDR")):
-                raise ConfigError(
-                    "started by torchrun but MASTER_ADDR / MASTER_PORT are not both set "
-                    f"(MASTER_ADDR = {environ.get('MASTER_ADDR')!r}, MASTER_PORT = {port!r}); "
-                    "torchrun sets them: start the ranks with torchrun"
-                )
-            return cls(
-                launcher=launcher,
-                rank=rank,
-                world_size=world_size,
-                local_rank=local_rank,
-                local_world_size=local_world_size,
-                master_addr=environ.get("MASTER_ADDR") or None,
-                master_port=master_port,
-                agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-                restart=_integer(environ, "TORCHELASTIC_RESTART_COUNT", minimum=0, default=0),
-            )
-        raise ConfigError(
-            "parallel.distributed_executor_backend = 'external_launcher' needs a process "
-            "started by a launcher, but none of RANK/WORLD_SIZE (torchrun), "
-            "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE (OpenMPI mpiexec) or PMI_RANK/PMI_SIZE "
-            "(MPICH mpiexec) is set; allowed: start with torchrun or mpiexec, or use mp"
-        )
-
-
-def _integer(
-    environ: Mapping[str, str],
-    name: str,
-    *,
-    minimum: int,
-    below: int | None = None,
-    limit: str = "",
-    default: int | None = None,
-) -> int:
-    raw = environ.get(name)
-    if raw is None and default is not None:
-        return default
-    try:
-        value = int(raw or "")
-    except ValueError:
-        value = None
-    if value is None or value < minimum or (below is not None and value >= below):
-        allowed = f"an integer >= {minimum}" + (
-            f" and < {limit} ({below})" if below is not None else ""
-        )
-        raise ConfigError(f"environment {name} = {raw!r}: expected {allowed}", field=name)
-    return value
+from shardline.launch.launcher_env import LaunchedRank
 
 
 @dataclass
@@ -119,6 +25,12 @@ class Meeting:
         self.served_store = None
 
 
+#: Worlds this process has joined through its launcher. Every rank creates its executors in
+#: the same order, so the count names the same world in every process and keeps the store keys
+#: of a later world (say, after a shutdown) apart from an earlier one's.
+_joined_worlds = itertools.count()
+
+
 def meet(launched: LaunchedRank, timeout_s: float) -> Meeting:
     """Agree on a rendezvous store with the other ranks.
 
@@ -127,7 +39,7 @@ def meet(launched: LaunchedRank, timeout_s: float) -> Meeting:
     given (``mpiexec -x MASTER_ADDR=... -x MASTER_PORT=...``); otherwise rank 0 serves a
     store on a port the OS chooses and MPI (mpi4py) tells every rank where it is.
     """
-    prefix = f"shardline/{launched.restart}/"
+    prefix = f"shardline/{launched.restart}/{next(_joined_worlds)}/"
     if launched.master_addr is not None and launched.master_port is not None:
         served = None
         if launched.rank == 0 and not launched.agent_store:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from shardline.comm.store import serve_store
 from shardline.config.schema import EngineConfig
-from shardline.errors import ConfigError, PeerLostError
+from shardline.errors import ConfigError, PeerLostError, WorkerError
 from shardline.interfaces import Executor
 from shardline.worker.setup import WorkerContext, WorkerSetup
 
@@ -21,6 +22,7 @@ class UniProcExecutor(Executor):
     """
 
     max_world_size = 1
+    enforces_deadlines = False
 
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel.world_size != 1:
@@ -58,9 +60,15 @@ class UniProcExecutor(Executor):
         try:
             future.set_result([function(*args, **(kwargs or {}))])
         except Exception as error:
+            failure = WorkerError(
+                str(error),
+                rank=0,
+                exc_type=type(error).__name__,
+                remote_traceback=traceback.format_exc(),
+            )
             if not non_block:
-                raise
-            future.set_exception(error)
+                raise failure from error
+            future.set_exception(failure)
         return future if non_block else future.result()
 
     def execute_model(self, scheduler_output: Any) -> Any:

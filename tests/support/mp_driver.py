@@ -6,8 +6,8 @@ import sys
 import time
 
 from shardline.config import load_config
+from shardline.conformance.executors.probe import rank_and_pid
 from shardline.registry import Registry
-from support.mp_helpers import rank_and_pid
 
 
 def main(model_path: str) -> None:

