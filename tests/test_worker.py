@@ -100,6 +100,7 @@ def test_every_tp_rank_samples_the_same_tokens(tiny_llama_dir):
 
 
 def test_runner_refuses_inconsistent_schedules(tiny_llama_dir):
+    from shardline.errors import WorkerError
     from shardline.worker.types import CachedRequest, NewRequest, SchedulerOutput
 
     executor = (
@@ -113,13 +114,14 @@ def test_runner_refuses_inconsistent_schedules(tiny_llama_dir):
             num_scheduled_tokens={"A": 8},
         )
         with pytest.raises(
-            ValueError, match=r"request 'A': 8 tokens need 2 cache blocks, the scheduler gave 1"
-        ):
+            WorkerError, match=r"request 'A': 8 tokens need 2 cache blocks, the scheduler gave 1"
+        ) as raised:
             executor.execute_model(too_few_blocks)
+        assert raised.value.exc_type == "ValueError" and raised.value.rank == 0
         unknown = SchedulerOutput(
             cached_requests=[CachedRequest("Z", [1], [], 0)], num_scheduled_tokens={"Z": 1}
         )
-        with pytest.raises(ValueError, match="continued request 'Z', which this rank never saw"):
+        with pytest.raises(WorkerError, match="continued request 'Z', which this rank never saw"):
             executor.execute_model(unknown)
     finally:
         executor.shutdown()
