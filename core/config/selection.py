@@ -6,6 +6,7 @@ Pure decisions over (config, registry, environment): used by validation, by
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -141,11 +142,39 @@ def _fit(component: Component, config: EngineConfig, control: bool) -> str | Non
 
 def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
     """The data-plane communicator, control-plane communicator and executor decisions."""
-    return [
-        choose_communicator(config, registry),
-        choose_communicator(config, registry, "parallel.control_communicator"),
-        choose_executor(config, registry, environ),
+    executor = choose_executor(config, registry, environ)
+    communicators = [
+        _check_launcher(choose_communicator(config, registry, field), executor, registry, environ)
+        for field in ("parallel.communicator", "parallel.control_communicator")
     ]
+    return [*communicators, executor]
+
+
+def _check_launcher(
+    decision: Decision, executor: Decision, registry: Registry, environ: Mapping[str, str]
+) -> Decision:
+    """A communicator whose ranks must come from a launcher (MPI: mpiexec) cannot run under
+    an executor that starts its own processes: refused here, with the reason."""
+    if decision.problem is not None:
+        return decision
+    capabilities = registry.get("communicator", decision.chosen, decision.field).capabilities
+    needed = capabilities.launcher if capabilities is not None else None
+    if needed is None:
+        return decision
+    launcher = detect_launcher(environ) or ""
+    if executor.chosen == "external_launcher" and launcher.startswith(needed):
+        return decision
+    why = (
+        f"the executor {executor.chosen!r} starts its own processes"
+        if executor.chosen != "external_launcher"
+        else f"this process was started by {launcher or 'no launcher'}"
+    )
+    return dataclasses.replace(
+        decision,
+        problem=f"{decision.field} = {decision.chosen!r} needs ranks started by {needed}, but "
+        f"{why}; allowed: start every rank with {needed} (executor external_launcher), or a "
+        "communicator any process can join (gloo)",
+    )
 
 
 def is_error(decision: Decision, config: EngineConfig) -> bool:

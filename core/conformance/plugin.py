@@ -123,6 +123,7 @@ class Conformance:
                 world_size,
                 CommunicatorSetup(self.name, self.timeout_s, self.allow),
                 call_timeout_s=self.timeout_s + 30.0,
+                launcher=self.capabilities.launcher,
             )
             self._worlds[world_size] = world
         try:
@@ -210,7 +211,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     for case in results:
         counts[case["outcome"]] = counts.get(case["outcome"], 0) + 1
     report = {"communicator": name, "summary": counts, "matrix": matrix, "cases": results}
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps(report, indent=1, default=str))
     session.config.stash[_REPORT_PATH] = str(path)
 
 

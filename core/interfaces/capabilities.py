@@ -27,6 +27,8 @@ class Capabilities:
     - ``same_host_only``: every rank of a group must run on one host.
     - ``async_p2p``: ``isend``/``irecv`` return before the peer posts the matching call, so
       two ranks may ``isend`` to each other and then ``irecv``. When False they may block.
+    - ``launcher``: the launcher that must start the ranks (``"mpiexec"`` for MPI); None:
+      any process can join through the rendezvous store.
     """
 
     devices: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
@@ -36,6 +38,7 @@ class Capabilities:
     max_world_size: int | None = None
     same_host_only: bool = True
     async_p2p: bool = False
+    launcher: str | None = None
 
     def unsupported_reason(
         self,

