@@ -81,6 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conformance.add_argument("--report", help="JSON report path")
 
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench_command", required=True
+    )
+    comm = bench.add_parser(
+        "comm",
+        help="time collectives and p2p of several communicators side by side",
+        description="OSU / nccl-tests style: sizes -b..-e by factor -f, warm-up and timed "
+        "iterations with a barrier before each, median over ranks, algorithm and bus bandwidth.",
+    )
+    comm.add_argument(
+        "--communicators", "-c", default="gloo", help="comma-separated names (default gloo)"
+    )
+    comm.add_argument("-n", "--ranks", type=int, default=2, help="ranks (default 2)")
+    comm.add_argument("-b", "--begin", default="4", help="smallest size (default 4)")
+    comm.add_argument("-e", "--end", default="16M", help="largest size (default 16M)")
+    comm.add_argument("-f", "--factor", type=int, default=4, help="size factor (default 4)")
+    comm.add_argument(
+        "--ops",
+        default="all_reduce,all_gather,reduce_scatter,broadcast,p2p",
+        help="comma-separated operations (default: all five)",
+    )
+    comm.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations (5)")
+    comm.add_argument("-i", "--iters", type=int, default=20, help="timed iterations (20)")
+    comm.add_argument("--dtype", default="float32", help="float32 (default), float16, ...")
+    comm.add_argument("--timeout", type=float, default=60.0, help="per-operation deadline (s)")
+    comm.add_argument("--json", help="write the results here")
+
     demo = with_config(
         commands.add_parser(
             "demo", help="start a world on this host and run checked, timed collectives"
@@ -96,7 +123,14 @@ def _load(args: argparse.Namespace) -> LoadedConfig:
 
 
 def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from shardline.cli import config_cmd, conformance_cmd, demo_cmd, explain_cmd, plugins_cmd
+    from shardline.cli import (
+        bench_cmd,
+        config_cmd,
+        conformance_cmd,
+        demo_cmd,
+        explain_cmd,
+        plugins_cmd,
+    )
 
     if args.command == "plugins":
         return plugins_cmd.run(_load(args).config)
@@ -113,6 +147,8 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         )
     if args.command == "conformance":
         return conformance_cmd.run(args, passthrough)
+    if args.command == "bench":
+        return bench_cmd.run(bench_cmd.settings_from(args), args.json)
     if args.command == "demo":
         return demo_cmd.run(_load(args), args.rounds, args.hidden)
     raise AssertionError(f"unhandled command {args.command}")

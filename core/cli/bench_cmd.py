@@ -1,0 +1,233 @@
+"""``shardline bench comm``: collective and point-to-point timings of several communicators
+side by side, after the OSU micro-benchmarks and nccl-tests methods.
+
+Sizes go from ``-b`` to ``-e`` by factor ``-f`` (bytes of the whole buffer: the all-reduced
+tensor, all-gather's output, reduce-scatter's input, the broadcast tensor, the p2p message).
+Each size runs ``--warmup`` untimed then ``--iters`` timed iterations, with a barrier before
+each (not timed). Per rank the median over iterations is kept; the table shows the median over
+ranks (and min / max over ranks in the JSON), algorithm bandwidth (bytes / time) and bus
+bandwidth (algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and reduce-scatter, x 1
+otherwise). p2p is the OSU latency: half a ping-pong between ranks 0 and 1.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardline.cli.table import render
+from shardline.errors import ConfigError
+from shardline.launch.comm_world import CommunicatorSetup, RankContext
+from shardline.launch.local_world import LocalWorld
+from shardline.registry import Registry
+
+OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    communicators: tuple[str, ...]
+    ranks: int
+    begin: int
+    end: int
+    factor: int
+    operations: tuple[str, ...]
+    warmup: int
+    iterations: int
+    dtype: str
+    timeout_s: float
+
+
+def parse_size(text: str, field: str) -> int:
+    """``4``, ``64K``, ``16M``, ``1G`` (powers of 1024) -> bytes; ConfigError otherwise."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    raw = text.strip().upper().removesuffix("B")
+    number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in units else (raw, "")
+    try:
+        value = int(number) * units[unit]
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{field} = {text!r}: expected a positive size such as 4, 64K or 16M")
+    return value
+
+
+def settings_from(args) -> BenchSettings:
+    """Validated settings from the command line; ConfigError names the bad option."""
+    operations = tuple(op.strip() for op in args.ops.split(",") if op.strip())
+    unknown = [op for op in operations if op not in OPERATIONS]
+    if unknown or not operations:
+        raise ConfigError(f"--ops = {args.ops!r}: allowed: {', '.join(OPERATIONS)}")
+    if args.ranks < 1 or args.factor < 2 or args.iters < 1 or args.warmup < 0:
+        raise ConfigError(
+            f"-n {args.ranks} -f {args.factor} -i {args.iters} -w {args.warmup}: allowed: "
+            "n >= 1, f >= 2, i >= 1, w >= 0"
+        )
+    begin, end = parse_size(args.begin, "-b"), parse_size(args.end, "-e")
+    if end < begin:
+        raise ConfigError(f"-e {args.end} is below -b {args.begin}")
+    if not hasattr(torch, args.dtype) or not isinstance(getattr(torch, args.dtype), torch.dtype):
+        raise ConfigError(f"--dtype = {args.dtype!r}: allowed: float32, float16, bfloat16, ...")
+    return BenchSettings(
+        communicators=tuple(c.strip() for c in args.communicators.split(",") if c.strip()),
+        ranks=args.ranks,
+        begin=begin,
+        end=end,
+        factor=args.factor,
+        operations=operations,
+        warmup=args.warmup,
+        iterations=args.iters,
+        dtype=args.dtype,
+        timeout_s=args.timeout,
+    )
+
+
+def sizes(settings: BenchSettings) -> list[int]:
+    result, size = [], settings.begin
+    while size <= settings.end:
+        result.append(size)
+        size *= settings.factor
+    return result
+
+
+def measure(
+    ctx: RankContext, operation: str, nbytes: int, dtype: str, warmup: int, iterations: int
+) -> float | None:
+    """This rank's median seconds for ``operation`` on ``nbytes`` (None: rank not involved)."""
+    comm = ctx.comm
+    torch_dtype = getattr(torch, dtype)
+    itemsize = torch.empty(0, dtype=torch_dtype).element_size()
+    count = max(1, nbytes // itemsize)
+    if operation in ("all_gather", "reduce_scatter"):
+        count = max(comm.world_size, count - count % comm.world_size)
+    if operation == "all_gather":
+        count //= comm.world_size
+    tensor = torch.ones(count, dtype=torch_dtype)
+    samples = []
+    for index in range(warmup + iterations):
+        comm.barrier()
+        start = time.perf_counter()
+        if operation == "all_reduce":
+            comm.all_reduce(tensor)
+        elif operation == "all_gather":
+            comm.all_gather(tensor)
+        elif operation == "reduce_scatter":
+            comm.reduce_scatter(tensor)
+        elif operation == "broadcast":
+            comm.broadcast(tensor, 0)
+        elif comm.rank == 0:
+            comm.send(tensor, 1)
+            comm.recv(tensor, 1)
+        elif comm.rank == 1:
+            comm.recv(tensor, 0)
+            comm.send(tensor, 0)
+        elapsed = time.perf_counter() - start
+        if index >= warmup:
+            samples.append(elapsed / 2 if operation == "p2p" else elapsed)
+    if operation == "p2p" and comm.rank > 1:
+        return None
+    return statistics.median(samples)
+
+
+def bus_factor(operation: str, ranks: int) -> float:
+    if operation == "all_reduce":
+        return 2 * (ranks - 1) / ranks
+    if operation in ("all_gather", "reduce_scatter"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def run(settings: BenchSettings, json_path: str | None) -> int:
+    registry = Registry.load()
+    for name in settings.communicators:
+        registry.get("communicator", name, "--communicators").load_available()
+    if "p2p" in settings.operations and settings.ranks < 2:
+        raise ConfigError("-n = 1 with p2p: p2p needs 2 ranks; allowed: -n 2 or more")
+    rows: list[dict] = []
+    progress = sys.stderr.isatty()  # a live progress line on a terminal only
+    plan = [(op, size) for op in settings.operations for size in sizes(settings)]
+    for name in settings.communicators:
+        capabilities = registry.get("communicator", name).capabilities
+        launcher = capabilities.launcher if capabilities is not None else None
+        with LocalWorld(
+            settings.ranks,
+            CommunicatorSetup(name, settings.timeout_s),
+            call_timeout_s=settings.timeout_s + 60,
+            launcher=launcher,
+        ) as world:
+            for done, (operation, nbytes) in enumerate(plan, 1):
+                if progress:
+                    line = f"{name}: {operation} {_human(nbytes)} ({done}/{len(plan)})"
+                    print(f"\r{line:<60}", end="", file=sys.stderr, flush=True)
+                per_rank = [
+                    t
+                    for t in world.run(
+                        measure,
+                        operation,
+                        nbytes,
+                        settings.dtype,
+                        settings.warmup,
+                        settings.iterations,
+                    )
+                    if t is not None
+                ]
+                median = statistics.median(per_rank)
+                algbw = nbytes / median / 1e9
+                rows.append(
+                    {
+                        "communicator": name,
+                        "operation": operation,
+                        "bytes": nbytes,
+                        "median_us": median * 1e6,
+                        "min_us": min(per_rank) * 1e6,
+                        "max_us": max(per_rank) * 1e6,
+                        "algbw_GBps": algbw,
+                        "busbw_GBps": algbw * bus_factor(operation, settings.ranks),
+                    }
+                )
+    if progress:
+        print(f"\r{'':<60}\r", end="", file=sys.stderr, flush=True)
+    print(_table(rows, settings))
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump({"settings": settings.__dict__, "results": rows}, handle, indent=1)
+    return 0
+
+
+def _table(rows: list[dict], settings: BenchSettings) -> str:
+    names = settings.communicators
+    by_key = {(r["communicator"], r["operation"], r["bytes"]): r for r in rows}
+    header = ["OPERATION", "SIZE"]
+    for name in names:
+        header += [f"{name} µs", f"{name} busbw GB/s"]
+    header += [f"{name}/{names[0]}" for name in names[1:]]
+    lines = []
+    for operation in settings.operations:
+        for nbytes in sizes(settings):
+            cells = [operation, _human(nbytes)]
+            first = by_key[(names[0], operation, nbytes)]["median_us"]
+            for name in names:
+                row = by_key[(name, operation, nbytes)]
+                cells += [f"{row['median_us']:.1f}", f"{row['busbw_GBps']:.3f}"]
+            cells += [
+                f"{by_key[(name, operation, nbytes)]['median_us'] / first:.2f}"
+                for name in names[1:]
+            ]
+            lines.append(tuple(cells))
+    title = (
+        f"{settings.ranks} ranks, {settings.dtype}, {settings.warmup} warm-up + "
+        f"{settings.iterations} timed iterations, median over ranks of per-rank medians"
+    )
+    return title + "\n" + render(tuple(header), lines)
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
