@@ -1,11 +1,12 @@
-"""The MPI communicator: mpi4py on CPU tensors, passed to MPI as numpy views (no copies for
+"""The MPI communicator: mpi4py on CPU tensors, handed to MPI as their memory (no copies for
 contiguous tensors).
 
 MPI has no deadlines, so every operation is a nonblocking MPI call completed by polling
-(spin, then yield, then short sleeps) until the group's deadline. float16 and bfloat16, which
-MPI does not know, travel as 16-bit words and are reduced by MPI user operations that add (or
-take max / min) in that dtype, as gloo does. Subgroups are communicator splits, preceded by a
-barrier with a deadline so a rank that never calls ``new_group`` cannot hang the others.
+(spin, then yield between tests, then short sleeps) until the group's deadline. float16 and
+bfloat16, which MPI does not know, travel as 16-bit words and are reduced by MPI user
+operations that add (or take max / min) in that dtype, as gloo does. Subgroups are
+communicator splits, preceded by a barrier with a deadline so a rank that never calls
+``new_group`` cannot hang the others.
 
 Ranks must be started by mpiexec (``capabilities.launcher``): importing mpi4py initializes
 MPI, and an OpenMPI singleton would leave a shared-memory segment behind.
@@ -33,8 +34,12 @@ from shardline.errors import (
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
 
 _P2P_TAG = 0
+# Polling is also what moves a nonblocking MPI operation forward: keep testing (spin, then
+# yield the CPU between tests) for as long as a large transfer takes; sleep only in a wait
+# long enough to be a silent peer, so an idle rank does not burn a core.
+_TESTS_PER_BURST = 32
 _SPIN_S = 50e-6
-_YIELD_S = 1e-3
+_YIELD_S = 0.1
 _MAX_SLEEP_S = 1e-3
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -92,6 +97,15 @@ class MpiCommunicator(Communicator):
         self._world_size = comm.Get_size()
         self._timeout_s = timeout_s
         self._user_ops = user_ops
+        mpi = self._mpi
+        self._datatypes = {
+            torch.float32: mpi.FLOAT,
+            torch.float64: mpi.DOUBLE,
+            torch.int32: mpi.INT32_T,
+            torch.int64: mpi.INT64_T,
+            torch.uint8: mpi.UINT8_T,
+        }
+        self._operations = {ReduceOp.SUM: mpi.SUM, ReduceOp.MAX: mpi.MAX, ReduceOp.MIN: mpi.MIN}
 
     # ---- identity ----------------------------------------------------------------------------
 
@@ -114,15 +128,18 @@ class MpiCommunicator(Communicator):
     # ---- collectives -------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        result = tensor.clone(memory_format=torch.contiguous_format)
-        if result.numel() == 0 or self._world_size == 1:
-            return result
+        if tensor.numel() == 0 or self._world_size == 1:
+            return tensor.clone(memory_format=torch.contiguous_format)
+        source = tensor.contiguous()
+        result = torch.empty_like(source)
         datatype, mpi_op = self._reduction(result.dtype, ReduceOp(op))
         self._complete(
             "all_reduce",
             self._call(
                 "all_reduce",
-                lambda c: c.Iallreduce(self._mpi.IN_PLACE, [_words(result), datatype], mpi_op),
+                lambda c: c.Iallreduce(
+                    [_memory(source), datatype], [_memory(result), datatype], mpi_op
+                ),
             ),
         )
         return result
@@ -137,7 +154,7 @@ class MpiCommunicator(Communicator):
             self._call(
                 "all_gather",
                 lambda c: c.Iallgather(
-                    [_bytes(source), self._mpi.BYTE], [_bytes(output), self._mpi.BYTE]
+                    [_memory(source), self._mpi.BYTE], [_memory(output), self._mpi.BYTE]
                 ),
             ),
         )
@@ -162,7 +179,7 @@ class MpiCommunicator(Communicator):
             self._call(
                 "reduce_scatter",
                 lambda c: c.Ireduce_scatter_block(
-                    [_words(send), datatype], [_words(output), datatype], mpi_op
+                    [_memory(send), datatype], [_memory(output), datatype], mpi_op
                 ),
             ),
         )
@@ -177,11 +194,11 @@ class MpiCommunicator(Communicator):
         output = (
             torch.empty((self._world_size, *source.shape), dtype=source.dtype) if is_root else None
         )
-        receive = [_bytes(output), self._mpi.BYTE] if is_root else None
+        receive = [_memory(output), self._mpi.BYTE] if is_root else None
         self._complete(
             "gather",
             self._call(
-                "gather", lambda c: c.Igather([_bytes(source), self._mpi.BYTE], receive, root=dst)
+                "gather", lambda c: c.Igather([_memory(source), self._mpi.BYTE], receive, root=dst)
             ),
         )
         return torch.cat(list(output), dim=dim) if is_root else None
@@ -193,7 +210,9 @@ class MpiCommunicator(Communicator):
         buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
         self._complete(
             "broadcast",
-            self._call("broadcast", lambda c: c.Ibcast([_bytes(buffer), self._mpi.BYTE], root=src)),
+            self._call(
+                "broadcast", lambda c: c.Ibcast([_memory(buffer), self._mpi.BYTE], root=src)
+            ),
         )
         if buffer is not tensor:
             tensor.copy_(buffer)
@@ -217,7 +236,7 @@ class MpiCommunicator(Communicator):
         if payload.numel() == 0:
             return OnceWork(lambda timeout: None, lambda: True)
         request = self._call(
-            "send", lambda c: c.Isend([_bytes(payload), self._mpi.BYTE], dst, _P2P_TAG)
+            "send", lambda c: c.Isend([_memory(payload), self._mpi.BYTE], dst, _P2P_TAG)
         )
         return self._work("send", request, result=None, keep_alive=[payload])
 
@@ -232,7 +251,7 @@ class MpiCommunicator(Communicator):
             else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         )
         request = self._call(
-            "recv", lambda c: c.Irecv([_bytes(buffer), self._mpi.BYTE], src, _P2P_TAG)
+            "recv", lambda c: c.Irecv([_memory(buffer), self._mpi.BYTE], src, _P2P_TAG)
         )
         copy_back = (lambda: tensor.copy_(buffer)) if buffer is not tensor else None
         return self._work("recv", request, result=tensor, keep_alive=[buffer], after=copy_back)
@@ -276,15 +295,18 @@ class MpiCommunicator(Communicator):
             raise self._translate(op, error) from error
 
     def _complete(self, op: str, request: Any, timeout: float | None = None) -> None:
-        """Poll ``request`` until done, or raise CommTimeoutError at the deadline."""
+        """Poll ``request`` until done, or raise CommTimeoutError at the deadline. Tests come
+        in bursts (each one also moves the operation forward); between bursts the wait spins,
+        then yields the CPU, then sleeps."""
         seconds = self._timeout_s if timeout is None else timeout
         start = time.monotonic()
         deadline = start + seconds
         sleep = 20e-6
         while True:
             try:
-                if request.Test():
-                    return
+                for _ in range(_TESTS_PER_BURST):
+                    if request.Test():
+                        return
             except self._mpi.Exception as error:
                 raise self._translate(op, error) from error
             now = time.monotonic()
@@ -327,17 +349,9 @@ class MpiCommunicator(Communicator):
             if key not in self._user_ops:
                 self._user_ops[key] = mpi.Op.Create(_half_reduction(dtype, op), commute=True)
             return mpi.UINT16_T, self._user_ops[key]
-        datatypes = {
-            torch.float32: mpi.FLOAT,
-            torch.float64: mpi.DOUBLE,
-            torch.int32: mpi.INT32_T,
-            torch.int64: mpi.INT64_T,
-            torch.uint8: mpi.UINT8_T,
-        }
-        if dtype not in datatypes:
+        if dtype not in self._datatypes:
             raise BackendUnavailableError(f"mpi cannot reduce dtype {dtype}")
-        operations = {ReduceOp.SUM: mpi.SUM, ReduceOp.MAX: mpi.MAX, ReduceOp.MIN: mpi.MIN}
-        return datatypes[dtype], operations[op]
+        return self._datatypes[dtype], self._operations[op]
 
     def _translate(self, op: str, error: Exception) -> CommunicationError:
         where = f"mpi {op} on rank {self._rank} of {self._world_size}"
@@ -351,17 +365,10 @@ class MpiCommunicator(Communicator):
             raise ValueError(f"{op}: rank {peer} is not in this group of {self._world_size}")
 
 
-def _bytes(tensor: torch.Tensor):
-    """A writable numpy byte view of a contiguous CPU tensor (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-def _words(tensor: torch.Tensor):
-    """A numpy view in the tensor's own element type; 16-bit floats as uint16 words."""
-    flat = tensor.reshape(-1)
-    if flat.dtype in _HALF_DTYPES:
-        return flat.view(torch.int16).numpy()
-    return flat.numpy()
+def _memory(tensor: torch.Tensor):
+    """MPI memory over a contiguous CPU tensor's bytes (no copy; the caller keeps the tensor
+    alive until the operation completes)."""
+    return _mpi().buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
 def _half_reduction(dtype: torch.dtype, op: ReduceOp):
