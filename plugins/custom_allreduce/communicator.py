@@ -1,0 +1,349 @@
+"""A shared-memory all-reduce for the ranks of one host, layered over a base communicator that
+does everything else.
+
+Each group maps one segment: a flag area (one 64-byte line per rank and phase) and, per rank,
+an input slot of ``slot_bytes``, plus a result area of the same size. An all-reduce takes the
+shared path only when every rank of the group is on this host (host identities exchanged at
+creation: host name and kernel boot id), the tensor fits a slot and lives on the CPU; anything
+else, and every other operation, goes to the base communicator.
+
+- One shot (small tensors): each rank copies its input to its slot, announces it, waits for
+  all, then reduces all slots itself, in rank order, so every rank gets the same bits.
+- Two shots (large tensors): after the same copy, rank r reduces only chunk r (in rank order)
+  into the result area; after a second announcement every rank copies the whole result.
+
+Every rank then announces that it is done reading, and the next call waits for that before
+overwriting its slot. Waits spin, then yield (several ranks per core stay in tens of µs),
+and end at the group's deadline with ``CommTimeoutError``. The segment is created 0600 and
+unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm even when a rank
+is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from shardline_custom_allreduce.plugin import CUSTOM_AR_CAPABILITIES, CUSTOM_AR_MPI_CAPABILITIES
+
+from shardline.errors import CommTimeoutError, CommunicationError
+from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
+from shardline.registry import Registry
+
+#: Inputs up to this size take the one-shot path; larger ones are split over the ranks.
+ONE_SHOT_MAX_BYTES = 256 << 10
+#: Per-rank slot (and result area) size: the largest tensor taken over from the base.
+SLOT_BYTES = 32 << 20
+_LINE = 64  # bytes per flag: one cache line, so ranks never write the same line
+_PHASES = 3  # inputs written, chunks reduced, done reading
+_SPIN_S = 20e-6
+_YIELD_S = 0.05
+_MAX_SLEEP_S = 1e-3
+_COMBINE = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum,
+}
+
+
+def host_identity() -> str:
+    """This host: its name and the kernel's boot id (two containers can share a name)."""
+    boot_id = ""
+    with contextlib.suppress(OSError):
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+class CustomAllReduceBackend(CommunicatorBackend):
+    """Builds the base communicator's world (``base``, a registered name) and layers the
+    shared-memory all-reduce over it. Subclass and set ``base`` for another base."""
+
+    name = "custom_ar"
+    capabilities = CUSTOM_AR_CAPABILITIES
+    base = "gloo"
+
+    def init_world(
+        self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float
+    ) -> CustomAllReduceCommunicator:
+        base_backend = Registry.load().get("communicator", self.base).load_available()()
+        base = base_backend.init_world(rank, world_size, rendezvous.with_prefix("base"), timeout_s)
+        return CustomAllReduceCommunicator.create(base)
+
+
+class CustomAllReduceCommunicator(Communicator):
+    """The shared-memory all-reduce over ``base`` (see the module docstring)."""
+
+    def __init__(self, base: Communicator, segment: _Segment | None) -> None:
+        super().__init__()
+        self.base = base
+        self._segment = segment
+        self._calls = 0
+
+    @classmethod
+    def create(cls, base: Communicator) -> CustomAllReduceCommunicator:
+        """Collective over ``base``: exchange host identities; on one host, map a segment."""
+        hosts = [base.broadcast_object(host_identity(), src) for src in range(base.world_size)]
+        if base.world_size == 1 or len(set(hosts)) > 1:
+            return cls(base, None)
+        segment, announced = None, None
+        if base.rank == 0:  # create (full size) before anyone may map it
+            try:
+                segment = _Segment.open(
+                    f"shardline-ar-{secrets.token_hex(8)}", 0, base.world_size, create=True
+                )
+                announced = segment.name
+            except OSError as error:
+                announced = error
+        announced = base.broadcast_object(announced, 0)
+        if isinstance(announced, BaseException):
+            raise CommunicationError(
+                f"custom_ar: rank 0 could not create the shared segment: {announced}",
+                op="new_group",
+                rank=base.rank,
+            )
+        if segment is None:
+            segment = _Segment.open(announced, base.rank, base.world_size, create=False)
+        try:
+            base.barrier()  # everyone has mapped it: the name can go
+        finally:
+            segment.unlink()
+        return cls(base, segment)
+
+    # ---- identity ----------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.base.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.base.world_size
+
+    @property
+    def capabilities(self):
+        return CUSTOM_AR_CAPABILITIES
+
+    @property
+    def timeout_s(self) -> float:
+        return self.base.timeout_s
+
+    @property
+    def shared(self) -> bool:
+        """Whether all-reduces can take the shared-memory path (one host, world > 1)."""
+        return self._segment is not None
+
+    # ---- the shared-memory all-reduce -----------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            self._segment is None
+            or tensor.device.type != "cpu"
+            or nbytes == 0
+            or nbytes > SLOT_BYTES
+        ):
+            return self.base.all_reduce(tensor, op)
+        segment, n, rank = self._segment, self.world_size, self.rank
+        combine = _COMBINE[ReduceOp(op)]
+        self._calls += 1
+        call = self._calls
+        # The previous call's readers must be done before this rank's slot is overwritten.
+        self._wait_all(2, call - 1, "all_reduce")
+        count = tensor.numel()
+        segment.slot(rank, tensor.dtype, count).copy_(tensor.reshape(-1))
+        segment.announce(0, rank, call)
+        self._wait_all(0, call, "all_reduce")
+        if nbytes <= ONE_SHOT_MAX_BYTES:
+            result = segment.slot(0, tensor.dtype, count).clone()
+            for peer in range(1, n):
+                combine(result, segment.slot(peer, tensor.dtype, count), out=result)
+        else:
+            start, stop = _chunk(count, n, rank)
+            if stop > start:
+                part = segment.result(tensor.dtype, count)[start:stop]
+                part.copy_(segment.slot(0, tensor.dtype, count)[start:stop])
+                for peer in range(1, n):
+                    combine(part, segment.slot(peer, tensor.dtype, count)[start:stop], out=part)
+            segment.announce(1, rank, call)
+            self._wait_all(1, call, "all_reduce")
+            result = segment.result(tensor.dtype, count).clone()
+        segment.announce(2, rank, call)
+        return result.reshape(tensor.shape)
+
+    def _wait_all(self, phase: int, call: int, op: str) -> None:
+        """Wait until every rank announced ``phase`` of ``call`` (spin, yield, then sleep)."""
+        segment = self._segment
+        if segment.all_at(phase, call):
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        sleep = 20e-6
+        while not segment.all_at(phase, call):
+            now = time.monotonic()
+            if now >= deadline:
+                late = segment.ranks_before(phase, call)
+                raise CommTimeoutError(
+                    f"custom_ar {op} on rank {self.rank} of {self.world_size}: ranks {late} "
+                    f"did not arrive within {self.timeout_s:g} s",
+                    op=op,
+                    rank=self.rank,
+                )
+            if now - start < _SPIN_S:
+                continue
+            if now - start < _YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _MAX_SLEEP_S)
+
+    # ---- everything else: the base communicator ---------------------------------------------
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return self.base.all_gather(tensor, dim)
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, dim: int = 0, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        return self.base.reduce_scatter(tensor, dim, op)
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = 0) -> torch.Tensor | None:
+        return self.base.gather(tensor, dst, dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self.base.broadcast(tensor, src)
+
+    def barrier(self) -> None:
+        self.base.barrier()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.base.send(tensor, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.base.recv(tensor, src)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        return self.base.isend(tensor, dst)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        return self.base.irecv(tensor, src)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.base.broadcast_object(obj, src)
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        self.base.send_object(obj, dst)
+
+    def recv_object(self, src: int) -> Any:
+        return self.base.recv_object(src)
+
+    def send_tensor_dict(self, tensor_dict: dict[str, Any], dst: int) -> None:
+        self.base.send_tensor_dict(tensor_dict, dst)
+
+    def recv_tensor_dict(self, src: int, device: str | None = None) -> dict[str, Any]:
+        return self.base.recv_tensor_dict(src, device)
+
+    def isend_tensor_dict(self, tensor_dict: dict[str, Any], dst: int) -> Work:
+        return self.base.isend_tensor_dict(tensor_dict, dst)
+
+    def irecv_tensor_dict(self, src: int, device: str | None = None) -> Work:
+        return self.base.irecv_tensor_dict(src, device)
+
+    def new_group(
+        self, ranks: list[int], timeout_s: float | None = None
+    ) -> CustomAllReduceCommunicator | None:
+        group = self.base.new_group(ranks, timeout_s)
+        return None if group is None else CustomAllReduceCommunicator.create(group)
+
+    def close(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
+        self.base.close()
+
+
+def _chunk(count: int, parts: int, index: int) -> tuple[int, int]:
+    """Element range of part ``index`` when ``count`` elements are split in ``parts``."""
+    size = -(-count // parts)
+    return min(count, index * size), min(count, (index + 1) * size)
+
+
+class _Segment:
+    """The mapped shared memory of one group: flags, ``world_size`` slots, a result area."""
+
+    def __init__(self, path: Path, fd: int, memory: mmap.mmap, world_size: int) -> None:
+        self._path = path
+        self._fd = fd
+        self._memory = memory
+        self._world_size = world_size
+        self._flags = memoryview(memory)[: _PHASES * world_size * _LINE].cast("q")
+        self._data = _PHASES * world_size * _LINE
+        self._stride = _LINE // 8
+
+    @classmethod
+    def open(cls, name: str, rank: int, world_size: int, create: bool) -> _Segment:
+        path = Path("/dev/shm") / name
+        size = _PHASES * world_size * _LINE + (world_size + 1) * SLOT_BYTES
+        if create:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)  # sparse: pages appear only when written
+            except OSError:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+        else:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as error:
+                raise CommunicationError(
+                    f"custom_ar: rank {rank} cannot open the group's segment {path}: {error}",
+                    op="new_group",
+                    rank=rank,
+                ) from error
+        return cls(path, fd, mmap.mmap(fd, size), world_size)
+
+    @property
+    def name(self) -> str:
+        return self._path.name
+
+    def unlink(self) -> None:
+        self._path.unlink(missing_ok=True)
+
+    def slot(self, rank: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+        offset = self._data + rank * SLOT_BYTES
+        return torch.frombuffer(self._memory, dtype=dtype, count=count, offset=offset)
+
+    def result(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        return self.slot(self._world_size, dtype, count)
+
+    def announce(self, phase: int, rank: int, call: int) -> None:
+        self._flags[(phase * self._world_size + rank) * self._stride] = call
+
+    def all_at(self, phase: int, call: int) -> bool:
+        flags, base, stride = self._flags, phase * self._world_size * self._stride, self._stride
+        return all(flags[base + r * stride] >= call for r in range(self._world_size))
+
+    def ranks_before(self, phase: int, call: int) -> list[int]:
+        base = phase * self._world_size * self._stride
+        return [r for r in range(self._world_size) if self._flags[base + r * self._stride] < call]
+
+    def close(self) -> None:
+        self._flags.release()
+        with contextlib.suppress(BufferError):
+            self._memory.close()
+        os.close(self._fd)
+
+
+class CustomAllReduceOverMpi(CustomAllReduceBackend):
+    """The shared-memory all-reduce over the MPI communicator (ranks started by mpiexec)."""
+
+    name = "custom_ar_mpi"
+    capabilities = CUSTOM_AR_MPI_CAPABILITIES
+    base = "mpi"
