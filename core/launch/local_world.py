@@ -31,6 +31,7 @@ from typing import Any
 from shardline.comm.store import serve_store
 from shardline.errors import CommTimeoutError, PeerLostError, WorkerError
 from shardline.interfaces.communicator_backend import Rendezvous
+from shardline.launch.threads import share_cores
 
 _STOP = "stop"
 _JOIN_GRACE_S = 5.0
@@ -243,6 +244,7 @@ def serve_rank(
     """Body of a rank process: set up, report, then serve calls until told to stop (or
     until the connection closes, or the parent process is gone)."""
     parent = os.getppid()
+    share_cores(world_size)
     try:
         context = setup(rank, world_size, rendezvous)
     except BaseException as error:

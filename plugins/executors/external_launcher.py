@@ -34,6 +34,7 @@ from shardline.errors import (
 )
 from shardline.interfaces import Executor
 from shardline.launch.launcher_env import LaunchedRank
+from shardline.launch.threads import share_cores
 from shardline.worker.setup import WorkerContext, WorkerSetup
 from shardline_executors.launch_env import Meeting, meet
 
@@ -60,6 +61,7 @@ class ExternalLauncherExecutor(Executor):
                 "allowed: launch exactly that many processes, or change the layout",
                 field="parallel",
             )
+        share_cores(launched.local_world_size)
         self.rank = launched.rank
         self.world_size = launched.world_size
         self.launcher = launched.launcher

@@ -20,6 +20,7 @@ import cloudpickle
 
 from shardline.config.schema import EngineConfig
 from shardline.interfaces.communicator_backend import Rendezvous
+from shardline.launch.threads import share_cores
 from shardline.worker.setup import WorkerSetup
 from shardline_executors.mp_protocol import Call, Failure, Phase, Reply
 from shardline_executors.shm_ring import RingHandle, ShmRing
@@ -38,6 +39,7 @@ def worker_main(
     parent_pid: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    share_cores(world_size)
     segments = [calls.name, replies.name]
     threading.Thread(target=_exit_with_parent, args=(parent_pid, segments), daemon=True).start()
     inbox = ShmRing.attach(calls)

@@ -1,0 +1,39 @@
+"""Rank functions for the custom all-reduce tests (module level: they travel to rank
+processes by name)."""
+
+import os
+import time
+
+import torch
+
+from shardline.errors import CommTimeoutError
+
+
+def paths_and_results(ctx, count: int, dtype: str):
+    """Whether the shared path is on, and all-reduce results (sum, max) of rank-dependent
+    inputs of ``count`` elements (one-shot below 256 KiB, two-shot above)."""
+    comm = ctx.comm
+    torch_dtype = getattr(torch, dtype)
+    values = (torch.arange(count) % 7 + comm.rank).to(torch_dtype)
+    return comm.shared, comm.all_reduce(values), comm.all_reduce(values, "max")
+
+
+def segments_while_mapped(ctx):
+    comm = ctx.comm
+    comm.all_reduce(torch.ones(8))
+    return comm.shared, sorted(n for n in os.listdir("/dev/shm") if n.startswith("shardline-ar"))
+
+
+def die_in_all_reduce(ctx, victim: int):
+    """``victim`` exits abruptly; the others must get CommTimeoutError within the deadline."""
+    comm = ctx.comm
+    group = comm.new_group(list(range(comm.world_size)), timeout_s=1.5)
+    group.all_reduce(torch.ones(4))
+    if comm.rank == victim:
+        os._exit(9)
+    start = time.monotonic()
+    try:
+        group.all_reduce(torch.ones(4))
+    except CommTimeoutError:
+        return time.monotonic() - start
+    raise AssertionError("all_reduce returned although a rank was gone")

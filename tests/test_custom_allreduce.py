@@ -1,0 +1,61 @@
+"""The custom all-reduce: the whole conformance suite at world sizes 1-4, the shared path
+taken on one host for one-shot and two-shot sizes, and no /dev/shm segment left, not even
+while the world runs or after a rank is killed."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from shardline.errors import PeerLostError
+from shardline.launch.comm_world import CommunicatorSetup
+from shardline.launch.local_world import LocalWorld
+from support import allreduce_checks
+from support.cli import shardline
+
+SUITE_TIMEOUT = 900
+
+
+def _segments():
+    return {name for name in os.listdir("/dev/shm") if name.startswith("shardline-ar")}
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT + 60)
+def test_custom_ar_passes_the_whole_suite(tmp_path):
+    report_path = tmp_path / "custom_ar.json"
+    result = shardline(
+        "conformance", "custom_ar", "--report", str(report_path), timeout=SUITE_TIMEOUT
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["summary"] == {"passed": report["summary"]["passed"]}
+    assert report["summary"]["passed"] > 1000
+    assert {case["world_size"] for case in report["cases"]} == {1, 2, 3, 4}
+    assert _segments() == set()
+
+
+@pytest.mark.timeout(180)
+def test_shared_path_one_shot_and_two_shot():
+    with LocalWorld(3, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
+        for count, dtype in ((5, "float32"), (1000, "bfloat16"), ((1 << 20) + 3, "float32")):
+            results = world.run(allreduce_checks.paths_and_results, count, dtype)
+            inputs = [(torch.arange(count) % 7 + r).to(getattr(torch, dtype)) for r in range(3)]
+            expected_sum = torch.stack(inputs).sum(0).to(getattr(torch, dtype))
+            expected_max = torch.stack(inputs).amax(0)
+            for shared, total, largest in results:
+                assert shared
+                assert torch.equal(total, expected_sum) and torch.equal(largest, expected_max)
+        shared, names = world.run(allreduce_checks.segments_while_mapped)[0]
+        assert shared and names == []  # unlinked as soon as every rank mapped it
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_rank_leaves_no_segment():
+    world = LocalWorld(3, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=60)
+    try:
+        with pytest.raises(PeerLostError, match="rank 2"):
+            world.run(allreduce_checks.die_in_all_reduce, 2)
+    finally:
+        world.close()
+    assert _segments() == set()
