@@ -4,10 +4,12 @@ side by side, after the OSU micro-benchmarks and nccl-tests methods.
 Sizes go from ``-b`` to ``-e`` by factor ``-f`` (bytes of the whole buffer: the all-reduced
 tensor, all-gather's output, reduce-scatter's input, the broadcast tensor, the p2p message).
 Each size runs ``--warmup`` untimed then ``--iters`` timed iterations, with a barrier before
-each (not timed). Per rank the median over iterations is kept; the table shows the median over
-ranks (and min / max over ranks in the JSON), algorithm bandwidth (bytes / time) and bus
-bandwidth (algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and reduce-scatter, x 1
-otherwise). p2p is the OSU latency: half a ping-pong between ranks 0 and 1.
+each (not timed). An iteration's time runs from the last rank's start to the last rank's end
+(ranks of a local world share the host's clock), so the skew with which ranks leave the
+barrier is not counted; the table shows the median over iterations (min / max in the JSON),
+algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)/n for all-reduce,
+x (n-1)/n for all-gather and reduce-scatter, x 1 otherwise). p2p is the OSU latency: half a
+ping-pong between ranks 0 and 1.
 """
 
 from __future__ import annotations
@@ -97,8 +99,10 @@ def sizes(settings: BenchSettings) -> list[int]:
 
 def measure(
     ctx: RankContext, operation: str, nbytes: int, dtype: str, warmup: int, iterations: int
-) -> float | None:
-    """This rank's median seconds for ``operation`` on ``nbytes`` (None: rank not involved)."""
+) -> list[tuple[float, float]] | None:
+    """This rank's (start, end) ``time.monotonic()`` pair per timed iteration of
+    ``operation`` on ``nbytes`` (None: rank not involved). The clock is the host's, shared by
+    the ranks of a local world."""
     comm = ctx.comm
     torch_dtype = getattr(torch, dtype)
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
@@ -111,7 +115,7 @@ def measure(
     samples = []
     for index in range(warmup + iterations):
         comm.barrier()
-        start = time.perf_counter()
+        start = time.monotonic()
         if operation == "all_reduce":
             comm.all_reduce(tensor)
         elif operation == "all_gather":
@@ -126,12 +130,20 @@ def measure(
         elif comm.rank == 1:
             comm.recv(tensor, 0)
             comm.send(tensor, 0)
-        elapsed = time.perf_counter() - start
         if index >= warmup:
-            samples.append(elapsed / 2 if operation == "p2p" else elapsed)
-    if operation == "p2p" and comm.rank > 1:
-        return None
-    return statistics.median(samples)
+            samples.append((start, time.monotonic()))
+    return None if operation == "p2p" and comm.rank > 1 else samples
+
+
+def collective_times(per_rank: list[list[tuple[float, float]]], operation: str) -> list[float]:
+    """Seconds per iteration: from the last rank's start to the last rank's end (the skew of
+    the barrier before it is not the collective's); p2p: half of rank 0's round trip."""
+    if operation == "p2p":
+        return [(end - start) / 2 for start, end in per_rank[0]]
+    return [
+        max(end for _, end in pairs) - max(start for start, _ in pairs)
+        for pairs in zip(*per_rank, strict=True)
+    ]
 
 
 def bus_factor(operation: str, ranks: int) -> float:
@@ -165,8 +177,8 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
                     line = f"{name}: {operation} {_human(nbytes)} ({done}/{len(plan)})"
                     print(f"\r{line:<60}", end="", file=sys.stderr, flush=True)
                 per_rank = [
-                    t
-                    for t in world.run(
+                    samples
+                    for samples in world.run(
                         measure,
                         operation,
                         nbytes,
@@ -174,9 +186,10 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
                         settings.warmup,
                         settings.iterations,
                     )
-                    if t is not None
+                    if samples is not None
                 ]
-                median = statistics.median(per_rank)
+                times = collective_times(per_rank, operation)
+                median = statistics.median(times)
                 algbw = nbytes / median / 1e9
                 rows.append(
                     {
@@ -184,8 +197,8 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
                         "operation": operation,
                         "bytes": nbytes,
                         "median_us": median * 1e6,
-                        "min_us": min(per_rank) * 1e6,
-                        "max_us": max(per_rank) * 1e6,
+                        "min_us": min(times) * 1e6,
+                        "max_us": max(times) * 1e6,
                         "algbw_GBps": algbw,
                         "busbw_GBps": algbw * bus_factor(operation, settings.ranks),
                     }
@@ -221,7 +234,8 @@ def _table(rows: list[dict], settings: BenchSettings) -> str:
             lines.append(tuple(cells))
     title = (
         f"{settings.ranks} ranks, {settings.dtype}, {settings.warmup} warm-up + "
-        f"{settings.iterations} timed iterations, median over ranks of per-rank medians"
+        f"{settings.iterations} timed iterations; median time from the last rank's start to the "
+        "last rank's end"
     )
     return title + "\n" + render(tuple(header), lines)
 
