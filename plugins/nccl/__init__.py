@@ -1,0 +1,1 @@
+"""Shardline's NCCL communicator (torch.distributed NCCL process groups)."""
