@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardline.comm.arguments import check_peer, group_ranks
 from shardline.comm.work import OnceWork
 from shardline.errors import CommTimeoutError, CommunicationError, PeerLostError
 from shardline.interfaces import Capabilities, Communicator, ReduceOp, Work
@@ -218,12 +219,7 @@ class ProcessGroupCommunicator(Communicator):
     def new_group(
         self, ranks: list[int], timeout_s: float | None = None
     ) -> ProcessGroupCommunicator | None:
-        ranks = list(ranks)
-        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self._world_size for r in ranks):
-            raise ValueError(
-                f"new_group ranks must be distinct ranks of this group (0..{self._world_size - 1}),"
-                f" got {ranks}"
-            )
+        ranks = group_ranks(ranks, self._world_size)
         self._groups_created += 1
         if self._rank not in ranks:
             return None
@@ -287,8 +283,7 @@ class ProcessGroupCommunicator(Communicator):
         return CommunicationError(f"{where}: {text}", op=op, rank=self._rank)
 
     def _check_peer(self, peer: int, op: str) -> None:
-        if not 0 <= peer < self._world_size:
-            raise ValueError(f"{op}: rank {peer} is not in this group of {self._world_size}")
+        check_peer(peer, self._world_size, op)
 
 
 def _check_divisible(tensor: torch.Tensor, dim: int, world_size: int) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from shardline_custom_allreduce.plugin import CUSTOM_AR_CAPABILITIES, CUSTOM_AR_MPI_CAPABILITIES
 
+from shardline.comm.waiting import wait_until
 from shardline.errors import CommTimeoutError, CommunicationError
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
 from shardline.registry import Registry
@@ -44,9 +45,7 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 SLOT_BYTES = 32 << 20
 _LINE = 64  # bytes per flag: one cache line, so ranks never write the same line
 _PHASES = 3  # inputs written, chunks reduced, done reading
-_SPIN_S = 20e-6
-_YIELD_S = 0.05
-_MAX_SLEEP_S = 1e-3
+_YIELD_S = 0.05  # keep the CPU (yielding) this long in a wait before sleeping
 _NUMPY_COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
 #: dtypes numpy has (bfloat16 is not among them and takes the torch path).
 _NUMPY_DTYPES = {
@@ -206,28 +205,20 @@ class CustomAllReduceCommunicator(Communicator):
     def _wait_all(self, phase: int, call: int, op: str) -> None:
         """Wait until every rank announced ``phase`` of ``call`` (spin, yield, then sleep)."""
         segment = self._segment
-        if segment.all_at(phase, call):
-            return
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        sleep = 20e-6
-        while not segment.all_at(phase, call):
-            now = time.monotonic()
-            if now >= deadline:
-                late = segment.ranks_before(phase, call)
-                raise CommTimeoutError(
-                    f"custom_ar {op} on rank {self.rank} of {self.world_size}: ranks {late} "
-                    f"did not arrive within {self.timeout_s:g} s",
-                    op=op,
-                    rank=self.rank,
-                )
-            if now - start < _SPIN_S:
-                continue
-            if now - start < _YIELD_S:
-                os.sched_yield()
-                continue
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _MAX_SLEEP_S)
+        try:
+            wait_until(
+                lambda: segment.all_at(phase, call),
+                time.monotonic() + self.timeout_s,
+                f"custom_ar {op}",
+                yield_for_s=_YIELD_S,
+            )
+        except CommTimeoutError as error:
+            raise CommTimeoutError(
+                f"custom_ar {op} on rank {self.rank} of {self.world_size}: ranks "
+                f"{segment.ranks_before(phase, call)} did not arrive within {self.timeout_s:g} s",
+                op=op,
+                rank=self.rank,
+            ) from error
 
     # ---- everything else: the base communicator ---------------------------------------------
 

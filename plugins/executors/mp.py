@@ -27,13 +27,13 @@ from typing import Any
 import cloudpickle
 
 from shardline.comm.store import serve_store
+from shardline.comm.waiting import wait_until
 from shardline.config.schema import EngineConfig
 from shardline.errors import CommTimeoutError, PeerLostError, ShardlineError, WorkerError
 from shardline.interfaces import Executor
 from shardline_executors.mp_protocol import PHASES, Call, Failure, Phase, Reply
 from shardline_executors.mp_worker import worker_main
 from shardline_executors.shm_ring import ShmRing
-from shardline_executors.waiting import wait_until
 
 _JOIN_S = 5.0
 

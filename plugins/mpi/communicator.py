@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from shardline_mpi.plugin import MPI_CAPABILITIES
 
+from shardline.comm.arguments import check_peer, group_ranks
+from shardline.comm.waiting import wait_until
 from shardline.comm.work import OnceWork
 from shardline.errors import (
     BackendUnavailableError,
@@ -34,13 +36,11 @@ from shardline.errors import (
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
 
 _P2P_TAG = 0
-# Polling is also what moves a nonblocking MPI operation forward: keep testing (spin, then
-# yield the CPU between tests) for as long as a large transfer takes; sleep only in a wait
-# long enough to be a silent peer, so an idle rank does not burn a core.
-_TESTS_PER_BURST = 32
-_SPIN_S = 50e-6
+# Polling is also what moves a nonblocking MPI operation forward: keep testing, yielding the
+# CPU between tests, for as long as a large transfer takes; sleep only in a wait long enough
+# to be a silent peer, so an idle rank does not burn a core.
 _YIELD_S = 0.1
-_MAX_SLEEP_S = 1e-3
+_TESTS_PER_CHECK = 16  # tests in a row between the wait's yields: progress for large transfers
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -259,12 +259,7 @@ class MpiCommunicator(Communicator):
     # ---- groups and lifetime ---------------------------------------------------------------------
 
     def new_group(self, ranks: list[int], timeout_s: float | None = None) -> MpiCommunicator | None:
-        ranks = list(ranks)
-        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self._world_size for r in ranks):
-            raise ValueError(
-                f"new_group ranks must be distinct ranks of this group (0..{self._world_size - 1}),"
-                f" got {ranks}"
-            )
+        ranks = group_ranks(ranks, self._world_size)
         # Split blocks without a deadline: meet in a barrier that has one first.
         self.barrier()
         member = self._rank in ranks
@@ -295,35 +290,28 @@ class MpiCommunicator(Communicator):
             raise self._translate(op, error) from error
 
     def _complete(self, op: str, request: Any, timeout: float | None = None) -> None:
-        """Poll ``request`` until done, or raise CommTimeoutError at the deadline. Tests come
-        in bursts (each one also moves the operation forward); between bursts the wait spins,
-        then yields the CPU, then sleeps."""
+        """Poll ``request`` until done (each test also moves it forward), or raise
+        CommTimeoutError at the deadline."""
         seconds = self._timeout_s if timeout is None else timeout
-        start = time.monotonic()
-        deadline = start + seconds
-        sleep = 20e-6
-        while True:
+
+        def done() -> bool:
             try:
-                for _ in range(_TESTS_PER_BURST):
+                for _ in range(_TESTS_PER_CHECK):
                     if request.Test():
-                        return
+                        return True
             except self._mpi.Exception as error:
                 raise self._translate(op, error) from error
-            now = time.monotonic()
-            if now >= deadline:
-                raise CommTimeoutError(
-                    f"mpi {op} on rank {self._rank} of {self._world_size}: no answer from peers "
-                    f"within {seconds:g} s",
-                    op=op,
-                    rank=self._rank,
-                )
-            if now - start < _SPIN_S:
-                continue
-            if now - start < _YIELD_S:
-                os.sched_yield()
-                continue
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _MAX_SLEEP_S)
+            return False
+
+        try:
+            wait_until(done, time.monotonic() + seconds, f"mpi {op}", yield_for_s=_YIELD_S)
+        except CommTimeoutError as error:
+            raise CommTimeoutError(
+                f"mpi {op} on rank {self._rank} of {self._world_size}: no answer from peers "
+                f"within {seconds:g} s",
+                op=op,
+                rank=self._rank,
+            ) from error
 
     def _work(self, op: str, request: Any, result, keep_alive, after=None) -> Work:
         def native_wait(timeout: float | None) -> None:
@@ -361,8 +349,7 @@ class MpiCommunicator(Communicator):
         return CommunicationError(f"{where}: {text}", op=op, rank=self._rank)
 
     def _check_peer(self, peer: int, op: str) -> None:
-        if not 0 <= peer < self._world_size:
-            raise ValueError(f"{op}: rank {peer} is not in this group of {self._world_size}")
+        check_peer(peer, self._world_size, op)
 
 
 def _memory(tensor: torch.Tensor):

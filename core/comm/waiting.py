@@ -30,17 +30,22 @@ def wait_until(
     what: str,
     on_idle: Callable[[], None] | None = None,
     block: Callable[[float], None] | None = None,
+    yield_for_s: float = _YIELD_UNTIL_S,
 ) -> None:
     """Return once ``ready()`` is true. ``deadline`` is a ``time.monotonic()`` value (None:
     wait forever); passing it raises CommTimeoutError naming ``what``. ``on_idle`` runs about
     every 50 ms while waiting (e.g. to check that peers are alive) and may raise.
     ``block(seconds)`` sleeps until woken or ``seconds`` pass; it is used once the wait has
-    lasted 20 ms, and must re-check readiness itself before sleeping."""
+    lasted 20 ms, and must re-check readiness itself before sleeping. ``yield_for_s`` is how
+    long the wait keeps the CPU between checks (yielding) before it starts to sleep: longer
+    where each check also moves the work forward (polling an MPI request)."""
     for _ in range(_SPIN_CHECKS):
         if ready():
             return
     start = time.monotonic()
-    while time.monotonic() - start < _YIELD_UNTIL_S:
+    while time.monotonic() - start < yield_for_s:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise CommTimeoutError(f"timed out waiting for {what}", op=what)
         if ready():
             return
         os.sched_yield()

@@ -1,0 +1,20 @@
+"""Argument checks every backend makes the same way (same messages everywhere)."""
+
+from __future__ import annotations
+
+
+def group_ranks(ranks: list[int], world_size: int) -> list[int]:
+    """``ranks`` for ``new_group``, checked: distinct ranks of a group of ``world_size``."""
+    ranks = list(ranks)
+    if len(set(ranks)) != len(ranks) or any(not 0 <= r < world_size for r in ranks):
+        raise ValueError(
+            f"new_group ranks must be distinct ranks of this group (0..{world_size - 1}), "
+            f"got {ranks}"
+        )
+    return ranks
+
+
+def check_peer(peer: int, world_size: int, op: str) -> None:
+    """ValueError unless ``peer`` is a rank of a group of ``world_size``."""
+    if not 0 <= peer < world_size:
+        raise ValueError(f"{op}: rank {peer} is not in this group of {world_size}")
