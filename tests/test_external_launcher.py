@@ -8,9 +8,9 @@ import os
 import pytest
 
 from shardline.config import load_config
-from shardline.conformance.executors.launching import run_launched
 from shardline.errors import ConfigError
 from shardline.launch.launcher_env import LaunchedRank
+from shardline.launch.launchers import run_launched
 from shardline_executors.external_launcher import ExternalLauncherExecutor
 
 TORCHRUN = {

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from shardline.conformance.executors.launching import run_launched
 from shardline.errors import BackendUnavailableError
 from shardline.interfaces import Rendezvous
+from shardline.launch.launchers import run_launched
 from support.cli import shardline
 
 SUITE_TIMEOUT = 900

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from shardline.conformance.reporting import skip_reason, summary
 from shardline.errors import CommTimeoutError, PeerLostError, WorkerError
 from shardline.interfaces import Capabilities
 from shardline.launch.comm_world import CommunicatorSetup
@@ -163,12 +164,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         operation = marker.args[0] if marker else item.originalname
         if "op" in params:
             operation = f"{operation}[{params['op']}]"
-        reason = ""
-        if report.skipped:
-            reason = (
-                report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            )
-            reason = reason.removeprefix("Skipped: ")
+        reason = skip_reason(report)
         item.config.stash.setdefault(_RESULTS, []).append(
             {
                 "test": item.nodeid,
@@ -213,10 +209,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         )
         if cell.get(key, "passed") == "passed" or verdict == "failed":
             cell[key] = verdict
-    counts: dict[str, int] = {}
-    for case in results:
-        counts[case["outcome"]] = counts.get(case["outcome"], 0) + 1
-    report = {"communicator": name, "summary": counts, "matrix": matrix, "cases": results}
+    report = {"communicator": name, "summary": summary(results), "matrix": matrix, "cases": results}
     path.write_text(json.dumps(report, indent=1, default=str))
     session.config.stash[_REPORT_PATH] = str(path)
 

@@ -22,7 +22,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from typing import Any
 from shardline.comm.store import serve_store
 from shardline.errors import CommTimeoutError, PeerLostError, WorkerError
 from shardline.interfaces.communicator_backend import Rendezvous
+from shardline.launch.launchers import launcher_command, launcher_environment
 from shardline.launch.threads import share_cores
 
 _STOP = "stop"
@@ -96,14 +96,10 @@ class LocalWorld:
         with socket.create_server(("127.0.0.1", 0)) as server:
             server.settimeout(1.0)
             host, port = server.getsockname()[:2]
-            environ = dict(os.environ)
-            environ["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+            environ = launcher_environment()
             environ["SHARDLINE_LOCAL_WORLD_AUTHKEY"] = authkey.hex()
-            if os.geteuid() == 0:
-                environ |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-            mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-            command = [mpiexec, "--oversubscribe", "-n", str(self.world_size)]
-            command += [sys.executable, "-m", "shardline.launch.mpiexec_rank", f"{host}:{port}"]
+            command = launcher_command("mpiexec", self.world_size)
+            command += ["-m", "shardline.launch.mpiexec_rank", f"{host}:{port}"]
             self._launcher = subprocess.Popen(
                 command, env=environ, start_new_session=True, stdin=subprocess.DEVNULL
             )

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from shardline.conformance.executors import launching
 from shardline.conformance.executors.checks import (
     CHECKS,
     Subject,
@@ -26,7 +25,9 @@ from shardline.conformance.executors.checks import (
     probe_config,
     shm_segments,
 )
+from shardline.conformance.reporting import skip_reason, summary
 from shardline.interfaces import Executor
+from shardline.launch import launchers
 from shardline.registry import Registry
 
 _RESULTS = pytest.StashKey[list]()
@@ -54,7 +55,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--shardline-launcher",
         default="torchrun",
-        choices=launching.LAUNCHERS,
+        choices=launchers.LAUNCHERS,
         help="launcher that starts the ranks of a launched executor (default torchrun)",
     )
     group.addoption(
@@ -117,7 +118,7 @@ class ExecutorConformance:
             component.load_available() if self.unavailable is None else None
         )
         self._shared: dict[int, Executor] = {}
-        self._launched: dict[int, dict[str, list[dict]]] = {}
+        self._launched: dict[int, tuple[dict[str, list[dict]], str]] = {}
 
     def check(self, name: str, world_size: int) -> None:
         """Run check ``name`` at ``world_size``: skip when it does not apply, fail naming the
@@ -161,9 +162,9 @@ class ExecutorConformance:
     def _check_launched(self, name: str, world_size: int) -> None:
         if world_size not in self._launched:
             self._launched[world_size] = self._launch(world_size)
-        reports = self._launched[world_size].get(name, [])
+        results, details = self._launched[world_size]
+        reports = results.get(name, [])
         if len(reports) != world_size:
-            details = self._launched[world_size].get("_output", [""])[0]
             pytest.fail(
                 f"{len(reports)} of {world_size} ranks reported check {name!r}\n{details}",
                 pytrace=False,
@@ -179,12 +180,13 @@ class ExecutorConformance:
         if all(r["outcome"] == "unsupported" for r in reports):
             pytest.skip(f"unsupported: {reports[0]['message']}")
 
-    def _launch(self, world_size: int) -> dict[str, list[dict]]:
-        """One world of ``world_size`` ranks under the launcher, running every check."""
+    def _launch(self, world_size: int) -> tuple[dict[str, list[dict]], str]:
+        """One world of ``world_size`` ranks under the launcher, running every check: the
+        ranks' reports per check, and the launcher's output (for a failure message)."""
         before = shm_segments()
         results: dict[str, list[dict]] = {}
         with tempfile.TemporaryDirectory(prefix="shardline-executor-suite-") as reports:
-            run = launching.run_launched(
+            run = launchers.run_launched(
                 self.launcher,
                 world_size,
                 [
@@ -208,11 +210,11 @@ class ExecutorConformance:
                     "message": f"after the world ended: processes {run.leftovers} and "
                     f"shared-memory segments {sorted(left_segments)} were left",
                 }
-        results["_output"] = [
+        output = (
             f"{self.launcher} exit code {run.returncode}\n{run.stdout[-3000:]}\n"
             f"{run.stderr[-3000:]}"
-        ]
-        return results
+        )
+        return results, output
 
     def close(self) -> None:
         for executor in self._shared.values():
@@ -234,12 +236,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return report
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        reason = ""
-        if report.skipped:
-            longrepr = report.longrepr
-            reason = (longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)).removeprefix(
-                "Skipped: "
-            )
+        reason = skip_reason(report)
         item.config.stash.setdefault(_RESULTS, []).append(
             {
                 "check": params.get("check"),
@@ -262,9 +259,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.config.getoption("--shardline-executor-report")
         or f"shardline-executor-conformance-{safe}.json"
     )
-    counts: dict[str, int] = {}
-    for case in results:
-        counts[case["outcome"]] = counts.get(case["outcome"], 0) + 1
     path.write_text(
-        json.dumps({"executor": name, "summary": counts, "cases": results}, indent=1, default=str)
+        json.dumps(
+            {"executor": name, "summary": summary(results), "cases": results}, indent=1, default=str
+        )
     )

@@ -1,5 +1,6 @@
-"""Starting a real world of ranks under torchrun or mpiexec, with a deadline, leaving no
-process behind. Used by the executor suite for launched executors, and by tests."""
+"""Starting ranks under torchrun or mpiexec: the command, the environment, and a whole run
+with a deadline that leaves no process behind. Used by LocalWorld (worlds through mpiexec),
+the executor suite (launched executors) and tests."""
 
 from __future__ import annotations
 
