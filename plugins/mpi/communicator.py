@@ -26,6 +26,7 @@ from shardline_mpi.plugin import MPI_CAPABILITIES
 from shardline.comm.arguments import check_peer, group_ranks
 from shardline.comm.waiting import wait_until
 from shardline.comm.work import OnceWork
+from shardline.config.selection import detect_launcher
 from shardline.errors import (
     BackendUnavailableError,
     CommTimeoutError,
@@ -65,7 +66,7 @@ class MpiBackend(CommunicatorBackend):
     def init_world(
         self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float
     ) -> MpiCommunicator:
-        if not any(name in os.environ for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
+        if not (detect_launcher(os.environ) or "").startswith("mpiexec"):
             raise BackendUnavailableError(
                 "the mpi communicator needs ranks started by mpiexec (no OMPI_COMM_WORLD_SIZE "
                 "or PMI_SIZE here); allowed: start the ranks with mpiexec (executor "

@@ -23,17 +23,18 @@ from shardline_nccl.plugin import NCCL_CAPABILITIES
 
 from shardline.comm.process_group import ProcessGroupCommunicator
 from shardline.comm.store import connect_store
-from shardline.errors import BackendUnavailableError
+from shardline.errors import BackendUnavailableError, ConfigError
 from shardline.interfaces import CommunicatorBackend, Rendezvous
+from shardline.launch.launcher_env import LaunchedRank
 
 
 def local_rank(rank: int) -> int:
-    """This process's rank on its host: LOCAL_RANK (torchrun), OMPI_COMM_WORLD_LOCAL_RANK or
-    MPI_LOCALRANKID (mpiexec), else the world rank (one host)."""
-    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
-        if name in os.environ:
-            return int(os.environ[name])
-    return rank
+    """This process's rank on its host, as its launcher (torchrun, mpiexec) set it; without a
+    launcher, the world rank (a local world on one host)."""
+    try:
+        return LaunchedRank.from_environ(os.environ).local_rank
+    except ConfigError:
+        return rank
 
 
 class NcclBackend(CommunicatorBackend):
