@@ -284,6 +284,11 @@ class MultiprocExecutor(Executor):
                 self._pending.popleft()
 
     def _raise_failure(self, rank: int, message: Failure, call: _PendingCall) -> None:
+        """Raise the worker's error, unless a worker died: then the death is the cause (a
+        peer's communication error about it can arrive before the liveness thread sees it)."""
+        for dead, process in enumerate(self._processes):
+            if process.exitcode is not None:
+                raise self._death(dead, call.name)
         raise WorkerError(
             f"{message.message} (in call {call.name!r})",
             rank=rank,
@@ -320,16 +325,16 @@ class MultiprocExecutor(Executor):
                 rank = sentinels.pop(sentinel)
                 if self._closed:
                     return
-                process = self._processes[rank]
-                process.join(0.1)
-                self._fail(
-                    PeerLostError(
-                        f"worker rank {rank} (pid {process.pid}) died with exit code "
-                        f"{process.exitcode}",
-                        op="liveness",
-                        rank=rank,
-                    )
-                )
+                self._processes[rank].join(0.1)
+                self._fail(self._death(rank, "liveness"))
+
+    def _death(self, rank: int, op: str) -> PeerLostError:
+        process = self._processes[rank]
+        return PeerLostError(
+            f"worker rank {rank} (pid {process.pid}) died with exit code {process.exitcode}",
+            op=op,
+            rank=rank,
+        )
 
     def shutdown(self) -> None:
         """Stop workers (asked, then killed after a grace period), remove every segment.
