@@ -25,6 +25,10 @@ class ConfigError(ShardlineError, ValueError):
         self.source = source
 
 
+class RequestError(ShardlineError, ValueError):
+    """A request the engine cannot serve as given (e.g. a prompt longer than the context)."""
+
+
 class PluginError(ShardlineError):
     """A plugin could not be loaded, or two plugins claim the same component name."""
 

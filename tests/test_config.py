@@ -155,5 +155,12 @@ def test_auto_executor_selection(environ, sizes, expected):
 
 def test_schema_describes_every_section():
     schema = EngineConfig.model_json_schema()
-    assert set(schema["properties"]) == {"model", "cache", "parallel", "plugins"}
+    assert set(schema["properties"]) == {
+        "model",
+        "cache",
+        "scheduler",
+        "sampling",
+        "parallel",
+        "plugins",
+    }
     assert "tensor_parallel_size" in json.dumps(schema)

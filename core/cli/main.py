@@ -7,10 +7,11 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from shardline import __version__
 from shardline.config.loader import LoadedConfig, load_config
-from shardline.errors import ShardlineError, WorkerError
+from shardline.errors import ConfigError, ShardlineError, WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--timeout", type=float, default=60.0, help="per-operation deadline (s)")
     comm.add_argument("--json", help="write the results here")
 
+    run = with_config(
+        commands.add_parser(
+            "run",
+            help="ask the model (default: SmolLM2-135M-Instruct on 2 ranks) and print the answer",
+            description="Answer a question with the model the config names. --config and --set "
+            "apply over the built-in run config (model smollm2-135m, pulled on first use; "
+            "tensor_parallel_size 2; executor mp; communicator auto).",
+        )
+    )
+    run.add_argument("question", nargs="?", help="what to ask (default: a sample question)")
+    run.add_argument(
+        "--interactive", "-i", action="store_true", help="chat: read questions until Ctrl-D"
+    )
+
     demo = with_config(
         commands.add_parser(
             "demo", help="start a world on this host and run checked, timed collectives"
@@ -115,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--rounds", type=int, default=200, help="timed all-reduces per rank")
     demo.add_argument("--hidden", type=int, default=576, help="elements per all-reduce")
+
+    models = commands.add_parser("models", help="known models: list them, fetch one by name")
+    models_commands = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    models_pull = models_commands.add_parser(
+        "pull", help="download a known model into the cache and print its path"
+    )
+    models_pull.add_argument("name", help="model name, as `shardline models list` shows it")
+    models_list = models_commands.add_parser(
+        "list", help="known models, whether each is cached, its size and path"
+    )
+    for sub in (models_pull, models_list):
+        sub.add_argument(
+            "--cache-dir",
+            type=Path,
+            metavar="DIR",
+            help="model cache (default: $SHARDLINE_MODELS, else ~/.cache/shardline/models)",
+        )
     return parser
 
 
@@ -129,7 +161,9 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         conformance_cmd,
         demo_cmd,
         explain_cmd,
+        models_cmd,
         plugins_cmd,
+        run_cmd,
     )
 
     if args.command == "plugins":
@@ -149,8 +183,17 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         return conformance_cmd.run(args, passthrough)
     if args.command == "bench":
         return bench_cmd.run(bench_cmd.settings_from(args), args.json)
+    if args.command == "run":
+        if args.interactive and args.question:
+            raise ConfigError("give a question or --interactive, not both")
+        loaded = run_cmd.load_run_config(args.config, args.overrides)
+        return run_cmd.run(loaded, args.question, args.interactive)
     if args.command == "demo":
         return demo_cmd.run(_load(args), args.rounds, args.hidden)
+    if args.command == "models":
+        if args.models_command == "pull":
+            return models_cmd.pull(args.name, args.cache_dir)
+        return models_cmd.list_models(args.cache_dir)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -1,4 +1,5 @@
-"""Layered configuration: defaults < file < ``SHARDLINE_*`` environment < ``--set``.
+"""Layered configuration: defaults < a command's built-in layer < file < ``SHARDLINE_*``
+environment < ``--set``.
 
 Every value remembers where it came from, so errors and ``shardline config show`` can name
 the file, variable or flag.
@@ -49,12 +50,17 @@ def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
+    base: tuple[str, Mapping[str, Any]] | None = None,
 ) -> LoadedConfig:
-    """Read, merge and validate. Raises one :class:`ConfigError` listing every problem,
-    each naming its source, field, value and what is allowed."""
+    """Read, merge and validate. ``base`` (source name, mapping) is a layer between the
+    defaults and the file, e.g. a command's built-in config. Raises one
+    :class:`ConfigError` listing every problem, each naming its source, field, value and
+    what is allowed."""
     environ = os.environ if environ is None else environ
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    if base is not None:
+        _merge(merged, sources, base[1], base[0])
     file_path = Path(path) if path is not None else None
     if file_path is not None:
         _merge(merged, sources, read_config_file(file_path), str(file_path))

@@ -25,6 +25,11 @@ class ModelConfig(Section):
     runner: str = Field(
         default="llama", description="model runner: a registered name or package.module:Class"
     )
+    pooling: Literal["last", "mean"] = Field(
+        default="last",
+        description="embeddings: the last token's final hidden state, or the mean over tokens",
+    )
+    normalize_embeddings: bool = Field(default=True, description="L2-normalize embeddings")
 
 
 class CacheConfig(Section):
@@ -32,6 +37,30 @@ class CacheConfig(Section):
 
     block_size: PositiveInt = Field(default=16, description="tokens per cache block")
     num_blocks: PositiveInt = Field(default=512, description="cache blocks per rank and layer")
+
+
+class SchedulerConfig(Section):
+    """Continuous batching: what one engine step may hold."""
+
+    max_num_seqs: PositiveInt = Field(default=32, description="requests in one step at most")
+    max_num_batched_tokens: PositiveInt = Field(
+        default=512, description="token budget of one step (prefill chunks + decode tokens)"
+    )
+    max_model_len: PositiveInt | None = Field(
+        default=None,
+        description="longest sequence (prompt + output); None: the model's context length, "
+        "capped by what the KV cache holds",
+    )
+
+
+class SamplingConfig(Section):
+    """Default sampling of ``LLM.generate`` and ``shardline run`` (a call may pass its own)."""
+
+    temperature: float = Field(default=0.0, ge=0, description="0: greedy")
+    top_k: int = Field(default=0, ge=0, description="keep the k likeliest tokens; 0: off")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus mass; 1.0: off")
+    seed: int = Field(default=0, description="seed of each request's random stream")
+    max_tokens: PositiveInt = Field(default=256, description="tokens generated at most")
 
 
 class ParallelConfig(Section):
@@ -52,7 +81,8 @@ class ParallelConfig(Section):
     )
     communicator: str = Field(
         default="gloo",
-        description="data-plane communicator: a registered name or package.module:Class",
+        description="data-plane communicator: a registered name, package.module:Class, or "
+        "auto (the fastest installed one that fits: custom_ar_mpi, custom_ar, nccl, mpi, gloo)",
     )
     control_communicator: str = Field(
         default="gloo",
@@ -93,5 +123,7 @@ class EngineConfig(Section):
 
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    sampling: SamplingConfig = SamplingConfig()
     parallel: ParallelConfig = ParallelConfig()
     plugins: PluginsConfig = PluginsConfig()

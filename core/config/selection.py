@@ -140,14 +140,68 @@ def _fit(component: Component, config: EngineConfig, control: bool) -> str | Non
     )
 
 
+#: What ``parallel.communicator = auto`` tries first, fastest first; any other installed
+#: communicator that fits comes after these, in registry order.
+AUTO_COMMUNICATOR_PREFERENCE = ("custom_ar_mpi", "custom_ar", "nccl", "mpi", "gloo")
+
+
 def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
     """The data-plane communicator, control-plane communicator and executor decisions."""
     executor = choose_executor(config, registry, environ)
-    communicators = [
-        _check_launcher(choose_communicator(config, registry, field), executor, registry, environ)
-        for field in ("parallel.communicator", "parallel.control_communicator")
-    ]
+    communicators = []
+    for field_name in ("parallel.communicator", "parallel.control_communicator"):
+        if field_name == "parallel.communicator" and config.parallel.communicator == "auto":
+            communicators.append(_choose_auto_communicator(config, registry, executor, environ))
+            continue
+        decision = choose_communicator(config, registry, field_name)
+        communicators.append(_check_launcher(decision, executor, registry, environ))
     return [*communicators, executor]
+
+
+def _choose_auto_communicator(
+    config: EngineConfig, registry: Registry, executor: Decision, environ: Mapping[str, str]
+) -> Decision:
+    """The first communicator in :data:`AUTO_COMMUNICATOR_PREFERENCE` (then any other) that
+    fits the config and the way ranks are started."""
+    field_name = "parallel.communicator"
+    installed = [c.name for c in registry.components("communicator")]
+    order = [n for n in AUTO_COMMUNICATOR_PREFERENCE if n in installed]
+    order += [n for n in installed if n not in order]
+    alternatives = []
+    chosen = None
+    for name in order:
+        candidate = config.model_copy(
+            update={"parallel": config.parallel.model_copy(update={"communicator": name})}
+        )
+        verdict = _check_launcher(
+            choose_communicator(candidate, registry, field_name), executor, registry, environ
+        ).problem
+        if verdict is None and chosen is None:
+            chosen = name
+        alternatives.append((name, "chosen" if name == chosen else (verdict or "fits; later")))
+    if chosen is None:
+        return Decision(
+            field_name,
+            "auto",
+            "auto",
+            alternatives,
+            f"{field_name} = 'auto': no installed communicator fits this config "
+            f"(tried {', '.join(order) or 'none installed'})",
+        )
+    return Decision(field_name, chosen, "auto: the fastest that fits", alternatives)
+
+
+def resolved(config: EngineConfig, decisions: list[Decision]) -> EngineConfig:
+    """``config`` with ``auto`` fields replaced by the decisions' choices (what rank
+    processes are given, so that every rank runs the same components)."""
+    chosen = {d.field: d.chosen for d in decisions}
+    update = {
+        "communicator": chosen.get("parallel.communicator", config.parallel.communicator),
+        "distributed_executor_backend": chosen.get(
+            "parallel.distributed_executor_backend", config.parallel.distributed_executor_backend
+        ),
+    }
+    return config.model_copy(update={"parallel": config.parallel.model_copy(update=update)})
 
 
 def _check_launcher(

@@ -39,3 +39,10 @@ class ModelRunner(abc.ABC):
         - ``None`` when this rank produces nothing for the caller (e.g. a step with no tokens).
         Every rank of a tensor-parallel group samples identically.
         """
+
+    def pool(self) -> Any:
+        """The pooling output of the last step (reference: seed 000's pooling path), called by
+        the Worker on the last pipeline stage when ``execute_model`` returned None. Returns a
+        model-runner output carrying one embedding per finished pooling request, or None when
+        the last step pooled nothing (the default: a runner without pooling)."""
+        return None

@@ -1,1 +1,35 @@
 """Reading checkpoints so that each rank reads only the parts it keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import ConfigError
+
+
+def open_checkpoint(path: str | None):
+    """An HF directory or a ``.gguf`` file, opened lazily."""
+    if path is None:
+        raise ConfigError("model.path is not set: give an HF model directory or a .gguf file")
+    location = Path(path)
+    if location.is_dir():
+        from shardline.weights.hf import HFCheckpoint
+
+        return HFCheckpoint(location)
+    if location.suffix == ".gguf" and location.is_file():
+        from shardline.weights.gguf_checkpoint import GGUFCheckpoint
+
+        return GGUFCheckpoint(location)
+    raise ConfigError(f"model.path = {path!r}: not an HF model directory or an existing .gguf file")
+
+
+def load_tokenizer(checkpoint: Any):
+    """The checkpoint's tokenizer: from GGUF metadata, or an HF directory's tokenizer.json
+    (None when the directory has none: prompts must then be token ids)."""
+    from shardline.tokenizer import Tokenizer
+    from shardline.weights.gguf_checkpoint import GGUFCheckpoint
+
+    if isinstance(checkpoint, GGUFCheckpoint):
+        return Tokenizer.from_gguf(checkpoint)
+    return Tokenizer.from_hf_directory(checkpoint.directory)

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from shardline.config.schema import EngineConfig
 from shardline.distributed import ParallelState
 from shardline.dtypes import torch_dtype
-from shardline.errors import ConfigError
 from shardline.interfaces import IntermediateTensors, ModelRunner
 from shardline.layers.attention import AttentionMetadata, KVCache
 from shardline.models.llama import LlamaForCausalLM
+from shardline.weights import open_checkpoint
 from shardline.worker.sampler import make_generator, sample
 from shardline.worker.types import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
@@ -27,22 +26,8 @@ class RequestState:
     sampling: SamplingParams
     generator: torch.Generator
     num_computed_tokens: int = 0
-
-
-def open_checkpoint(path: str | None):
-    """An HF directory or a ``.gguf`` file, opened lazily."""
-    if path is None:
-        raise ConfigError("model.path is not set: give an HF model directory or a .gguf file")
-    location = Path(path)
-    if location.is_dir():
-        from shardline.weights.hf import HFCheckpoint
-
-        return HFCheckpoint(location)
-    if location.suffix == ".gguf" and location.is_file():
-        from shardline.weights.gguf_checkpoint import GGUFCheckpoint
-
-        return GGUFCheckpoint(location)
-    raise ConfigError(f"model.path = {path!r}: not an HF model directory or an existing .gguf file")
+    pooling: str | None = None
+    hidden_sum: torch.Tensor | None = None
 
 
 class LlamaModelRunner(ModelRunner):
@@ -54,6 +39,7 @@ class LlamaModelRunner(ModelRunner):
         self.requests: dict[str, RequestState] = {}
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: dict[int, KVCache] = {}
+        self._pooled: ModelRunnerOutput | None = None
 
     def load_model(self) -> None:
         checkpoint = open_checkpoint(self.config.model.path)
@@ -80,6 +66,12 @@ class LlamaModelRunner(ModelRunner):
         output = self.model(input_ids, positions, metadata, self.kv_caches, intermediate_tensors)
         if isinstance(output, IntermediateTensors):
             return output
+        pooling = [self.requests[req_id].pooling is not None for req_id in req_ids]
+        if any(pooling):
+            if not all(pooling):
+                raise ValueError("a step mixes embedding (pooling) and generating requests")
+            self._pooled = self._pool_hidden(output, req_ids, metadata.query_start_loc, sample_rows)
+            return None
         rows = [row for row in sample_rows if row is not None]
         logits = self.model.compute_logits(output[rows]) if rows else None
         sampled: list[int | None] = []
@@ -93,6 +85,41 @@ class LlamaModelRunner(ModelRunner):
             picked += 1
         return ModelRunnerOutput(req_ids, sampled)
 
+    def pool(self) -> ModelRunnerOutput | None:
+        """The embeddings of the last step when it ran pooling requests (then cleared)."""
+        pooled, self._pooled = self._pooled, None
+        return pooled
+
+    def _pool_hidden(
+        self,
+        hidden: torch.Tensor,
+        req_ids: list[str],
+        starts: list[int],
+        final_rows: list[int | None],
+    ) -> ModelRunnerOutput:
+        """Fold this step's final hidden states into each pooling request; a request whose
+        prompt is now complete gets its vector (L2-normalized when configured)."""
+        vectors: list[torch.Tensor | None] = []
+        for index, req_id in enumerate(req_ids):
+            request = self.requests[req_id]
+            rows = hidden[starts[index] : starts[index + 1]].float()
+            if request.pooling == "mean":
+                chunk_sum = rows.sum(dim=0)
+                request.hidden_sum = (
+                    chunk_sum if request.hidden_sum is None else request.hidden_sum + chunk_sum
+                )
+            if final_rows[index] is None:
+                vectors.append(None)
+                continue
+            if request.pooling == "mean":
+                vector = request.hidden_sum / len(request.token_ids)
+            else:
+                vector = rows[-1].clone()
+            if self.config.model.normalize_embeddings:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            vectors.append(vector)
+        return ModelRunnerOutput(req_ids, [None] * len(req_ids), pooled=vectors)
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -102,6 +129,7 @@ class LlamaModelRunner(ModelRunner):
                 list(new.block_ids),
                 new.sampling,
                 make_generator(new.sampling),
+                pooling=new.pooling,
             )
         for cached in scheduler_output.cached_requests:
             request = self.requests.get(cached.req_id)

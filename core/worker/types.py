@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` is greedy; otherwise top-k (0: off)
-    then top-p (1.0: off) filtering and a draw from a generator seeded with ``seed``, so every
-    rank that samples draws the same token."""
+    """How to pick each next token and when to stop. ``temperature == 0`` is greedy;
+    otherwise top-k (0: off) then top-p (1.0: off) filtering and a draw from a generator
+    seeded with ``seed``, so every rank that samples draws the same token.
+
+    A request stops after ``max_tokens`` tokens, at the model's end-of-sequence token (unless
+    ``ignore_eos``), at any of ``stop_token_ids``, or when its text contains one of ``stop``
+    (the text is cut before it)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
     max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -26,16 +34,24 @@ class SamplingParams:
             raise ValueError(f"top_p = {self.top_p}: must be in (0, 1]")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens = {self.max_tokens}: must be >= 1")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop = {self.stop!r}: must be a sequence of non-empty strings")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
 @dataclass(frozen=True)
 class NewRequest:
-    """A request scheduled for the first time: its prompt and the cache blocks it owns."""
+    """A request scheduled for the first time (or again after preemption): its tokens so far
+    and the cache blocks it owns. ``pooling`` ("last" or "mean") makes it an embedding
+    request: its prompt is run, nothing is sampled, and the runner's ``pool`` step returns
+    one vector of the final hidden states."""
 
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     block_ids: list[int]
+    pooling: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,9 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """Per scheduled request (batch order): the token sampled this step, or None when the
-    step only computed part of its prompt."""
+    step only computed part of its prompt. A pooling step has ``pooled`` instead: per request
+    its embedding (float32, ``[hidden]``), or None for a prompt chunk that is not the last."""
 
     req_ids: list[str]
     sampled_token_ids: list[int | None]
+    pooled: list[Any] | None = None

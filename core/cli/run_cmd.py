@@ -1,0 +1,105 @@
+"""``shardline run``: ask a real model on several ranks, print the answer and tokens/s."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from shardline.config.loader import LoadedConfig, load_config
+from shardline.errors import RequestError
+
+#: The built-in layer under ``--config`` and ``--set``: SmolLM2-135M-Instruct (pulled on
+#: first use), two tensor-parallel ranks in worker processes, the fastest communicator.
+BUILTIN_CONFIG: dict[str, Any] = {
+    "model": {"path": "smollm2-135m"},
+    "parallel": {
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+        "communicator": "auto",
+    },
+}
+BUILTIN_SOURCE = "built-in run config"
+DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def load_run_config(path: str | None, overrides: Sequence[str]) -> LoadedConfig:
+    """The built-in run config, then the file, the environment and ``--set`` over it."""
+    return load_config(path, overrides, base=(BUILTIN_SOURCE, BUILTIN_CONFIG))
+
+
+def run(loaded: LoadedConfig, question: str | None, interactive: bool) -> int:
+    from shardline.engine import LLM
+
+    llm = LLM(loaded)
+    try:
+        if interactive:
+            if not llm.reports_results or llm.engine.executor.launched:
+                raise RequestError(
+                    "--interactive reads the terminal in one process; under a launcher "
+                    "(torchrun, mpiexec) give the question as an argument instead"
+                )
+            return _chat_loop(llm)
+        _answer(llm, [{"role": "user", "content": question or DEFAULT_QUESTION}])
+        return 0
+    finally:
+        llm.shutdown()
+
+
+def _chat_loop(llm: Any) -> int:
+    print(
+        "chat with the model; an empty line, /exit or end of input (Ctrl-D) ends it",
+        file=sys.stderr,
+    )
+    history: list[dict[str, str]] = []
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line or line in ("/exit", "/quit"):
+            return 0
+        history.append({"role": "user", "content": line})
+        answer = _answer(llm, history)
+        history.append({"role": "assistant", "content": answer})
+
+
+def _answer(llm: Any, messages: list[dict[str, str]]) -> str:
+    """Stream the answer to stdout (in the reporting process), then one line of figures to
+    stderr. Returns the answer."""
+    report = llm.reports_results
+    first_token_at: list[float] = []
+
+    def stream(output: Any, delta: str) -> None:
+        if not first_token_at:
+            first_token_at.append(time.perf_counter())
+        if report and delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    started = time.perf_counter()
+    if llm.tokenizer is not None and llm.tokenizer.chat_template:
+        (output,) = llm.chat(messages, stream=stream)
+    else:
+        (output,) = llm.generate(messages[-1]["content"], stream=stream)
+    elapsed = time.perf_counter() - started
+    if report:
+        print()
+        print(_figures(llm, output, elapsed, first_token_at[0] - started), file=sys.stderr)
+    return output.text
+
+
+def _figures(llm: Any, output: Any, elapsed: float, first_token_s: float) -> str:
+    parallel = llm.engine.config.parallel
+    tokens = len(output.token_ids)
+    decode_s = elapsed - first_token_s
+    rate = f"{(tokens - 1) / decode_s:.1f} tokens/s" if tokens > 1 and decode_s > 0 else "n/a"
+    return (
+        f"[{tokens} tokens in {elapsed:.2f} s: {rate} after the first token "
+        f"({first_token_s * 1000:.0f} ms for {len(output.prompt_token_ids)} prompt tokens); "
+        f"tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size}, "
+        f"{parallel.distributed_executor_backend}, {parallel.communicator}; "
+        f"stopped: {output.finish_reason}]"
+    )
