@@ -123,6 +123,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--interactive", "-i", action="store_true", help="chat: read questions until Ctrl-D"
     )
 
+    decode = bench.add_parser(
+        "decode",
+        help="tokens/s of greedy decode per layout x communicator, beside HF transformers",
+        description="Batch-1 and concurrent greedy decode tokens/s for each layout x "
+        "communicator, and HF transformers on the same model file, each case in fresh "
+        "processes (MPI cases under mpiexec).",
+    )
+    decode.add_argument("--model", default="smollm2-135m", help="catalog name, GGUF or HF dir")
+    decode.add_argument("--tokens", type=int, default=64, help="tokens per request (64)")
+    decode.add_argument("--concurrent", type=int, default=16, help="concurrent requests (16)")
+    decode.add_argument("--layouts", default="tp1,tp2,pp2", help="of tp1, tp2, pp2 (all)")
+    decode.add_argument(
+        "--communicators", default="gloo,mpi,custom_ar", help="for tp2/pp2 (gloo,mpi,custom_ar)"
+    )
+    decode.add_argument(
+        "--hf-threads", default="1,2", help="transformers thread counts ('' to skip; 1,2)"
+    )
+    decode.add_argument("--timeout", type=float, default=600.0, help="per case (s)")
+    decode.add_argument("--json", help="write the results here")
+
     demo = with_config(
         commands.add_parser(
             "demo", help="start a world on this host and run checked, timed collectives"
@@ -181,6 +201,8 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         )
     if args.command == "conformance":
         return conformance_cmd.run(args, passthrough)
+    if args.command == "bench" and args.bench_command == "decode":
+        return _bench_decode(args)
     if args.command == "bench":
         return bench_cmd.run(bench_cmd.settings_from(args), args.json)
     if args.command == "run":
@@ -195,6 +217,31 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
             return models_cmd.pull(args.name, args.cache_dir)
         return models_cmd.list_models(args.cache_dir)
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from shardline import catalog
+    from shardline.cli import bench_decode
+
+    for flag, value in (("--tokens", args.tokens), ("--concurrent", args.concurrent)):
+        if value < 2:
+            raise ConfigError(f"{flag} = {value}: must be >= 2")
+    try:
+        threads = [int(t) for t in args.hf_threads.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"--hf-threads = {args.hf_threads!r}: comma-separated integers") from None
+    names = [n.strip() for n in args.communicators.split(",") if n.strip()]
+    usable, skipped = bench_decode.available_communicators(names)
+    cases = bench_decode.plan(
+        catalog.resolve_model_path(args.model),
+        args.tokens,
+        args.concurrent,
+        [n.strip() for n in args.layouts.split(",") if n.strip()],
+        usable,
+        threads,
+        args.timeout,
+    )
+    return bench_decode.run(cases, skipped, args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

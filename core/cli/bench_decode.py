@@ -1,0 +1,302 @@
+"""``shardline bench decode``: tokens/s of greedy decoding, batch 1 and N concurrent requests,
+for each layout x communicator, beside HF transformers on the same model file, in one run.
+
+Every case runs in fresh processes (``python -m shardline.cli.bench_decode CASE``; MPI cases
+under mpiexec with the ``external_launcher`` executor, the others under ``mp``), after a short
+warm-up generation. Batch 1: the time between the first and the last streamed token of one
+request of ``--tokens`` tokens (end-of-sequence ignored), so prefill is not counted.
+Concurrent: ``--concurrent`` requests submitted at once; all generated tokens over the wall
+time, prefill included. transformers: ``generate`` with a streamer timing each token, at
+1 and 2 torch threads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shardline.cli.table import render
+from shardline.errors import ConfigError
+
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+QUESTION = "Write a long story about a lighthouse keeper and a storm."
+RESULT_MARK = "BENCH-DECODE-RESULT "
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: ``engine`` "shardline" (layout, communicator) or "transformers" (threads)."""
+
+    engine: str
+    model: str
+    tokens: int
+    concurrent: int
+    layout: str = "tp1"
+    communicator: str = "-"
+    threads: int = 0
+    timeout_s: float = 120.0
+
+    @property
+    def launcher(self) -> str | None:
+        return "mpiexec" if self.communicator in ("mpi", "custom_ar_mpi") else None
+
+
+def plan(
+    model: str,
+    tokens: int,
+    concurrent: int,
+    layouts: list[str],
+    communicators: list[str],
+    hf_threads: list[int],
+    timeout_s: float,
+) -> list[Case]:
+    """The cases of one run; TP=1 has nothing to communicate and is one row."""
+    for name in layouts:
+        if name not in LAYOUTS:
+            raise ConfigError(f"--layouts: {name!r} is not a layout; allowed: {', '.join(LAYOUTS)}")
+    cases = []
+    for layout in layouts:
+        for communicator in ["-"] if LAYOUTS[layout] == (1, 1) else communicators:
+            cases.append(
+                Case("shardline", model, tokens, concurrent, layout, communicator, 0, timeout_s)
+            )
+    cases += [
+        Case("transformers", model, tokens, concurrent, threads=t, timeout_s=timeout_s)
+        for t in hf_threads
+    ]
+    return cases
+
+
+def available_communicators(names: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """The names that can run here, and (name, reason) for the others."""
+    from shardline.registry import Registry
+
+    registry = Registry.load()
+    usable, skipped = [], []
+    for name in names:
+        try:
+            component = registry.get("communicator", name, "--communicators")
+        except ConfigError as error:
+            skipped.append((name, str(error)))
+            continue
+        reason = component.unavailable_reason()
+        if reason is None:
+            usable.append(name)
+        else:
+            skipped.append((name, reason))
+    return usable, skipped
+
+
+def run_case(case: Case) -> dict:
+    """Run ``case`` in fresh processes; its figures, or ``{"error": ...}``."""
+    from shardline.launch.launchers import launcher_command, launcher_environment
+
+    program = ["-m", "shardline.cli.bench_decode", json.dumps(asdict(case))]
+    ranks = LAYOUTS[case.layout][0] * LAYOUTS[case.layout][1]
+    command = (
+        [*launcher_command(case.launcher, ranks), *program]
+        if case.launcher
+        else [sys.executable, *program]
+    )
+    try:
+        done = subprocess.run(
+            command,
+            env=launcher_environment(),
+            capture_output=True,
+            text=True,
+            timeout=case.timeout_s,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within {case.timeout_s:g} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK) :])
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit code {done.returncode}: {last}"}
+
+
+def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None) -> int:
+    rows = []
+    for index, case in enumerate(cases, 1):
+        label = _label(case)
+        if sys.stderr.isatty():
+            print(f"\r[{index}/{len(cases)}] {label} ...", end="", file=sys.stderr, flush=True)
+        rows.append({**asdict(case), **run_case(case)})
+    if sys.stderr.isatty():
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    print(_table(rows))
+    for line in _targets(rows):
+        print(line)
+    for name, reason in skipped:
+        print(f"communicator {name} skipped: {reason}")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as handle:
+            json.dump({"rows": rows, "skipped": skipped}, handle, indent=2)
+    return 1 if any("error" in row for row in rows) else 0
+
+
+def _label(case: Case | dict) -> str:
+    item = asdict(case) if isinstance(case, Case) else case
+    if item["engine"] == "transformers":
+        return f"transformers, {item['threads']} thread{'s' if item['threads'] > 1 else ''}"
+    return f"shardline {item['layout']} {item['communicator']}"
+
+
+def _table(rows: list[dict]) -> str:
+    base = _find(rows, engine="transformers", threads=2) or _find(rows, engine="transformers")
+    reference = base.get("batch1_tok_s") if base else None
+    headers = ["engine", "layout", "communicator", "executor", "batch-1 tok/s", "x HF"]
+    headers += [f"{rows[0]['concurrent'] if rows else ''} concurrent tok/s", "x HF batch-1"]
+    table = []
+    for row in rows:
+        if "error" in row:
+            table.append([_label(row), row["layout"], row["communicator"], "", "error", ""])
+            table[-1] += ["", row["error"][:60]]
+            continue
+        batch1, many = row["batch1_tok_s"], row.get("concurrent_tok_s")
+        table.append(
+            [
+                row["engine"] if row["engine"] == "shardline" else _label(row),
+                row["layout"] if row["engine"] == "shardline" else "-",
+                row["communicator"],
+                row.get("executor", "-"),
+                f"{batch1:.1f}",
+                f"{batch1 / reference:.2f}" if reference else "",
+                f"{many:.1f}" if many else "-",
+                f"{many / reference:.2f}" if many and reference else "",
+            ]
+        )
+    return render(headers, table)
+
+
+def _targets(rows: list[dict]) -> list[str]:
+    """The issue's three ratios, from this run's rows (when both sides ran)."""
+    hf2 = _find(rows, engine="transformers", threads=2)
+    custom = _find(rows, engine="shardline", layout="tp2", communicator="custom_ar")
+    gloo = _find(rows, engine="shardline", layout="tp2", communicator="gloo")
+    best_many = max(
+        (r.get("concurrent_tok_s") or 0 for r in rows if r["engine"] == "shardline"), default=0
+    )
+    lines = []
+    if hf2 and custom:
+        ratio = custom["batch1_tok_s"] / hf2["batch1_tok_s"]
+        lines.append(
+            f"tp2 custom_ar / transformers 2 threads, batch 1: {ratio:.2f} (target >= 1.5)"
+        )
+    if custom and gloo:
+        ratio = custom["batch1_tok_s"] / gloo["batch1_tok_s"]
+        lines.append(f"tp2 custom_ar / tp2 gloo, batch 1: {ratio:.2f} (target >= 3)")
+    if hf2 and best_many:
+        ratio = best_many / hf2["batch1_tok_s"]
+        lines.append(
+            f"best concurrent aggregate / transformers 2 threads batch 1: {ratio:.2f} (target >= 8)"
+        )
+    return lines
+
+
+def _find(rows: list[dict], **match) -> dict | None:
+    for row in rows:
+        if "error" not in row and all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+def _measure_shardline(case: Case) -> dict | None:
+    from shardline.engine import LLM, SamplingParams
+
+    tp, pp = LAYOUTS[case.layout]
+    overrides = [
+        f"model.path={case.model}",
+        f"parallel.tensor_parallel_size={tp}",
+        f"parallel.pipeline_parallel_size={pp}",
+    ]
+    if case.communicator != "-":
+        overrides.append(f"parallel.communicator={case.communicator}")
+    if tp * pp > 1 and case.launcher is None:
+        overrides.append("parallel.distributed_executor_backend=mp")
+    with LLM(overrides=overrides) as llm:
+        conversation = [{"role": "user", "content": QUESTION}]
+        llm.chat(conversation, SamplingParams(max_tokens=4))
+        stamps: list[float] = []
+        params = SamplingParams(max_tokens=case.tokens, ignore_eos=True)
+        llm.chat(conversation, params, stream=lambda *_: stamps.append(time.perf_counter()))
+        batch1 = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        many = [
+            [{"role": "user", "content": f"{QUESTION} Version {i}."}]
+            for i in range(case.concurrent)
+        ]
+        started = time.perf_counter()
+        outputs = llm.chat(many, params)
+        elapsed = time.perf_counter() - started
+        if not llm.reports_results:
+            return None
+        return {
+            "batch1_tok_s": batch1,
+            "concurrent_tok_s": sum(len(o.token_ids) for o in outputs) / elapsed,
+            "executor": llm.engine.config.parallel.distributed_executor_backend,
+        }
+
+
+def _measure_transformers(case: Case) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    from shardline.catalog import resolve_model_path
+    from shardline.weights import load_tokenizer, open_checkpoint
+
+    torch.set_num_threads(case.threads)
+    path = resolve_model_path(case.model)
+    tokenizer = load_tokenizer(open_checkpoint(path))
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    )
+    location = Path(path)
+    if location.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            location.parent, gguf_file=location.name, dtype=torch.float32
+        )
+
+    class Stamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    ids = torch.tensor([prompt])
+    model.generate(ids, max_new_tokens=4, do_sample=False)
+    stamps = Stamps()
+    model.generate(
+        ids,
+        max_new_tokens=case.tokens,
+        min_new_tokens=case.tokens,
+        do_sample=False,
+        streamer=stamps,
+    )
+    tokens = stamps.times[1:]  # the first put is the prompt
+    return {"batch1_tok_s": (len(tokens) - 1) / (tokens[-1] - tokens[0]), "executor": "-"}
+
+
+def _main(argument: str) -> None:
+    case = Case(**json.loads(argument))
+    if case.engine == "transformers":
+        result = _measure_transformers(case)
+    else:
+        result = _measure_shardline(case)
+    if result is not None:
+        print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
