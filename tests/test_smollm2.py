@@ -1,16 +1,17 @@
-"""The real model: SmolLM2-135M-Instruct (Q4_1 GGUF) under TP=2 gives transformers' greedy
-tokens, and its tokenizer and chat template (read from GGUF metadata) match transformers'."""
+"""The real model: SmolLM2-135M-Instruct (Q4_1 GGUF). Its tokenizer and chat template (read
+from GGUF metadata) match transformers'; ``LLM.chat`` gives transformers' greedy answers for
+three questions under TP=1, TP=2 (gloo, custom all-reduce, MPI under mpiexec) and PP=2;
+streamed text adds up to the answer; a stop string cuts it."""
+
+import json
 
 import pytest
 import torch
 
-from shardline.config import load_config
-from shardline.launch.local_world import LocalWorld
-from shardline.registry import Registry
+from shardline.engine import LLM, SamplingParams
+from shardline.launch.launchers import run_launched
 from shardline.tokenizer import Tokenizer
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
-from shardline.worker.setup import WorkerSetup, call_worker
-from support.greedy_driver import generate
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(600)
@@ -87,30 +88,69 @@ def test_chat_prompts_tokenize_like_transformers(prompts, reference_tokenizer):
         assert ids == list(reference)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_greedy_tokens_match_transformers(gguf_path, tokenizer, prompts, reference_tokens, tp):
-    config = load_config(
-        overrides=[
-            f"model.path={gguf_path}",
-            f"parallel.tensor_parallel_size={tp}",
-            "cache.num_blocks=64",
-        ],
-        environ={},
-    ).config
-    if tp == 1:
-        executor = Registry.load().get("executor", "uni").load_available()(config)
-        try:
-            ours = generate(executor.execute_model, prompts, NEW_TOKENS, 16)
-        finally:
-            executor.shutdown()
-    else:
-        with LocalWorld(tp, WorkerSetup(config), start_timeout_s=300, call_timeout_s=300) as world:
-            ours = generate(
-                lambda step: world.run(call_worker, "execute_model", step)[0],
-                prompts,
-                NEW_TOKENS,
-                16,
-            )
-    for tokens, reference in zip(ours, reference_tokens, strict=True):
+LAYOUTS = [
+    ("tp1", []),
+    ("tp2-gloo", ["parallel.tensor_parallel_size=2", "parallel.communicator=gloo"]),
+    ("tp2-custom_ar", ["parallel.tensor_parallel_size=2", "parallel.communicator=custom_ar"]),
+    ("pp2-custom_ar", ["parallel.pipeline_parallel_size=2", "parallel.communicator=custom_ar"]),
+]
+
+
+@pytest.mark.parametrize("overrides", [o for _, o in LAYOUTS], ids=[n for n, _ in LAYOUTS])
+def test_llm_chat_gives_transformers_greedy_answers(
+    gguf_path, tokenizer, reference_tokens, overrides
+):
+    with LLM(overrides=[f"model.path={gguf_path}", *overrides], environ={}) as llm:
+        outputs = llm.chat(
+            [[{"role": "user", "content": q}] for q in QUESTIONS],
+            SamplingParams(max_tokens=NEW_TOKENS),
+        )
+    for output, reference in zip(outputs, reference_tokens, strict=True):
         assert len(reference) >= 8
-        assert tokens[: len(reference)] == reference, tokenizer.decode(tokens)
+        assert output.token_ids == reference, tokenizer.decode(output.token_ids)
+        assert output.text == tokenizer.decode(reference)
+        stopped_at_eos = reference[-1] in tokenizer.eos_token_ids
+        assert output.finish_reason == ("stop" if stopped_at_eos else "length")
+
+
+def test_llm_chat_under_mpiexec_with_mpi_gives_transformers_answers(gguf_path, reference_tokens):
+    run = run_launched(
+        "mpiexec",
+        2,
+        [
+            "-m",
+            "support.llm_driver",
+            str(gguf_path),
+            str(NEW_TOKENS),
+            *QUESTIONS,
+            "--",
+            "parallel.tensor_parallel_size=2",
+            "parallel.communicator=mpi",
+        ],
+        timeout_s=300,
+    )
+    assert run.returncode == 0, run.stderr
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    report = json.loads(line)
+    assert report == {"executor": "external_launcher", "tokens": reference_tokens}
+    assert run.leftovers == []
+
+
+def test_streamed_text_and_stop_strings(gguf_path, tokenizer, reference_tokens):
+    reference_text = tokenizer.decode(reference_tokens[1])
+    stop = reference_text.split()[3]  # a word in the middle of the greedy answer
+    deltas: list[str] = []
+    with LLM(overrides=[f"model.path={gguf_path}"], environ={}) as llm:
+        (streamed,) = llm.chat(
+            [{"role": "user", "content": QUESTIONS[1]}],
+            SamplingParams(max_tokens=NEW_TOKENS),
+            stream=lambda output, delta: deltas.append(delta),
+        )
+        (stopped,) = llm.chat(
+            [{"role": "user", "content": QUESTIONS[1]}],
+            SamplingParams(max_tokens=NEW_TOKENS, stop=(stop,)),
+        )
+    assert "".join(deltas) == streamed.text == reference_text
+    assert stopped.text == reference_text[: reference_text.index(stop)]
+    assert stopped.finish_reason == "stop"
+    assert len(stopped.token_ids) < len(reference_tokens[1])

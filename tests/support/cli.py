@@ -12,14 +12,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def shardline(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120.0, cwd: Path | None = None
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    cwd: Path | None = None,
+    stdin: str | None = None,
 ):
-    """``shardline ARGS`` with a deadline; returns the CompletedProcess (text output)."""
+    """``shardline ARGS`` with a deadline (``stdin``: text typed in); returns the
+    CompletedProcess (text output)."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [SHARDLINE, *args],
         capture_output=True,
         text=True,
+        input=stdin,
         timeout=timeout,
         env=full_env,
         cwd=cwd or ROOT,

@@ -1,0 +1,114 @@
+"""The engine end to end on a small real Llama: ``LLM.generate`` gives transformers' greedy
+tokens with chunked prefill, preemption and concurrent requests, under uni, TP=2 and PP=2
+(two batches in flight); ``LLM.embed`` gives transformers' final hidden states pooled (last
+token, mean) through the runner's pool step, under the same layouts."""
+
+import pytest
+import torch
+
+from shardline.engine import LLM, SamplingParams
+from shardline.errors import RequestError
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[1, 5, 9, 33, 2, 7, 7, 80], [3, 99, 4], [7] * 21, [2, 3], [11, 12, 13, 14, 15]]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """transformers' greedy continuations, and its final hidden states per prompt."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tokens, hidden = [], []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            tokens.append(out[0, len(prompt) :].tolist())
+            hidden.append(model(ids, output_hidden_states=True).hidden_states[-1][0])
+    return tokens, hidden
+
+
+def _llm(tiny_llama_dir, tp=1, pp=1, *extra):
+    overrides = [
+        f"model.path={tiny_llama_dir}",
+        "cache.block_size=4",
+        "cache.num_blocks=24",  # 96 slots for 5 requests growing to 41 tokens: preemption
+        "scheduler.max_num_batched_tokens=8",  # long prompts arrive in chunks
+        f"parallel.tensor_parallel_size={tp}",
+        f"parallel.pipeline_parallel_size={pp}",
+        "parallel.communicator=gloo",
+        "parallel.timeout_s=60",
+        *extra,
+    ]
+    return LLM(overrides=overrides, environ={})
+
+
+def _expected_embeddings(hidden, pooling):
+    vectors = [h[-1] if pooling == "last" else h.mean(dim=0) for h in hidden]
+    return [torch.nn.functional.normalize(v, dim=0) for v in vectors]
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["uni", "tp2", "pp2"])
+def test_generate_and_embed_match_transformers(tiny_llama_dir, reference, tp, pp):
+    tokens, hidden = reference
+    with _llm(tiny_llama_dir, tp, pp) as llm:
+        engine = llm.engine
+        depth = []
+        execute = engine.executor.execute_model
+
+        def counting(step):
+            depth.append(len(engine._in_flight) + 1)
+            return execute(step)
+
+        engine.executor.execute_model = counting
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == tokens
+        assert all(o.finish_reason == "length" for o in outputs)
+        assert engine.scheduler.num_preemptions > 0
+        assert max(depth) == pp, "the engine keeps one batch in flight per pipeline stage"
+        embeddings = llm.embed(PROMPTS)
+    for got, want in zip(embeddings, _expected_embeddings(hidden, "last"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mean_pooling_and_unnormalized_embeddings(tiny_llama_dir, reference):
+    _, hidden = reference
+    with _llm(tiny_llama_dir, 1, 1, "model.pooling=mean") as llm:
+        for got, want in zip(llm.embed(PROMPTS), _expected_embeddings(hidden, "mean"), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with _llm(tiny_llama_dir, 1, 1, "model.normalize_embeddings=false") as llm:
+        (got,) = llm.embed(PROMPTS[0])
+    torch.testing.assert_close(got, hidden[0][-1], rtol=1e-5, atol=1e-5)
+
+
+def test_streaming_sees_every_token_in_order(tiny_llama_dir, reference):
+    tokens, _ = reference
+    seen: dict[str, list[int]] = {}
+    with _llm(tiny_llama_dir) as llm:
+        outputs = llm.generate(
+            PROMPTS[:2],
+            SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+            stream=lambda output, delta: seen.setdefault(output.req_id, []).append(
+                len(output.token_ids)
+            ),
+        )
+    for output in outputs:
+        assert seen[output.req_id] == list(range(1, NEW_TOKENS + 1))
+    assert [o.token_ids for o in outputs] == tokens[:2]
+
+
+def test_requests_the_engine_cannot_serve_are_refused(tiny_llama_dir):
+    with _llm(tiny_llama_dir, 1, 1, "scheduler.max_model_len=16") as llm:
+        with pytest.raises(RequestError, match="the prompt has 16 tokens; at most 15 fit"):
+            llm.generate([list(range(1, 17))])
+        with pytest.raises(RequestError, match="no tokenizer"):
+            llm.generate("text needs a tokenizer")
+        with pytest.raises(RequestError, match="2 sampling params for 1 prompts"):
+            llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
+        # The engine is still usable after refusals.
+        assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].token_ids) == 3

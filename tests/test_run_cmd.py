@@ -1,0 +1,95 @@
+"""``shardline run`` as a user types it: the built-in config (SmolLM2-135M-Instruct from the
+model cache, TP=2 under mp, communicator auto) with and without a question, the chat loop,
+and bad input that must end in one clear line (exit code 2), never a traceback."""
+
+import os
+
+import pytest
+
+from support.cli import shardline
+from support.smollm2 import smollm2_gguf
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_cache():
+    """A model cache holding the catalog's SmolLM2 (the tests' copy), so nothing downloads."""
+    return {"SHARDLINE_MODELS": str(smollm2_gguf().parent)}
+
+
+def _segments():
+    return {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+
+
+def test_run_without_arguments_answers_the_sample_question(model_cache):
+    before = _segments()
+    result = shardline("run", env=model_cache, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    figures = result.stderr.strip().splitlines()[-1]
+    assert "tokens/s" in figures and "tp=2 pp=1, mp, custom_ar" in figures
+    assert _segments() == before
+
+
+def test_run_with_a_question_and_overrides(model_cache):
+    result = shardline(
+        "run",
+        "Name three colors.",
+        "--set",
+        "sampling.max_tokens=5",
+        "--set",
+        "parallel.communicator=gloo",
+        env=model_cache,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "[5 tokens in" in result.stderr and "stopped: length" in result.stderr
+    assert "gloo" in result.stderr
+
+
+def test_interactive_chat_reads_until_end_of_input(model_cache):
+    result = shardline(
+        "run",
+        "--interactive",
+        "--set",
+        "parallel.tensor_parallel_size=1",
+        env=model_cache,
+        timeout=240,
+        stdin="What is the capital of France?\nAnd of Italy?\n",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout and "Rome" in result.stdout
+    assert result.stdout.count("you> ") == 3  # two questions, then end of input
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (["--set", "model.path=no-such-model"], "nor a known model name (known: smollm2-135m)"),
+        (["--set", "parallel.tensor_parallel_size=zero"], "parallel.tensor_parallel_size"),
+        (["--set", "sampling.top_p=2"], "sampling.top_p = 2"),
+        (["--set", "notakey"], "expected section.key=value"),
+        (
+            ["--set", "parallel.tensor_parallel_size=1", "--set", "scheduler.max_model_len=16"],
+            "the prompt has",
+        ),
+    ],
+    ids=["unknown-model", "bad-value", "out-of-range", "bad-set", "prompt-too-long"],
+)
+def test_bad_input_gives_one_clear_line(model_cache, arguments, expected):
+    result = shardline("run", *arguments, env=model_cache, timeout=240)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert expected in lines[0]
+
+
+def test_a_corrupt_model_file_is_named(model_cache, tmp_path):
+    corrupt = tmp_path / "broken.gguf"
+    corrupt.write_bytes(b"GGUF" + os.urandom(256))
+    result = shardline("run", "--set", f"model.path={corrupt}", env=model_cache)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {corrupt}: not a readable GGUF file")
+    assert len(result.stderr.strip().splitlines()) == 1
