@@ -9,10 +9,21 @@ cache of fixed-size blocks; ``block_tables[i]`` lists sequence ``i``'s blocks in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class DecodeBatch:
+    """The sequences of a step that add one query token each, gathered for one batched
+    attention call: their query rows, the cache slots of their keys (``[B, L]``, padded)
+    and which of those slots are real (``[B, 1, 1, L]``)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    visible: torch.Tensor
 
 
 @dataclass
@@ -23,6 +34,34 @@ class AttentionMetadata:
     seq_lens: list[int]
     slot_mapping: torch.Tensor
     block_tables: list[list[int]]
+    _decode: dict[int, DecodeBatch | None] = field(default_factory=dict, repr=False)
+
+    def decode_batch(self, block_size: int) -> DecodeBatch | None:
+        """The one-token sequences of this step (None when fewer than two), built once per
+        step and shared by every layer."""
+        if block_size not in self._decode:
+            self._decode[block_size] = self._build_decode_batch(block_size)
+        return self._decode[block_size]
+
+    def _build_decode_batch(self, block_size: int) -> DecodeBatch | None:
+        starts = self.query_start_loc
+        single = [i for i in range(len(self.seq_lens)) if starts[i + 1] - starts[i] == 1]
+        if len(single) < 2:
+            return None
+        longest = max(self.seq_lens[i] for i in single)
+        positions = torch.arange(longest)
+        slots, visible = [], []
+        for i in single:
+            table = torch.tensor(self.block_tables[i], dtype=torch.long)
+            valid = positions < self.seq_lens[i]
+            blocks = table[(positions // block_size).clamp(max=len(table) - 1)]
+            slots.append(torch.where(valid, blocks * block_size + positions % block_size, 0))
+            visible.append(valid)
+        return DecodeBatch(
+            torch.tensor([starts[i] for i in single], dtype=torch.long),
+            torch.stack(slots),
+            torch.stack(visible)[:, None, None, :],
+        )
 
 
 class KVCache:
@@ -62,9 +101,12 @@ def paged_attention(
     Returns ``[N, heads * d]``."""
     cache.write(metadata.slot_mapping, k, v)
     out = torch.empty_like(q)
+    decode = metadata.decode_batch(cache.block_size)
+    if decode is not None:
+        out[decode.rows] = _decode_attention(q, cache, decode, scale, kv_index)
     for i, seq_len in enumerate(metadata.seq_lens):
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
-        if end == start:
+        if end == start or (decode is not None and end - start == 1):
             continue
         keys, values = cache.read(metadata.block_tables[i], seq_len)
         query = q[start:end].transpose(0, 1)  # [heads, n_q, d]
@@ -80,3 +122,19 @@ def paged_attention(
         )
         out[start:end] = attended.transpose(0, 1)
     return out.reshape(q.shape[0], -1)
+
+
+def _decode_attention(
+    q: torch.Tensor, cache: KVCache, decode: DecodeBatch, scale: float, kv_index: torch.Tensor
+) -> torch.Tensor:
+    """One attention call for every one-token sequence: ``[B, heads, d]``."""
+    flat_key = cache.key.view(-1, *cache.key.shape[2:])
+    flat_value = cache.value.view(-1, *cache.value.shape[2:])
+    # [B, L, kv_heads, d] -> [B, heads, L, d]
+    keys = flat_key[decode.slots].transpose(1, 2).index_select(1, kv_index)
+    values = flat_value[decode.slots].transpose(1, 2).index_select(1, kv_index)
+    query = q[decode.rows].unsqueeze(2)  # [B, heads, 1, d]
+    attended = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=decode.visible, scale=scale
+    )
+    return attended.squeeze(2)
