@@ -50,6 +50,10 @@ class CommTimeoutError(CommunicationError, TimeoutError):
     """A blocking operation passed its deadline (a peer never joined, or is too slow)."""
 
 
+class CollectiveMismatchError(CommunicationError):
+    """Ranks of a group entered different operations (or shapes, dtypes) at the same point."""
+
+
 class PeerLostError(CommunicationError):
     """A peer process died or its connection closed while an operation needed it."""
 

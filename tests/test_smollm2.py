@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(600)
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
 NEW_TOKENS = 32
+EMBED_TEXT = "The lighthouse keeper watched the storm roll in."
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +65,33 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(gguf_path, prompts):
-    """transformers' greedy continuation of each prompt (shorter if it stops at EOS)."""
+def reference_model(gguf_path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     )
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(reference_model, prompts):
+    """transformers' greedy continuation of each prompt (shorter if it stops at EOS)."""
     result = []
     for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = reference_model.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
         result.append(out[0, len(prompt) :].tolist())
     return result
+
+
+@pytest.fixture(scope="module")
+def reference_embedding(reference_model, tokenizer):
+    """transformers' final hidden state of EMBED_TEXT's last token, L2-normalized."""
+    ids = torch.tensor([tokenizer.encode(EMBED_TEXT)])
+    with torch.no_grad():
+        hidden = reference_model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
+    return torch.nn.functional.normalize(hidden, dim=0)
 
 
 def test_chat_prompts_tokenize_like_transformers(prompts, reference_tokenizer):
@@ -113,7 +129,9 @@ def test_llm_chat_gives_transformers_greedy_answers(
         assert output.finish_reason == ("stop" if stopped_at_eos else "length")
 
 
-def test_llm_chat_under_mpiexec_with_mpi_gives_transformers_answers(gguf_path, reference_tokens):
+def test_llm_under_mpiexec_with_mpi_gives_transformers_answers_and_embeddings(
+    gguf_path, reference_tokens, reference_embedding
+):
     run = run_launched(
         "mpiexec",
         2,
@@ -123,6 +141,8 @@ def test_llm_chat_under_mpiexec_with_mpi_gives_transformers_answers(gguf_path, r
             str(gguf_path),
             str(NEW_TOKENS),
             *QUESTIONS,
+            "--embed",
+            EMBED_TEXT,
             "--",
             "parallel.tensor_parallel_size=2",
             "parallel.communicator=mpi",
@@ -132,7 +152,11 @@ def test_llm_chat_under_mpiexec_with_mpi_gives_transformers_answers(gguf_path, r
     assert run.returncode == 0, run.stderr
     (line,) = [line for line in run.stdout.splitlines() if line.startswith("{")]
     report = json.loads(line)
-    assert report == {"executor": "external_launcher", "tokens": reference_tokens}
+    assert report["executor"] == "external_launcher"
+    assert report["tokens"] == reference_tokens
+    torch.testing.assert_close(
+        torch.tensor(report["embedding"]), reference_embedding, rtol=1e-4, atol=1e-4
+    )
     assert run.leftovers == []
 
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 
 from shardline.distributed.layout import ParallelLayout
 
@@ -90,6 +97,16 @@ class ParallelConfig(Section):
     )
     timeout_s: PositiveFloat = Field(
         default=300.0, description="deadline of every collective and point-to-point wait"
+    )
+    watchdog: bool = Field(
+        default=True,
+        description="fingerprint every data-plane operation; a timeout then says which rank "
+        "is in which operation",
+    )
+    watchdog_check_every: NonNegativeInt = Field(
+        default=0,
+        description="debug: ranks compare fingerprints every N collectives (0: only on a "
+        "timeout) and stop at the first mismatch",
     )
     startup_timeout_s: PositiveFloat = Field(
         default=120.0, description="deadline of each start-up phase (spawn, join, load)"

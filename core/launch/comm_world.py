@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardline.comm.watchdog import SideChannel, WatchedCommunicator
 from shardline.config.schema import EngineConfig
 from shardline.distributed import ParallelState
 from shardline.interfaces import Communicator
@@ -83,6 +84,9 @@ def join_parallel_worlds(
     data = data_backend.init_world(
         rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s
     )
+    if parallel.watchdog:
+        channel = SideChannel(rendezvous.with_prefix("watchdog"))
+        data = WatchedCommunicator(data, channel, parallel.watchdog_check_every)
     control = control_backend.init_world(
         rank, world_size, rendezvous.with_prefix("control"), parallel.timeout_s
     )

@@ -1,8 +1,9 @@
 """A rank of a launched world (mpiexec / torchrun) running the engine: every process builds
 its ``LLM`` (the executor ``auto`` picks: external_launcher), answers the questions given,
-and the reporting process prints one JSON line with the executor and the tokens.
+embeds one text, and the reporting process prints one JSON line with the executor, the
+tokens and the embedding.
 
-    python -m support.llm_driver MODEL MAX_TOKENS QUESTION... -- [KEY=VALUE ...]
+    python -m support.llm_driver MODEL MAX_TOKENS QUESTION... --embed TEXT -- [KEY=VALUE ...]
 """
 
 import json
@@ -11,19 +12,31 @@ import sys
 from shardline.engine import LLM, SamplingParams
 
 
-def main(model: str, max_tokens: int, questions: list[str], overrides: list[str]) -> None:
+def main(
+    model: str, max_tokens: int, questions: list[str], text: str, overrides: list[str]
+) -> None:
     with LLM(overrides=[f"model.path={model}", *overrides]) as llm:
         outputs = llm.chat(
             [[{"role": "user", "content": q}] for q in questions],
             SamplingParams(max_tokens=max_tokens),
         )
+        (embedding,) = llm.embed(text)
         if llm.reports_results:
-            executor = llm.engine.config.parallel.distributed_executor_backend
-            tokens = [o.token_ids for o in outputs]
-            print(json.dumps({"executor": executor, "tokens": tokens}), flush=True)
+            report = {
+                "executor": llm.engine.config.parallel.distributed_executor_backend,
+                "tokens": [o.token_ids for o in outputs],
+                "embedding": embedding.tolist(),
+            }
+            print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
-    split = arguments.index("--") if "--" in arguments else len(arguments)
-    main(arguments[0], int(arguments[1]), arguments[2:split], arguments[split + 1 :])
+    embed_at, split = arguments.index("--embed"), arguments.index("--")
+    main(
+        arguments[0],
+        int(arguments[1]),
+        arguments[2:embed_at],
+        arguments[embed_at + 1],
+        arguments[split + 1 :],
+    )

@@ -1,0 +1,104 @@
+"""The collective watchdog on real gloo worlds (two ranks as threads of this process): a
+planted mismatch and a missing rank end in an error that says which rank is where; the debug
+mode stops a mismatch before it runs; wrapped communicators behave as the bare ones."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from shardline.comm.store import serve_store
+from shardline.comm.watchdog import SideChannel, WatchedCommunicator
+from shardline.errors import CollectiveMismatchError, CommTimeoutError
+from shardline_gloo.communicator import GlooBackend
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _run_ranks(body, timeout_s=2.0, check_every=0):
+    """Run ``body(comm)`` on two watched gloo ranks; returns each rank's result or error."""
+    _store, rendezvous = serve_store()
+    results: dict[int, object] = {}
+
+    def rank_main(rank):
+        comm = GlooBackend().init_world(rank, 2, rendezvous.with_prefix("data"), timeout_s)
+        watched = WatchedCommunicator(
+            comm, SideChannel(rendezvous.with_prefix("watchdog")), check_every
+        )
+        try:
+            results[rank] = body(watched)
+        except Exception as error:
+            results[rank] = error
+        finally:
+            watched.close()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+def test_wrapped_operations_behave_as_the_bare_communicator():
+    def body(comm):
+        total = comm.all_reduce(torch.full((3,), float(comm.rank + 1)))
+        gathered = comm.all_gather(torch.tensor([comm.rank]))
+        pair = comm.new_group([0, 1])
+        obj = pair.broadcast_object({"from": comm.rank}, src=1)
+        return total.tolist(), gathered.tolist(), obj, comm.last.describe(), pair.label
+
+    results = _run_ranks(body)
+    for rank in (0, 1):
+        total, gathered, obj, last, label = results[rank]
+        assert total == [3.0, 3.0, 3.0] and gathered == [0, 1] and obj == {"from": 1}
+        assert last == "#2 all_gather [1] int64"
+        assert label == "ranks [0, 1]"
+
+
+def test_a_planted_mismatch_names_each_rank_and_its_operation():
+    # Rank 1 runs one collective more than rank 0, then waits for a message rank 0 never
+    # sends, while rank 0 is in the next collective. (Two different collectives would make
+    # gloo abort the process; the debug mode below catches those before they run.)
+    def body(comm):
+        comm.all_reduce(torch.zeros(2))
+        if comm.rank == 0:
+            comm.all_reduce(torch.zeros(8, 576))
+        else:
+            comm.recv(torch.zeros(8, 576), src=0)
+
+    results = _run_ranks(body)
+    for rank in (0, 1):
+        assert isinstance(results[rank], CommTimeoutError), results[rank]
+        message = str(results[rank])
+        assert "watchdog on world" in message
+        assert "#2 all_reduce [8, 576] float32" in message
+        assert "#2 recv with rank 0 [8, 576] float32" in message
+
+
+def test_a_rank_that_never_arrives_is_named():
+    def body(comm):
+        if comm.rank == 1:
+            time.sleep(4)
+            return "slept"
+        comm.all_reduce(torch.zeros(4))
+
+    results = _run_ranks(body)
+    message = str(results[0])
+    assert "rank 0 is at #1 all_reduce [4] float32" in message
+    assert "rank 1 did not report" in message
+
+
+def test_debug_mode_stops_a_shape_mismatch_before_it_runs():
+    def body(comm):
+        return comm.all_reduce(torch.zeros(4 if comm.rank == 0 else 8))
+
+    started = time.monotonic()
+    results = _run_ranks(body, timeout_s=10.0, check_every=1)
+    for rank in (0, 1):
+        assert isinstance(results[rank], CollectiveMismatchError), results[rank]
+        message = str(results[rank])
+        assert "#1 all_reduce [4] float32" in message and "#1 all_reduce [8] float32" in message
+    assert time.monotonic() - started < 5, "the mismatch waited for the deadline"
