@@ -124,8 +124,7 @@ def _table(report: dict) -> str:
         f"{report['steps']} steps ({report['warmup']} warm-up), "
         f"{report['requests_finished']} requests finished, {report['preemptions']} preemptions, "
         f"{report['seconds_after_warmup']:.0f} s after warm-up",
-        f"{'process':<10} {'pid':>7} {'RSS start':>10} {'RSS end':>10} {'growth':>8} "
-        f"{'fds':>9}",
+        f"{'process':<10} {'pid':>7} {'RSS start':>10} {'RSS end':>10} {'growth':>8} {'fds':>9}",
     ]
     for row in report["processes"]:
         growth = row["rss_end_mib"] - row["rss_start_mib"]
