@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
             help="ask the model (default: SmolLM2-135M-Instruct on 2 ranks) and print the answer",
             description="Answer a question with the model the config names. --config and --set "
             "apply over the built-in run config (model smollm2-135m, pulled on first use; "
-            "tensor_parallel_size 2; executor mp; communicator auto).",
+            "tensor_parallel_size 2; executor auto: mp, or external_launcher under torchrun or "
+            "mpiexec; communicator auto).",
         )
     )
     run.add_argument("question", nargs="?", help="what to ask (default: a sample question)")

@@ -11,12 +11,13 @@ from shardline.config.loader import LoadedConfig, load_config
 from shardline.errors import RequestError
 
 #: The built-in layer under ``--config`` and ``--set``: SmolLM2-135M-Instruct (pulled on
-#: first use), two tensor-parallel ranks in worker processes, the fastest communicator.
+#: first use), two tensor-parallel ranks (worker processes, or the processes of a launcher),
+#: the fastest communicator.
 BUILTIN_CONFIG: dict[str, Any] = {
     "model": {"path": "smollm2-135m"},
     "parallel": {
         "tensor_parallel_size": 2,
-        "distributed_executor_backend": "mp",
+        "distributed_executor_backend": "auto",
         "communicator": "auto",
     },
 }
