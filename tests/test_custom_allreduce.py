@@ -2,8 +2,11 @@
 taken on one host for one-shot and two-shot sizes, and no /dev/shm segment left, not even
 while the world runs or after a rank is killed."""
 
+import ast
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -59,3 +62,22 @@ def test_a_killed_rank_leaves_no_segment():
     finally:
         world.close()
     assert _segments() == set()
+
+
+def test_the_base_is_built_without_running_any_other_plugin():
+    """A one-rank custom_ar world imports the gloo plugin for its base and no other one."""
+    program = (
+        "import sys\n"
+        "from shardline.comm.store import serve_store\n"
+        "from shardline_custom_allreduce.communicator import CustomAllReduceBackend\n"
+        "store, rendezvous = serve_store()\n"
+        "comm = CustomAllReduceBackend().init_world(0, 1, rendezvous, 30.0)\n"
+        "comm.close()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('shardline_')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = {name.split(".")[0] for name in ast.literal_eval(done.stdout)}
+    assert loaded == {"shardline_custom_allreduce", "shardline_gloo"}

@@ -72,17 +72,21 @@ def host_identity() -> str:
 
 
 class CustomAllReduceBackend(CommunicatorBackend):
-    """Builds the base communicator's world (``base``, a registered name) and layers the
-    shared-memory all-reduce over it. Subclass and set ``base`` for another base."""
+    """Builds the base communicator's world (``base``, a registered name, provided by the
+    plugin whose entry point is ``base_plugin``) and layers the shared-memory all-reduce over
+    it. Only that plugin is loaded for it: no other installed plugin's code runs. Subclass and
+    set both for another base."""
 
     name = "custom_ar"
     capabilities = CUSTOM_AR_CAPABILITIES
     base = "gloo"
+    base_plugin = "gloo"
 
     def init_world(
         self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float
     ) -> CustomAllReduceCommunicator:
-        base_backend = Registry.load().get("communicator", self.base).load_available()()
+        registry = Registry.load(allow=(self.base_plugin,))
+        base_backend = registry.get("communicator", self.base).load_available()()
         base = base_backend.init_world(rank, world_size, rendezvous.with_prefix("base"), timeout_s)
         return CustomAllReduceCommunicator.create(base)
 
@@ -396,3 +400,4 @@ class CustomAllReduceOverMpi(CustomAllReduceBackend):
     name = "custom_ar_mpi"
     capabilities = CUSTOM_AR_MPI_CAPABILITIES
     base = "mpi"
+    base_plugin = "mpi"
