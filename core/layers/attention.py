@@ -19,11 +19,11 @@ import torch.nn.functional as F
 class DecodeBatch:
     """The sequences of a step that add one query token each, gathered for one batched
     attention call: their query rows, the cache slots of their keys (``[B, L]``, padded)
-    and which of those slots are real (``[B, 1, 1, L]``)."""
+    and which of those slots are real (``[B, 1, 1, L]``; None when none is padding)."""
 
     rows: torch.Tensor
     slots: torch.Tensor
-    visible: torch.Tensor
+    visible: torch.Tensor | None
 
 
 @dataclass
@@ -37,7 +37,7 @@ class AttentionMetadata:
     _decode: dict[int, DecodeBatch | None] = field(default_factory=dict, repr=False)
 
     def decode_batch(self, block_size: int) -> DecodeBatch | None:
-        """The one-token sequences of this step (None when fewer than two), built once per
+        """The one-token sequences of this step (None when there are none), built once per
         step and shared by every layer."""
         if block_size not in self._decode:
             self._decode[block_size] = self._build_decode_batch(block_size)
@@ -46,7 +46,7 @@ class AttentionMetadata:
     def _build_decode_batch(self, block_size: int) -> DecodeBatch | None:
         starts = self.query_start_loc
         single = [i for i in range(len(self.seq_lens)) if starts[i + 1] - starts[i] == 1]
-        if len(single) < 2:
+        if not single:
             return None
         longest = max(self.seq_lens[i] for i in single)
         positions = torch.arange(longest)
@@ -57,10 +57,11 @@ class AttentionMetadata:
             blocks = table[(positions // block_size).clamp(max=len(table) - 1)]
             slots.append(torch.where(valid, blocks * block_size + positions % block_size, 0))
             visible.append(valid)
+        visible_mask = torch.stack(visible)[:, None, None, :]
         return DecodeBatch(
             torch.tensor([starts[i] for i in single], dtype=torch.long),
             torch.stack(slots),
-            torch.stack(visible)[:, None, None, :],
+            None if bool(visible_mask.all()) else visible_mask,
         )
 
 
