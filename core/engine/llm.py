@@ -38,11 +38,11 @@ class LLM:
         registry: Registry | None = None,
         pull_progress: Callable[[int, int], None] | None = None,
     ) -> None:
+        if isinstance(config, LoadedConfig) and overrides:
+            raise TypeError("overrides apply to a config path or None, not a LoadedConfig")
         loaded = (
             config if isinstance(config, LoadedConfig) else load_config(config, overrides, environ)
         )
-        if isinstance(config, LoadedConfig) and overrides:
-            raise TypeError("overrides apply to a config path or None, not a LoadedConfig")
         loaded = _with_resolved_model(loaded, pull_progress)
         self.engine = LLMEngine(loaded, registry, environ)
 
