@@ -71,6 +71,8 @@ def main() -> int:
                 baseline, started = snapshot(llm), time.perf_counter()
             top_up()
             finished += sum(output.finished for output, _ in engine.step())
+            if (step + 1) % 1000 == 0:
+                print(f"step {step + 1}/{args.steps}", file=sys.stderr, flush=True)
         end = snapshot(llm)
         elapsed = time.perf_counter() - started
 
