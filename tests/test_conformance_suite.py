@@ -89,7 +89,8 @@ def test_third_party_plugin_installs_and_passes(tmp_path):
     report = _report(report_path)
     assert report["communicator"] == "storecomm"
     assert report["summary"].get("failed", 0) == 0 and report["summary"]["passed"] > 500
-    assert {case["world_size"] for case in report["cases"]} == {2, 3}
+    # Checks that need another world size (subgroups tp2 x pp2: 4) are reported with a reason.
+    assert {case["world_size"] for case in report["cases"]} - {None} == {2, 3}
     hidden = shardline("conformance", "storecomm", env={**env, "SHARDLINE_PLUGINS": "gloo"})
     assert hidden.returncode != 0
     assert "is no installed communicator or executor" in hidden.stderr

@@ -5,6 +5,7 @@ exceptions, deadlines, deaths, shutdown) is checked by the executor conformance 
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -154,8 +155,15 @@ def test_ctrl_c_on_the_driver_shuts_everything_down(tiny_llama_dir):
     driver, info = _start_driver(tiny_llama_dir)
     try:
         driver.send_signal(signal.SIGINT)
-        out, _ = driver.communicate(timeout=30)
-        assert "shut down" in out
+        try:
+            out, err = driver.communicate(timeout=30)
+        except subprocess.TimeoutExpired as timeout:
+            driver.kill()
+            raise AssertionError(
+                f"the driver did not exit within 30 s of Ctrl-C; workers alive: "
+                f"{alive(info['workers'])}; output: {timeout.output!r}; errors: {timeout.stderr!r}"
+            ) from None
+        assert "shut down" in out, err
         assert _wait_gone(info["workers"], 5.0) == []
         assert _segments() == before
     finally:

@@ -78,7 +78,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     sizes = world_sizes(metafunc.config)
     marker = metafunc.definition.get_closest_marker("shardline_world_sizes")
     if marker is not None:
-        sizes = [size for size in sizes if size in marker.args]
+        applicable = [size for size in sizes if size in marker.args]
+        if not applicable:
+            reason = f"applies to world sizes {list(marker.args)}; this run has {sizes}"
+            metafunc.parametrize(
+                "world_size", [pytest.param(None, marks=pytest.mark.skip(reason=reason))]
+            )
+            return
+        sizes = applicable
     metafunc.parametrize("world_size", sizes)
 
 

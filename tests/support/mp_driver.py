@@ -1,6 +1,7 @@
 """A driver process for the mp executor tests: starts an executor on the model given, prints
 its workers' pids as one JSON line, then waits to be killed or interrupted."""
 
+import faulthandler
 import json
 import sys
 import time
@@ -26,6 +27,8 @@ def main(model_path: str) -> None:
         while True:
             time.sleep(0.1)
     except KeyboardInterrupt:
+        # Should shutting down hang, every thread's stack goes to stderr for the test to show.
+        faulthandler.dump_traceback_later(15, exit=True)
         executor.shutdown()
         print("shut down", flush=True)
 
