@@ -3,6 +3,7 @@ its workers' pids as one JSON line, then waits to be killed or interrupted."""
 
 import faulthandler
 import json
+import signal
 import sys
 import time
 
@@ -12,6 +13,8 @@ from shardline.registry import Registry
 
 
 def main(model_path: str) -> None:
+    # A shell starts background jobs with Ctrl-C ignored; a user's terminal does not.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     config = load_config(
         overrides=[
             f"model.path={model_path}",
