@@ -70,12 +70,15 @@ def test_a_planted_mismatch_names_each_rank_and_its_operation():
             comm.recv(torch.zeros(8, 576), src=0)
 
     results = _run_ranks(body)
+    rank0, rank1 = "#2 all_reduce [8, 576] float32", "#2 recv with rank 0 [8, 576] float32"
+    messages = [str(results[rank]) for rank in (0, 1)]
     for rank in (0, 1):
         assert isinstance(results[rank], CommTimeoutError), results[rank]
-        message = str(results[rank])
-        assert "watchdog on world" in message
-        assert "#2 all_reduce [8, 576] float32" in message
-        assert "#2 recv with rank 0 [8, 576] float32" in message
+        assert "watchdog on world" in messages[rank]
+        assert (rank0, rank1)[rank] in messages[rank]
+    # The rank whose deadline passes last sees both; the first waits 1 s for the other, which
+    # on a loaded machine may time out later than that.
+    assert any(rank0 in m and rank1 in m for m in messages), messages
 
 
 def test_a_rank_that_never_arrives_is_named():
