@@ -84,7 +84,7 @@ def test_a_planted_mismatch_names_each_rank_and_its_operation():
 def test_a_rank_that_never_arrives_is_named():
     def body(comm):
         if comm.rank == 1:
-            time.sleep(4)
+            time.sleep(8)  # well past rank 0's deadline (2 s) and its 1 s wait for reports
             return "slept"
         comm.all_reduce(torch.zeros(4))
 
