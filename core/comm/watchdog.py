@@ -199,10 +199,8 @@ class WatchedCommunicator(Communicator):
     def diagnose(self, error: CommTimeoutError, mine: Fingerprint) -> CommTimeoutError:
         """``error`` with where every rank of the group is, as each rank reports itself (the
         first timeout of a group; later ones may see the earlier reports)."""
-        keys = [f"stuck/{r}" for r in range(self.world_size)]
         try:
-            self._channel.publish(f"stuck/{self.rank}", mine)
-            found = self._channel.collect(keys, REPORT_GRACE_S)
+            where = self._exchange("stuck", mine, REPORT_GRACE_S)
         except Exception as failure:  # the side channel is a diagnosis aid, never the error
             return CommTimeoutError(
                 f"{error} [watchdog on {self.label}: this rank is at {mine.describe()}; the "
@@ -210,7 +208,6 @@ class WatchedCommunicator(Communicator):
                 op=error.op,
                 rank=error.rank,
             )
-        where = {self.global_ranks[r]: found[f"stuck/{r}"] for r in range(self.world_size)}
         return CommTimeoutError(
             f"{error} [watchdog on {self.label}: {_who_is_where(where)}]",
             op=error.op,
@@ -219,16 +216,18 @@ class WatchedCommunicator(Communicator):
 
     def _compare(self, mine: Fingerprint) -> None:
         """Debug mode: every rank's N-th operation must be the same call."""
-        self._channel.publish(f"check/{mine.seq}/{self.rank}", mine)
-        keys = [f"check/{mine.seq}/{r}" for r in range(self.world_size)]
-        found = self._channel.collect(keys, self.timeout_s)
-        where = {
-            self.global_ranks[r]: found[f"check/{mine.seq}/{r}"] for r in range(self.world_size)
-        }
+        where = self._exchange(f"check/{mine.seq}", mine, self.timeout_s)
         if any(fp is None or not fp.same_call(mine) for fp in where.values()):
             raise CollectiveMismatchError(
                 f"collective mismatch on {self.label}: {_who_is_where(where)}", op=mine.op
             )
+
+    def _exchange(self, topic: str, mine: Fingerprint, wait_s: float) -> dict:
+        """Publish ``mine`` under ``topic`` and read every rank's: global rank -> its
+        fingerprint, or None for a rank that did not publish within ``wait_s``."""
+        self._channel.publish(f"{topic}/{self.rank}", mine)
+        found = self._channel.collect([f"{topic}/{r}" for r in range(self.world_size)], wait_s)
+        return {self.global_ranks[r]: found[f"{topic}/{r}"] for r in range(self.world_size)}
 
 
 class _WatchedWork(Work):
