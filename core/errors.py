@@ -54,6 +54,11 @@ class CollectiveMismatchError(CommunicationError):
     """Ranks of a group entered different operations (or shapes, dtypes) at the same point."""
 
 
+class ProtocolError(CommunicationError):
+    """A peer sent a control-plane message that is ill-formed or fails the job-secret check;
+    it was refused before anything in it was used."""
+
+
 class PeerLostError(CommunicationError):
     """A peer process died or its connection closed while an operation needed it."""
 

@@ -26,6 +26,7 @@ def test_two_ranks_state_in_one_process():
             backend = GlooBackend()
             data = backend.init_world(rank, 2, rendezvous.with_prefix("data"), 30.0)
             control = backend.init_world(rank, 2, rendezvous.with_prefix("control"), 30.0)
+            data.object_key = control.object_key = rendezvous.secret
             state = ParallelState.create(ParallelLayout(pipeline_parallel_size=2), data, control)
             states[rank] = state
             if state.pp.is_first_rank:

@@ -23,6 +23,7 @@ def _run_ranks(body, timeout_s=2.0, check_every=0):
 
     def rank_main(rank):
         comm = GlooBackend().init_world(rank, 2, rendezvous.with_prefix("data"), timeout_s)
+        comm.object_key = rendezvous.secret
         watched = WatchedCommunicator(
             comm, SideChannel(rendezvous.with_prefix("watchdog")), check_every
         )

@@ -82,6 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conformance.add_argument("--report", help="JSON report path")
 
+    faults = commands.add_parser(
+        "faults",
+        help="plant faults in real worlds: every scenario on every executor x communicator",
+        description="The fault-injection suite: each scenario (a rank killed mid-step, hung "
+        "in a collective, never joining; mismatched collectives; ill-formed control messages; "
+        "a plugin raising on import) runs in a fresh world of each valid executor x "
+        "communicator pair. Pass: every surviving process raises a typed error within the "
+        "deadline + 1 s, shutdown is clean, no process or /dev/shm entry is left.",
+    )
+    faults.add_argument("--executors", help="comma-separated (default: every installed one)")
+    faults.add_argument("--communicators", help="comma-separated (default: every installed one)")
+    faults.add_argument("--scenarios", help="comma-separated scenario names (default: all)")
+    faults.add_argument(
+        "--timeout", type=float, default=3.0, help="parallel.timeout_s of the worlds (default 3)"
+    )
+    faults.add_argument("--json", help="write the report here")
+
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True
     )
@@ -182,6 +199,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         conformance_cmd,
         demo_cmd,
         explain_cmd,
+        faults_cmd,
         models_cmd,
         plugins_cmd,
         run_cmd,
@@ -202,6 +220,8 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         )
     if args.command == "conformance":
         return conformance_cmd.run(args, passthrough)
+    if args.command == "faults":
+        return faults_cmd.run(args)
     if args.command == "bench" and args.bench_command == "decode":
         return _bench_decode(args)
     if args.command == "bench":

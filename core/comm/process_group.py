@@ -71,15 +71,18 @@ class ProcessGroupCommunicator(Communicator):
         timeout_s: float,
         prefix: str,
     ) -> ProcessGroupCommunicator:
-        """Join the group stored under ``prefix``; every member calls this."""
+        """Join the group stored under ``prefix``; every member calls this. A timeout names
+        the members that never arrived."""
+        group_store = dist.PrefixStore(prefix, store)
+        group_store.set(f"arrived/{rank}", "1")
         try:
-            pg = cls.new_process_group(
-                dist.PrefixStore(prefix, store), transport, rank, world_size, timeout_s
-            )
+            pg = cls.new_process_group(group_store, transport, rank, world_size, timeout_s)
         except (RuntimeError, dist.DistError) as error:
+            missing = [r for r in range(world_size) if not group_store.check([f"arrived/{r}"])]
+            who = f"ranks {missing} never arrived" if missing else "every rank arrived"
             raise CommTimeoutError(
                 f"{cls.backend_name} group {prefix!r}: rank {rank} of {world_size} could not "
-                f"connect to all peers within {timeout_s:g} s ({error})",
+                f"connect to all peers within {timeout_s:g} s: {who} ({error})",
                 op="new_group",
                 rank=rank,
             ) from error
@@ -223,7 +226,7 @@ class ProcessGroupCommunicator(Communicator):
         self._groups_created += 1
         if self._rank not in ranks:
             return None
-        return type(self).create(
+        group = type(self).create(
             self._store,
             self._transport,
             ranks.index(self._rank),
@@ -231,6 +234,8 @@ class ProcessGroupCommunicator(Communicator):
             self._timeout_s if timeout_s is None else timeout_s,
             f"{self._prefix}g{self._groups_created}/",
         )
+        group.object_key = self.object_key
+        return group
 
     def close(self) -> None:
         self._pg = None

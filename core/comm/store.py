@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import secrets
 
 import torch.distributed as dist
 
@@ -16,7 +17,8 @@ def serve_store(
     """Start a store server on ``host`` at ``port``; 0 (the default) lets the OS choose, the
     only safe choice unless a launcher reserved the port.
 
-    The caller keeps the returned store alive for as long as ranks may connect to it.
+    The caller keeps the returned store alive for as long as ranks may connect to it, and
+    hands the returned rendezvous (with a new random job secret) to them privately.
     """
     store = dist.TCPStore(
         host,
@@ -25,7 +27,7 @@ def serve_store(
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return store, Rendezvous(host=host, port=store.port)
+    return store, Rendezvous(host=host, port=store.port, secret=secrets.token_bytes(32))
 
 
 def connect_store(rendezvous: Rendezvous, timeout_s: float) -> dist.Store:

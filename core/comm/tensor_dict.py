@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shardline.dtypes import DTYPE_NAMES, dtype_name, torch_dtype
+from shardline.errors import ProtocolError
 
 
 @dataclass(frozen=True)
@@ -54,29 +55,45 @@ def split(tensor_dict: dict[str, Any]) -> tuple[Metadata, list[torch.Tensor]]:
     return metadata, tensors
 
 
+#: Most elements one received tensor may announce (a larger one is refused as ill-formed).
+MAX_ELEMENTS = 1 << 34
+
+
 def allocate(
-    metadata: Metadata, device: str | None = None
+    metadata: Metadata, device: str | None = None, sender: str = "a peer"
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """A dict shaped like the sender's, and the buffers to receive into, in wire order.
 
-    Raises ValueError for metadata that is not a list of ``(str, value)`` pairs or names an
-    unknown dtype or a negative size.
+    Raises :class:`ProtocolError` naming ``sender`` for metadata that is not a list of
+    ``(str, value)`` pairs, or whose tensor entries name an unknown dtype or device, a shape
+    that is not a tuple of non-negative ints, or more than :data:`MAX_ELEMENTS` elements.
     """
+
+    def refuse(what: str) -> ProtocolError:
+        return ProtocolError(f"tensor dict from {sender}: {what}")
+
     if not isinstance(metadata, list):
-        raise ValueError(f"tensor dict metadata must be a list, got {type(metadata).__name__}")
+        raise refuse(f"metadata must be a list, got {type(metadata).__name__}")
     result: dict[str, Any] = {}
     buffers: list[torch.Tensor] = []
     for entry in metadata:
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
-            raise ValueError(f"tensor dict metadata entry must be (str, value), got {entry!r}")
+            raise refuse(f"metadata entry must be (str, value), got {_short(entry)}")
         key, value = entry
         if isinstance(value, TensorMeta):
-            if value.dtype not in DTYPE_NAMES:
-                raise ValueError(f"tensor dict entry {key!r}: unknown dtype {value.dtype!r}")
-            if any(not isinstance(s, int) or s < 0 for s in value.shape):
-                raise ValueError(f"tensor dict entry {key!r}: bad shape {value.shape!r}")
+            if not isinstance(value.dtype, str) or value.dtype not in DTYPE_NAMES:
+                raise refuse(f"entry {key!r}: unknown dtype {_short(value.dtype)}")
+            shape = value.shape
+            if not isinstance(shape, tuple) or any(
+                type(size) is not int or size < 0 for size in shape
+            ):
+                raise refuse(f"entry {key!r}: bad shape {_short(shape)}")
+            if value.numel > MAX_ELEMENTS:
+                raise refuse(f"entry {key!r}: {value.numel} elements; allowed: {MAX_ELEMENTS}")
+            if device is None and value.device not in ("cpu", "cuda"):
+                raise refuse(f"entry {key!r}: device {_short(value.device)}; allowed: cpu, cuda")
             tensor = torch.empty(
-                value.shape, dtype=torch_dtype(value.dtype), device=device or value.device
+                shape, dtype=torch_dtype(value.dtype), device=device or value.device
             )
             if value.numel > 0:
                 buffers.append(tensor)
@@ -84,3 +101,8 @@ def allocate(
         else:
             result[key] = value
     return result, buffers
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,6 +1,6 @@
 """The collective watchdog: wraps any communicator, remembers a fingerprint of every operation
-each rank enters, and when one passes its deadline, the ranks compare fingerprints over a side
-channel (the rendezvous store) so the error says who is where:
+each rank enters, and when one passes its deadline (or finds a peer gone), the ranks compare
+fingerprints over a side channel (the rendezvous store) so the error says who is where:
 
     all_reduce timed out on ranks [0, 1]: rank 1 is at #1204 all_gather [8, 576] float32;
     rank 0 at #1204 all_reduce [8, 576] float32
@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from shardline.comm.store import connect_store
-from shardline.errors import CollectiveMismatchError, CommTimeoutError
+from shardline.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from shardline.interfaces import Capabilities, Communicator, ReduceOp, Work
 from shardline.interfaces.communicator_backend import Rendezvous
 
-#: How long a rank that timed out waits for the others' fingerprints.
-REPORT_GRACE_S = 1.0
+#: How long a rank that timed out waits for the others' fingerprints (inside the "deadline
+#: + 1 s" every fault must end by; a rank whose own deadline comes later is "did not report").
+REPORT_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,14 @@ class WatchedCommunicator(Communicator):
     def timeout_s(self) -> float:
         return self.inner.timeout_s
 
+    @property
+    def object_key(self) -> bytes:
+        return self.inner.object_key
+
+    @object_key.setter
+    def object_key(self, key: bytes) -> None:
+        self.inner.object_key = key
+
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         return self._watch("all_reduce", tensor, None, self.inner.all_reduce, tensor, op)
 
@@ -193,22 +202,25 @@ class WatchedCommunicator(Communicator):
             self._compare(fingerprint)
         try:
             return call(*args)
-        except CommTimeoutError as error:
+        except (CommTimeoutError, PeerLostError) as error:
             raise self.diagnose(error, fingerprint) from error
 
-    def diagnose(self, error: CommTimeoutError, mine: Fingerprint) -> CommTimeoutError:
-        """``error`` with where every rank of the group is, as each rank reports itself (the
-        first timeout of a group; later ones may see the earlier reports)."""
+    def diagnose(
+        self, error: CommTimeoutError | PeerLostError, mine: Fingerprint
+    ) -> CommTimeoutError | PeerLostError:
+        """``error`` (same type) with where every rank of the group is, as each rank reports
+        itself (the first failure of a group; later ones may see the earlier reports). A dead
+        rank is among those that did not report."""
         try:
             where = self._exchange("stuck", mine, REPORT_GRACE_S)
         except Exception as failure:  # the side channel is a diagnosis aid, never the error
-            return CommTimeoutError(
+            return type(error)(
                 f"{error} [watchdog on {self.label}: this rank is at {mine.describe()}; the "
                 f"side channel failed: {failure}]",
                 op=error.op,
                 rank=error.rank,
             )
-        return CommTimeoutError(
+        return type(error)(
             f"{error} [watchdog on {self.label}: {_who_is_where(where)}]",
             op=error.op,
             rank=error.rank,
@@ -241,7 +253,7 @@ class _WatchedWork(Work):
     def wait(self, timeout: float | None = None) -> Any:
         try:
             return self.inner.wait(timeout)
-        except CommTimeoutError as error:
+        except (CommTimeoutError, PeerLostError) as error:
             raise self.comm.diagnose(error, self.fingerprint) from error
 
     def is_completed(self) -> bool:

@@ -163,7 +163,7 @@ class GroupCoordinator:
         TP all-gather of sliced tensors (see :meth:`isend_tensor_dict`)."""
         src = self.prev_rank if src is None else src
         metadata = self.control.recv_object(src)
-        result, buffers = td.allocate(metadata, device)
+        result, buffers = td.allocate(metadata, device, f"rank {src}")
         keys = [key for key, value in metadata if isinstance(value, td.TensorMeta) and value.numel]
         works = []
         parts: list[tuple[str, torch.Tensor, torch.Tensor]] = []

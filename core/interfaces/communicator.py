@@ -20,7 +20,9 @@ General rules every backend keeps (the conformance suite checks each):
   or are refused earlier, at config validation.
 
 Objects and tensor dicts have default implementations here, built on tensor send/recv and
-broadcast (pickle bytes as a uint8 tensor on ``control_device``); a backend may override them.
+broadcast (pickle bytes signed with ``object_key`` as a uint8 tensor on ``control_device``);
+a backend may override them, but must never unpickle bytes that fail the job-secret check.
+Ill-formed objects and tensor-dict metadata raise :class:`~shardline.errors.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ class Communicator(abc.ABC):
 
     #: Device of the uint8 tensors that carry pickled objects in the default implementations.
     control_device: str = "cpu"
+    #: The job's secret, which signs and checks objects (set by whoever creates the world
+    #: from its :class:`~shardline.interfaces.communicator_backend.Rendezvous`; a backend's
+    #: ``new_group`` passes it on). Empty: object messages are refused.
+    object_key: bytes = b""
+    #: Largest object message accepted (a size above it is refused as ill-formed).
+    max_object_bytes: int = 1 << 30
 
     def __init__(self) -> None:
         # Deferred irecv_tensor_dict calls, per source rank, completed in posting order.
@@ -157,13 +165,15 @@ class Communicator(abc.ABC):
         size = torch.zeros(1, dtype=torch.int64, device=self.control_device)
         payload = None
         if self.rank == src:
-            payload = objects.to_tensor(obj, self.control_device)
+            payload = objects.to_tensor(obj, self.object_key, self.control_device)
             size[0] = payload.numel()
         self.broadcast(size, src)
         if payload is None:
-            payload = torch.empty(int(size[0]), dtype=torch.uint8, device=self.control_device)
+            payload = self._object_buffer(size, src)
         self.broadcast(payload, src)
-        return obj if self.rank == src else objects.from_tensor(payload)
+        if self.rank == src:
+            return obj
+        return objects.from_tensor(payload, self.object_key, f"rank {src}")
 
     def send_object(self, obj: Any, dst: int) -> None:
         """Send a picklable object to rank ``dst`` (ordered with tensor messages)."""
@@ -178,15 +188,31 @@ class Communicator(abc.ABC):
 
         self._complete_deferred_receives(src)
         size = self.recv(torch.empty(1, dtype=torch.int64, device=self.control_device), src)
-        payload = torch.empty(int(size[0]), dtype=torch.uint8, device=self.control_device)
-        return objects.from_tensor(self.recv(payload, src))
+        payload = self.recv(self._object_buffer(size, src), src)
+        return objects.from_tensor(payload, self.object_key, f"rank {src}")
+
+    def _object_buffer(self, size: torch.Tensor, src: int) -> torch.Tensor:
+        """A buffer for an object message of the announced ``size`` (refused when absurd)."""
+        import torch
+
+        from shardline.comm import objects
+        from shardline.errors import ProtocolError
+
+        count = int(size[0])
+        if not objects.TAG_BYTES <= count <= self.max_object_bytes:
+            raise ProtocolError(
+                f"control-plane object from rank {src} announces {count} bytes; allowed: "
+                f"{objects.TAG_BYTES}..{self.max_object_bytes}",
+                rank=self.rank,
+            )
+        return torch.empty(count, dtype=torch.uint8, device=self.control_device)
 
     def _isend_object(self, obj: Any, dst: int) -> list[Work]:
         import torch
 
         from shardline.comm import objects
 
-        payload = objects.to_tensor(obj, self.control_device)
+        payload = objects.to_tensor(obj, self.object_key, self.control_device)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.control_device)
         return [self.isend(size, dst), self.isend(payload, dst)]
 
@@ -238,7 +264,7 @@ def _receive_tensor_dict(comm: Communicator, src: int, device: str | None) -> di
     from shardline.comm import tensor_dict as td
 
     metadata = comm.recv_object(src)
-    result, buffers = td.allocate(metadata, device)
+    result, buffers = td.allocate(metadata, device, f"rank {src}")
     for buffer in buffers:
         comm.recv(buffer, src)
     return result

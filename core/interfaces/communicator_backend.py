@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardline.interfaces.capabilities import Capabilities
 from shardline.interfaces.communicator import Communicator
@@ -15,15 +15,18 @@ class Rendezvous:
     ``host:port``. ``prefix`` separates worlds or backends sharing one store.
 
     Backends that bring their own rendezvous (MPI under ``mpiexec``) may ignore it.
+    ``secret`` is the job's shared secret: control-plane objects are signed with it, and
+    bytes that fail the check are never unpickled (see :mod:`shardline.comm.objects`).
     """
 
     host: str
     port: int
     prefix: str = ""
+    secret: bytes = field(default=b"", repr=False)
 
     def with_prefix(self, prefix: str) -> Rendezvous:
-        """The same store, with ``prefix`` appended to this one's."""
-        return Rendezvous(self.host, self.port, f"{self.prefix}{prefix}/")
+        """The same store and secret, with ``prefix`` appended to this one's."""
+        return Rendezvous(self.host, self.port, f"{self.prefix}{prefix}/", self.secret)
 
 
 class CommunicatorBackend(abc.ABC):

@@ -39,6 +39,7 @@ class CommunicatorSetup:
         registry = Registry.load(allow=self.allow_plugins)
         backend = registry.get("communicator", self.backend).load_available()()
         comm = backend.init_world(rank, world_size, rendezvous, self.timeout_s)
+        comm.object_key = rendezvous.secret
         return RankContext(rank, world_size, comm)
 
 
@@ -84,11 +85,13 @@ def join_parallel_worlds(
     data = data_backend.init_world(
         rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s
     )
+    data.object_key = rendezvous.secret
     if parallel.watchdog:
         channel = SideChannel(rendezvous.with_prefix("watchdog"))
         data = WatchedCommunicator(data, channel, parallel.watchdog_check_every)
     control = control_backend.init_world(
         rank, world_size, rendezvous.with_prefix("control"), parallel.timeout_s
     )
+    control.object_key = rendezvous.secret
     state = ParallelState.create(parallel.layout, data, control)
     return ParallelRankContext(state, data, control)

@@ -3,6 +3,7 @@ launcher's environment variables."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ class LaunchedRank:
     ``master_addr``/``master_port`` name the rendezvous store (torchrun always sets them;
     under mpiexec they are optional, see :func:`meet`). ``agent_store`` is True when the
     launcher already serves the store there (torchrun's c10d agent), so no rank serves one.
+    ``job_secret`` is derived from ``SHARDLINE_JOB_SECRET`` when set (every rank must have
+    the same value); None lets the ranks agree on a random one (see :func:`meet`).
     """
 
     launcher: str
@@ -41,6 +44,7 @@ class LaunchedRank:
     master_port: int | None
     agent_store: bool = False
     restart: int = 0
+    job_secret: bytes | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> LaunchedRank:
@@ -70,6 +74,7 @@ class LaunchedRank:
                 master_port=master_port,
                 agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
                 restart=_integer(environ, "TORCHELASTIC_RESTART_COUNT", minimum=0, default=0),
+                job_secret=_job_secret(environ),
             )
         raise ConfigError(
             "parallel.distributed_executor_backend = 'external_launcher' needs a process "
@@ -101,3 +106,16 @@ def _integer(
         )
         raise ConfigError(f"environment {name} = {raw!r}: expected {allowed}", field=name)
     return value
+
+
+def _job_secret(environ: Mapping[str, str]) -> bytes | None:
+    value = environ.get("SHARDLINE_JOB_SECRET")
+    if value is None:
+        return None
+    if len(value) < 16:
+        raise ConfigError(
+            f"environment SHARDLINE_JOB_SECRET has {len(value)} characters; allowed: at least "
+            "16 (e.g. `export SHARDLINE_JOB_SECRET=$(openssl rand -hex 32)`)",
+            field="SHARDLINE_JOB_SECRET",
+        )
+    return hashlib.sha256(value.encode()).digest()

@@ -10,8 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+#: How long processes of a finished run may take to exit (Python's resource tracker, say).
+_SETTLE_S = 2.0
 
 #: The launchers a launched world can be started with.
 LAUNCHERS = ("torchrun", "mpiexec", "mpiexec+master")
@@ -58,35 +62,53 @@ class LaunchedRun:
     stderr: str
     #: Processes of the launcher's session still alive after it ended (killed since).
     leftovers: list[int]
+    #: Whether the run outlived its deadline (its whole session was killed).
+    timed_out: bool = False
 
 
 def run_launched(launcher: str, ranks: int, program: list[str], timeout_s: float) -> LaunchedRun:
     """Run ``program`` (``-m module args...``) on ``ranks`` ranks; the whole process group is
     killed if it outlives ``timeout_s``."""
+    run = run_session(
+        [*launcher_command(launcher, ranks), *program], launcher_environment(), timeout_s
+    )
+    if run.timed_out:
+        raise AssertionError(
+            f"{launcher} run did not finish within {timeout_s} s\n{run.stdout}\n{run.stderr}"
+        )
+    return run
+
+
+def run_session(command: list[str], environ: dict[str, str], timeout_s: float) -> LaunchedRun:
+    """Run ``command`` in a session of its own; when it ends, or outlives ``timeout_s``, every
+    process still in that session ``_SETTLE_S`` later is listed (``leftovers``) and killed."""
     process = subprocess.Popen(
-        [*launcher_command(launcher, ranks), *program],
-        env=launcher_environment(),
+        command,
+        env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
+    timed_out = False
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        timed_out = True
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        raise AssertionError(
-            f"{launcher} run did not finish within {timeout_s} s\n{stdout}\n{stderr}"
-        ) from None
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     leftovers = session_processes(process.pid)
+    settle_until = time.monotonic() + _SETTLE_S
+    while leftovers and time.monotonic() < settle_until:
+        time.sleep(0.05)
+        leftovers = session_processes(process.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    return LaunchedRun(process.returncode, stdout, stderr, leftovers)
+    return LaunchedRun(process.returncode, stdout, stderr, leftovers, timed_out)
 
 
 def session_processes(session_id: int) -> list[int]:

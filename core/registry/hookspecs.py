@@ -1,4 +1,5 @@
-"""The whole plugin API: three hooks, each returning the components a plugin provides.
+"""The whole plugin API: three hooks returning the components a plugin provides, and one
+called in every rank process as it starts.
 
 A plugin is a plain module named by an entry point in the ``shardline.plugins`` group::
 
@@ -48,6 +49,14 @@ def shardline_executors() -> list[Component]:
 def shardline_model_runners() -> list[Component]:
     """Model runners. ``target`` resolves to a :class:`~shardline.interfaces.ModelRunner`
     subclass."""
+
+
+@hookspec
+def shardline_rank_starting(rank: int, world_size: int) -> None:
+    """Called in every rank's process (driver-owned workers and launched ranks alike) after
+    the plugins loaded and before the rank joins its worlds: per-process setup such as CPU
+    pinning, logging or environment. An exception here fails the rank's start-up; a hook that
+    never returns is a rank that never joins (the others' start-up deadline names it)."""
 
 
 #: Hook name -> component kind, in the order the CLI lists them.

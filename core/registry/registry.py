@@ -50,6 +50,7 @@ class Registry:
         plugins: Sequence[PluginInfo] = (),
         failures: Sequence[PluginFailure] = (),
         skipped: Sequence[str] = (),
+        hooks: pluggy.PluginManager | None = None,
     ) -> None:
         self._by_kind: dict[str, dict[str, Component]] = {
             k: {} for k in hookspecs.HOOK_KINDS.values()
@@ -66,6 +67,7 @@ class Registry:
         self.plugins = list(plugins)
         self.failures = list(failures)
         self.skipped = list(skipped)
+        self._hooks = hooks
 
     @classmethod
     def load(cls, allow: Sequence[str] | None = None, strict: bool = False) -> Registry:
@@ -110,12 +112,17 @@ class Registry:
                 continue
             dist = ep.dist.name if ep.dist is not None else "?"
             plugins.append(PluginInfo(ep.name, ep.value, dist))
-        return cls(components, plugins, failures, skipped)
+        return cls(components, plugins, failures, skipped, manager)
 
     @classmethod
     def for_plugins(cls, plugins: PluginsConfig) -> Registry:
         """:meth:`load` with the config's ``plugins.allow`` and ``plugins.strict``."""
         return cls.load(allow=plugins.allow, strict=plugins.strict)
+
+    def rank_starting(self, rank: int, world_size: int) -> None:
+        """Run every loaded plugin's ``shardline_rank_starting`` hook (in this process)."""
+        if self._hooks is not None:
+            self._hooks.hook.shardline_rank_starting(rank=rank, world_size=world_size)
 
     def names(self, kind: str) -> list[str]:
         """Component names of ``kind``, sorted."""

@@ -43,9 +43,11 @@ class WorkerSetup:
         rendezvous: Rendezvous,
         on_phase: Callable[[str], None] = lambda phase: None,
     ) -> WorkerContext:
-        """Join the worlds (phase "distributed init"), then build the runner and load the
+        """Load the plugins and run their ``shardline_rank_starting`` hooks, join the worlds
+        (phase "distributed init"), then build the runner and load the
         model (phase "model load"); ``on_phase`` is called as each phase completes."""
         registry = Registry.for_plugins(self.config.plugins)
+        registry.rank_starting(rank, world_size)
         parallel = join_parallel_worlds(self.config, registry, rank, world_size, rendezvous)
         on_phase("distributed init")
         try:

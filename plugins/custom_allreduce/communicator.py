@@ -88,6 +88,7 @@ class CustomAllReduceBackend(CommunicatorBackend):
         registry = Registry.load(allow=(self.base_plugin,))
         base_backend = registry.get("communicator", self.base).load_available()()
         base = base_backend.init_world(rank, world_size, rendezvous.with_prefix("base"), timeout_s)
+        base.object_key = rendezvous.secret  # host identities travel as objects
         return CustomAllReduceCommunicator.create(base)
 
 
@@ -147,6 +148,14 @@ class CustomAllReduceCommunicator(Communicator):
     @property
     def timeout_s(self) -> float:
         return self.base.timeout_s
+
+    @property
+    def object_key(self) -> bytes:
+        return self.base.object_key
+
+    @object_key.setter
+    def object_key(self, key: bytes) -> None:
+        self.base.object_key = key
 
     @property
     def shared(self) -> bool:

@@ -7,6 +7,10 @@ returns the same list in every process: ``collective_rpc`` through the rendezvou
 (each call has its own deadline and names the silent ranks), ``execute_model`` through a
 broadcast from the output rank on the control communicator, so that every rank's scheduler
 sees the sampled tokens. Only rank 0 reports results (:attr:`reports_results`).
+
+A process that meets a missed deadline or a lost peer may share an MPI job with a stuck rank:
+its exit then ends the job (:func:`~shardline.launch.mpi_job.abort_job_at_exit`) instead of
+hanging in ``MPI_Finalize``; under torchrun, exiting non-zero makes torchrun end the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import pickle
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardline.comm import objects
 from shardline.comm.store import connect_store
 from shardline.config.schema import EngineConfig
 from shardline.errors import (
@@ -34,6 +38,7 @@ from shardline.errors import (
 )
 from shardline.interfaces import Executor
 from shardline.launch.launcher_env import LaunchedRank
+from shardline.launch.mpi_job import abort_job_at_exit
 from shardline.launch.threads import share_cores
 from shardline.worker.setup import WorkerContext, WorkerSetup
 from shardline_executors.launch_env import Meeting, meet
@@ -74,11 +79,14 @@ class ExternalLauncherExecutor(Executor):
         self._context: WorkerContext | None = None
         try:
             rendezvous = self._meeting.rendezvous
+            self._secret = rendezvous.secret
             self._context = WorkerSetup(config).build(self.rank, self.world_size, rendezvous)
             self._store = connect_store(
                 rendezvous.with_prefix("rpc"), config.parallel.startup_timeout_s
             )
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, CommTimeoutError | PeerLostError):
+                abort_job_at_exit()
             self.shutdown()
             raise
 
@@ -142,7 +150,7 @@ class ExternalLauncherExecutor(Executor):
         seconds = self._call_timeout_s if timeout is None else timeout
         store = self._store
         try:
-            store.set(keys[self.rank], pickle.dumps(envelope, protocol=pickle.HIGHEST_PROTOCOL))
+            store.set(keys[self.rank], objects.seal(envelope, self._secret))
             try:
                 store.wait(keys, datetime.timedelta(seconds=seconds))
             except (RuntimeError, dist.DistError) as error:
@@ -154,8 +162,12 @@ class ExternalLauncherExecutor(Executor):
                     f"(timeout, default parallel.timeout_s); this executor is now unusable",
                     op=name,
                 )
+                abort_job_at_exit()
                 raise self._failure from error
-            envelopes = [pickle.loads(store.get(key)) for key in keys]
+            envelopes = [
+                objects.unseal(store.get(key), self._secret, f"rank {rank}")
+                for rank, key in enumerate(keys)
+            ]
             if store.add(f"{call_id}/read", 1) == self.world_size:
                 for key in [*keys, f"{call_id}/read"]:
                     store.delete_key(key)
@@ -165,6 +177,7 @@ class ExternalLauncherExecutor(Executor):
                 f"launcher's agent is gone?): {error}",
                 op=name,
             )
+            abort_job_at_exit()
             raise self._failure from error
         return envelopes
 
@@ -172,10 +185,14 @@ class ExternalLauncherExecutor(Executor):
         """Run the step on this rank; every rank gets the output rank's result (a completed
         Future when pipeline stages are configured, as the contract says)."""
         self.check_health()
-        output = self._context.worker.execute_model(scheduler_output)
-        if self.world_size > 1:
-            world = self._context.parallel.state.world
-            output = world.broadcast_object(output, src=self._output_rank)
+        try:
+            output = self._context.worker.execute_model(scheduler_output)
+            if self.world_size > 1:
+                world = self._context.parallel.state.world
+                output = world.broadcast_object(output, src=self._output_rank)
+        except (CommTimeoutError, PeerLostError):
+            abort_job_at_exit()
+            raise
         if not self._pipelined:
             return output
         future: Future = Future()

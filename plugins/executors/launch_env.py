@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import itertools
+import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.comm.store import serve_store
+from shardline.comm.store import connect_store, serve_store
 from shardline.errors import CommTimeoutError, ConfigError
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.launcher_env import LaunchedRank
@@ -38,6 +40,10 @@ def meet(launched: LaunchedRank, timeout_s: float) -> Meeting:
     without an agent store) rank 0 serves it there. mpiexec: MASTER_ADDR/MASTER_PORT when
     given (``mpiexec -x MASTER_ADDR=... -x MASTER_PORT=...``); otherwise rank 0 serves a
     store on a port the OS chooses and MPI (mpi4py) tells every rank where it is.
+
+    The job secret (which signs control-plane objects) is ``SHARDLINE_JOB_SECRET``'s when
+    set; otherwise rank 0 makes one and shares it through MPI (mpiexec) or the store
+    (torchrun), so whoever can read that store can read the secret.
     """
     prefix = f"shardline/{launched.restart}/{next(_joined_worlds)}/"
     if launched.master_addr is not None and launched.master_port is not None:
@@ -45,7 +51,8 @@ def meet(launched: LaunchedRank, timeout_s: float) -> Meeting:
         if launched.rank == 0 and not launched.agent_store:
             served = _serve_at(launched.master_addr, launched.master_port, timeout_s)
         rendezvous = Rendezvous(launched.master_addr, launched.master_port, prefix)
-        return Meeting(rendezvous, served)
+        secret = launched.job_secret or _share_through_store(launched, rendezvous, timeout_s)
+        return Meeting(Rendezvous(rendezvous.host, rendezvous.port, prefix, secret), served)
     return _meet_through_mpi(launched, timeout_s, prefix)
 
 
@@ -76,16 +83,32 @@ def _meet_through_mpi(launched: LaunchedRank, timeout_s: float, prefix: str) -> 
             f"MPI reports {world.Get_size()} ranks but the environment says "
             f"{launched.world_size}; allowed: one mpiexec job per Shardline world"
         )
-    served, address = None, None
+    served, address, secret = None, None, launched.job_secret
     if launched.rank == 0:
         single_host = launched.local_world_size == launched.world_size
         host = "127.0.0.1" if single_host else socket.gethostname()
         try:
             served, rendezvous = serve_store(host, timeout_s)
-            address = (rendezvous.host, rendezvous.port)
+            address = (rendezvous.host, rendezvous.port, secret or rendezvous.secret)
         except (RuntimeError, OSError) as error:
             address = error
     address = world.bcast(address, root=0)
     if isinstance(address, BaseException):
         raise CommTimeoutError(f"rank 0 could not serve the rendezvous store: {address}")
-    return Meeting(Rendezvous(address[0], address[1], prefix), served)
+    host, port, shared_secret = address
+    return Meeting(Rendezvous(host, port, prefix, secret or shared_secret), served)
+
+
+def _share_through_store(launched: LaunchedRank, rendezvous: Rendezvous, timeout_s: float) -> bytes:
+    """A random job secret made by rank 0 and read by the others from the store."""
+    store = connect_store(rendezvous, timeout_s)
+    if launched.rank == 0:
+        store.set("job-secret", secrets.token_bytes(32))
+    try:
+        store.wait(["job-secret"], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        raise CommTimeoutError(
+            f"rank {launched.rank}: rank 0 did not publish the job secret within {timeout_s:g} s",
+            op="rendezvous",
+        ) from error
+    return bytes(store.get("job-secret"))

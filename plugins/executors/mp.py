@@ -28,6 +28,7 @@ import cloudpickle
 
 from shardline.comm.store import serve_store
 from shardline.comm.waiting import wait_until
+from shardline.comm.watchdog import REPORT_GRACE_S
 from shardline.config.schema import EngineConfig
 from shardline.errors import CommTimeoutError, PeerLostError, ShardlineError, WorkerError
 from shardline.interfaces import Executor
@@ -57,7 +58,10 @@ class MultiprocExecutor(Executor):
         self.config = config
         self.world_size = config.parallel.world_size
         self._output_rank = config.parallel.layout.output_rank
-        self._call_timeout_s = config.parallel.timeout_s
+        # A call's default deadline lets a worker's own deadline (timeout_s) and its watchdog
+        # report pass first, so the error names the rank at fault rather than the rank the
+        # driver happened to wait on.
+        self._call_timeout_s = config.parallel.timeout_s + REPORT_GRACE_S + 0.25
         self._failure: ShardlineError | None = None
         self._closed = False
         self._next_call = 0
@@ -337,19 +341,22 @@ class MultiprocExecutor(Executor):
         )
 
     def shutdown(self) -> None:
-        """Stop workers (asked, then killed after a grace period), remove every segment.
-        Idempotent; safe after any failure."""
+        """Stop workers (asked, then killed after a grace period; killed at once after a
+        death or a missed deadline, when a stuck worker could not read the request), remove
+        every segment. Idempotent; safe after any failure."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        grace = 0.0
         if self._processes and self._failure is None:
             try:
                 stop = Call(-1, None, (), {}, None)
                 self._calls.put(pickle.dumps(stop), time.monotonic() + 1.0)
+                grace = _JOIN_S
             except ShardlineError:
                 pass
-        deadline = time.monotonic() + _JOIN_S
+        deadline = time.monotonic() + grace
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in self._processes:

@@ -9,7 +9,11 @@ communicator splits, preceded by a barrier with a deadline so a rank that never 
 ``new_group`` cannot hang the others.
 
 Ranks must be started by mpiexec (``capabilities.launcher``): importing mpi4py initializes
-MPI, and an OpenMPI singleton would leave a shared-memory segment behind.
+MPI, and an OpenMPI singleton would leave a shared-memory segment behind. Joining the world
+is a barrier with a deadline (a rank that never arrives is named through the rendezvous store
+when there is one). After a missed deadline or a lost peer, interpreter exit ends the whole
+job with ``MPI_Abort`` rather than hanging in ``MPI_Finalize``
+(:func:`shardline.launch.mpi_job.abort_job_at_exit`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from shardline_mpi.plugin import MPI_CAPABILITIES
 
 from shardline.comm.arguments import check_peer, group_ranks
+from shardline.comm.store import connect_store
 from shardline.comm.waiting import wait_until
 from shardline.comm.work import OnceWork
 from shardline.config.selection import detect_launcher
@@ -35,6 +40,7 @@ from shardline.errors import (
     PeerLostError,
 )
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
+from shardline.launch.mpi_job import abort_job_at_exit
 
 _P2P_TAG = 0
 # Polling is also what moves a nonblocking MPI operation forward: keep testing, yielding the
@@ -79,9 +85,33 @@ class MpiBackend(CommunicatorBackend):
                 f"MPI rank {world.Get_rank()} of {world.Get_size()} was asked to be rank {rank} "
                 f"of {world_size}; allowed: the ranks and size mpiexec assigned"
             )
+        _meet(world, rank, world_size, rendezvous, timeout_s)
         comm = world.Dup()
         comm.Set_errhandler(mpi.ERRORS_RETURN)
         return MpiCommunicator(comm, timeout_s, user_ops={})
+
+
+def _meet(world: Any, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float) -> None:
+    """A barrier with a deadline before the (blocking) duplication of the world; a timeout
+    names the ranks that never arrived when the rendezvous has a store to ask."""
+    store = None
+    if rendezvous.port > 0:
+        store = connect_store(rendezvous.with_prefix("mpi"), timeout_s)
+        store.set(f"arrived/{rank}", "1")
+    barrier = world.Ibarrier()
+    try:
+        wait_until(barrier.Test, time.monotonic() + timeout_s, "mpi start-up", yield_for_s=_YIELD_S)
+    except CommTimeoutError as error:
+        abort_job_at_exit()
+        who = "not every rank arrived"
+        if store is not None:
+            missing = [r for r in range(world_size) if not store.check([f"arrived/{r}"])]
+            who = f"ranks {missing} never arrived"
+        raise CommTimeoutError(
+            f"mpi start-up on rank {rank} of {world_size}: {who} within {timeout_s:g} s",
+            op="init_world",
+            rank=rank,
+        ) from error
 
 
 class MpiCommunicator(Communicator):
@@ -270,9 +300,11 @@ class MpiCommunicator(Communicator):
         if not member:
             return None
         sub.Set_errhandler(self._mpi.ERRORS_RETURN)
-        return MpiCommunicator(
+        group = MpiCommunicator(
             sub, self._timeout_s if timeout_s is None else timeout_s, self._user_ops
         )
+        group.object_key = self.object_key
+        return group
 
     def close(self) -> None:
         comm, self._comm = self._comm, None
@@ -307,6 +339,7 @@ class MpiCommunicator(Communicator):
         try:
             wait_until(done, time.monotonic() + seconds, f"mpi {op}", yield_for_s=_YIELD_S)
         except CommTimeoutError as error:
+            abort_job_at_exit()
             raise CommTimeoutError(
                 f"mpi {op} on rank {self._rank} of {self._world_size}: no answer from peers "
                 f"within {seconds:g} s",
@@ -346,6 +379,7 @@ class MpiCommunicator(Communicator):
         where = f"mpi {op} on rank {self._rank} of {self._world_size}"
         text = str(error)
         if "PROC_FAILED" in text or "process failed" in text.lower():
+            abort_job_at_exit()
             return PeerLostError(f"{where}: a peer went away ({text})", op=op, rank=self._rank)
         return CommunicationError(f"{where}: {text}", op=op, rank=self._rank)
 

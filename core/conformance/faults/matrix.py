@@ -1,0 +1,276 @@
+"""The fault matrix: every scenario on every valid (executor, communicator) combination.
+
+Each scenario runs in processes of its own, started in a session of their own: the driver
+(``uni``, ``mp`` and other driver-owned executors) or the ranks under a launcher (torchrun;
+mpiexec for communicators that need it). The suite plants faults with the fault model
+runner and, for start-up faults, with a temporary plugin distribution on ``PYTHONPATH``
+(:mod:`.injection`); nothing is injected into the process running the matrix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardline.conformance.executors.checks import shm_segments
+from shardline.conformance.faults.scenarios import (
+    DEADLINE_SLACK_S,
+    INJECTION_ENTRY_POINT,
+    PLAN_VARIABLE,
+    Scenario,
+)
+from shardline.launch import launchers
+from shardline.registry import Registry
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Deadlines of the scenario worlds, and how many ranks a multi-rank world has."""
+
+    ranks: int = 2
+    timeout_s: float = 3.0
+    startup_timeout_s: float = 20.0
+
+
+@dataclass(frozen=True)
+class Combination:
+    """An executor and a communicator, how the ranks start (``launcher``: None when the
+    executor starts them), or why the pair cannot run here (``unsupported``)."""
+
+    executor: str
+    communicator: str
+    launcher: str | None = None
+    max_ranks: int | None = None
+    unsupported: str | None = None
+
+    @property
+    def label(self) -> str:
+        via = f" ({self.launcher})" if self.launcher else ""
+        return f"{self.executor}{via} x {self.communicator}"
+
+
+@dataclass
+class Result:
+    scenario: str
+    combination: str
+    outcome: str  # passed | failed | unsupported
+    reason: str = ""
+    seconds: float = 0.0
+    processes: list[dict[str, Any]] = field(default_factory=list)
+
+
+def combinations(
+    registry: Registry, executors: Sequence[str], communicators: Sequence[str]
+) -> list[Combination]:
+    """Every (executor, communicator) pair, with its launcher or why it cannot run."""
+    found = []
+    for executor_name in executors:
+        executor = registry.get("executor", executor_name)
+        executor_class = executor.load() if executor.unavailable_reason() is None else None
+        for communicator_name in communicators:
+            communicator = registry.get("communicator", communicator_name)
+            needs = communicator.capabilities.launcher if communicator.capabilities else None
+            unsupported = None
+            launcher = None
+            if executor_class is None:
+                unsupported = (
+                    f"executor {executor_name} unavailable: {executor.unavailable_reason()}"
+                )
+            elif communicator.unavailable_reason() is not None:
+                unsupported = (
+                    f"communicator {communicator_name} unavailable: "
+                    f"{communicator.unavailable_reason()}"
+                )
+            elif executor_class.launched:
+                launcher = needs or "torchrun"
+            elif needs is not None:
+                unsupported = (
+                    f"{communicator_name} needs ranks started by {needs}; {executor_name} "
+                    "starts its own"
+                )
+            found.append(
+                Combination(
+                    executor_name,
+                    communicator_name,
+                    launcher,
+                    getattr(executor_class, "max_world_size", None),
+                    unsupported,
+                )
+            )
+    return found
+
+
+def run_scenario(combination: Combination, scenario: Scenario, settings: Settings) -> Result:
+    """Run ``scenario`` on ``combination`` and judge it (see :mod:`.scenarios`)."""
+    result = Result(scenario.name, combination.label, "unsupported")
+    if combination.unsupported:
+        result.reason = combination.unsupported
+        return result
+    ranks = settings.ranks if scenario.min_ranks > 1 else 1
+    if combination.max_ranks is not None and ranks > combination.max_ranks:
+        result.reason = (
+            f"needs {scenario.min_ranks} ranks; {combination.executor} runs at most "
+            f"{combination.max_ranks}"
+        )
+        return result
+    startup = settings.startup_timeout_s
+    deadline = startup if scenario.deadline == "startup" else settings.timeout_s
+    began = time.monotonic()
+    segments_before = shm_segments()
+    with tempfile.TemporaryDirectory(prefix="shardline-faults-") as scratch:
+        reports, markers, dist = (Path(scratch, name) for name in ("reports", "markers", "dist"))
+        for folder in (reports, markers):
+            folder.mkdir()
+        _write_injection_distribution(dist)
+        environ = launchers.launcher_environment()
+        environ["PYTHONPATH"] = os.pathsep.join([str(dist), environ["PYTHONPATH"]])
+        environ[PLAN_VARIABLE] = json.dumps(
+            {"scenario": scenario.name, "victim": ranks - 1, "markers": str(markers)}
+        )
+        program = [
+            "-m",
+            "shardline.conformance.faults.rank_main",
+            scenario.name,
+            f"--executor={combination.executor}",
+            f"--communicator={combination.communicator}",
+            f"--ranks={ranks}",
+            f"--timeout={settings.timeout_s}",
+            f"--startup-timeout={startup}",
+            f"--reports={reports}",
+        ]
+        if combination.launcher:
+            command = [*launchers.launcher_command(combination.launcher, ranks), *program]
+            command.append("--launched")
+        else:
+            command = [sys.executable, *program]
+        run = launchers.run_session(command, environ, timeout_s=startup + deadline + 90)
+        processes = [json.loads(path.read_text()) for path in sorted(reports.glob("*.json"))]
+        imported_by = sorted(markers.iterdir())
+    result.seconds = round(time.monotonic() - began, 1)
+    result.processes = processes
+    problems = _judge(scenario, combination, ranks, deadline, processes, run)
+    if scenario.name == "plugin left out by allow-list" and imported_by:
+        problems.append(f"{len(imported_by)} process(es) imported the left-out plugin")
+    left = sorted(shm_segments() - segments_before)
+    if left:
+        problems.append(f"/dev/shm entries left: {left}")
+    if run.leftovers:
+        problems.append(f"processes left after the run: {run.leftovers}")
+    if run.timed_out:
+        problems.append(f"the run did not end within {startup + deadline + 90:g} s")
+    result.outcome = "failed" if problems else "passed"
+    if problems:
+        tail = (run.stdout[-1500:] + run.stderr[-2500:]).strip()
+        result.reason = "; ".join(problems) + (f"\n--- output ---\n{tail}" if tail else "")
+    return result
+
+
+def _judge(
+    scenario: Scenario,
+    combination: Combination,
+    ranks: int,
+    deadline: float,
+    processes: list[dict[str, Any]],
+    run: launchers.LaunchedRun,
+) -> list[str]:
+    victim = ranks - 1
+    by_role = {process["role"]: process for process in processes}
+    if combination.launcher:
+        survivors = [
+            f"rank-{rank}" for rank in range(ranks) if scenario.victim_survives or rank != victim
+        ]
+    else:
+        survivors = ["driver"]
+    problems = []
+    messages = []
+    for role in survivors:
+        process = by_role.get(role)
+        if process is None:
+            if combination.launcher and scenario.name == "killed mid-step":
+                continue  # the launcher ends the world when a rank dies; it may be first
+            problems.append(f"{role} wrote no report (exit code {run.returncode})")
+            continue
+        messages.append(process.get("message", ""))
+        problems += _judge_process(scenario, role, deadline, victim, process)
+    for word in scenario.words:
+        if messages and not any(word in message for message in messages):
+            problems.append(f"no survivor's message mentions {word!r}")
+    return problems
+
+
+def _judge_process(
+    scenario: Scenario, role: str, deadline: float, victim: int, process: dict[str, Any]
+) -> list[str]:
+    problems = []
+    outcome = process.get("outcome")
+    if scenario.completes:
+        if outcome != "completed":
+            problems.append(f"{role}: {outcome}: {process.get('error')}: {process.get('message')}")
+    elif outcome != "error":
+        problems.append(
+            f"{role}: expected a typed error, got {outcome} {process.get('error', '')}: "
+            f"{process.get('message', process.get('output'))}"
+        )
+    else:
+        kind = process["error"]
+        inner = kind.removeprefix("WorkerError(").removesuffix(")")
+        if inner not in scenario.errors:
+            problems.append(
+                f"{role}: raised {kind}, expected one of {', '.join(scenario.errors)}: "
+                f"{process['message'][:300]}"
+            )
+        limit = deadline + DEADLINE_SLACK_S
+        if process["elapsed_s"] > limit:
+            problems.append(
+                f"{role}: raised after {process['elapsed_s']:.2f} s (limit {limit:g} s)"
+            )
+        names = re.search(rf"\branks? \[?(\d+, )*{victim}\b", process["message"])
+        if scenario.names_victim and role in ("driver", "rank-0") and not names:
+            problems.append(
+                f"{role}: the error does not name rank {victim}: {process['message'][:300]}"
+            )
+    shutdown = process.get("shutdown")
+    if shutdown is not None and shutdown != "clean":
+        problems.append(f"{role}: shutdown raised {shutdown}")
+    return problems
+
+
+def _write_injection_distribution(folder: Path) -> None:
+    """A distribution with only an entry point: ``fault_injection`` -> :mod:`.injection`."""
+    info = folder / "shardline_fault_injection-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: shardline-fault-injection\nVersion: 0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        f"[shardline.plugins]\n{INJECTION_ENTRY_POINT} = shardline.conformance.faults.injection\n"
+    )
+
+
+def run_matrix(
+    combos: Sequence[Combination], scenarios: Sequence[Scenario], settings: Settings, progress
+) -> list[Result]:
+    results = []
+    for combination in combos:
+        for scenario in scenarios:
+            result = run_scenario(combination, scenario, settings)
+            progress(result)
+            results.append(result)
+    return results
+
+
+def report(results: Sequence[Result], settings: Settings) -> dict[str, Any]:
+    """The JSON report: settings, pass counts per combination, every result."""
+    counts: dict[str, dict[str, int]] = {}
+    for result in results:
+        row = counts.setdefault(result.combination, {})
+        row[result.outcome] = row.get(result.outcome, 0) + 1
+    return {"settings": asdict(settings), "counts": counts, "results": [asdict(r) for r in results]}

@@ -1,0 +1,148 @@
+"""One process of a fault scenario: the driver of a driver-owned executor, or one rank of a
+launched world (the suite starts it; see :mod:`.matrix`)::
+
+    python -m shardline.conformance.faults.rank_main SCENARIO --executor E --communicator C
+        --ranks N --timeout T --startup-timeout S --reports DIR
+
+It builds the world, arms the fault, runs one step, and writes what happened to
+``DIR/ROLE.json`` (ROLE: ``driver`` or ``rank-R``): the outcome, the error's kind and
+message, the seconds from the fault's start to the error, and how shutdown went. Exit code
+0 when the step completed, 1 otherwise (so a launcher ends the rest of the world).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import time
+import traceback
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from shardline.config import load_config
+from shardline.config.schema import EngineConfig
+from shardline.conformance.faults.runner import FAULT_RUNNER, Plan, arm
+from shardline.conformance.faults.scenarios import INJECTION_ENTRY_POINT, SCENARIOS, Scenario
+from shardline.errors import ShardlineError, WorkerError
+from shardline.launch.launcher_env import LaunchedRank
+from shardline.registry import Registry
+from shardline.registry.registry import ENTRY_POINT_GROUP
+from shardline.worker.types import NewRequest, SamplingParams, SchedulerOutput
+
+#: Shutdown must return within this long to count as clean.
+SHUTDOWN_LIMIT_S = 15.0
+
+
+def fault_config(
+    scenario: Scenario,
+    executor: str,
+    communicator: str,
+    ranks: int,
+    timeout_s: float,
+    startup_timeout_s: float,
+) -> EngineConfig:
+    overrides = [
+        f"model.runner={FAULT_RUNNER}",
+        f"parallel.tensor_parallel_size={ranks}",
+        f"parallel.distributed_executor_backend={executor}",
+        f"parallel.communicator={communicator}",
+        f"parallel.timeout_s={timeout_s}",
+        f"parallel.startup_timeout_s={startup_timeout_s}",
+        *scenario.overrides,
+    ]
+    if scenario.name == "plugin left out by allow-list":
+        names = sorted(
+            {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+            - {INJECTION_ENTRY_POINT}
+        )
+        overrides.append(f"plugins.allow=[{','.join(names)}]")
+    return load_config(overrides=overrides, environ={}).config
+
+
+def error_kind(error: BaseException) -> str:
+    """The error's class name; a WorkerError also names the kind it carries."""
+    if isinstance(error, WorkerError):
+        return f"WorkerError({error.exc_type})"
+    return type(error).__name__
+
+
+def _step() -> SchedulerOutput:
+    return SchedulerOutput(
+        new_requests=[NewRequest("fault", [1, 2, 3], SamplingParams(temperature=0.0), [0])],
+        num_scheduled_tokens={"fault": 3},
+    )
+
+
+def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    scenario = SCENARIOS[args.scenario]
+    report: dict[str, Any] = {"role": role, "pid": os.getpid(), "phase": "plugins"}
+    executor = None
+    started = time.monotonic()
+    try:
+        config = fault_config(
+            scenario,
+            args.executor,
+            args.communicator,
+            args.ranks,
+            args.timeout,
+            args.startup_timeout,
+        )
+        registry = Registry.for_plugins(config.plugins)
+        executor_class = registry.get("executor", args.executor).load_available()
+        report["phase"] = "start-up"
+        started = time.monotonic()
+        executor = executor_class(config)
+        report["phase"] = "arm"
+        fault = scenario.name if scenario.step_fault else None
+        report["rank_pids"] = executor.collective_rpc(arm, (Plan(fault, args.ranks - 1),))
+        report["phase"] = "step"
+        started = time.monotonic()
+        output = executor.execute_model(_step())
+        if isinstance(output, Future):
+            output = output.result(timeout=args.timeout + 30)
+        report |= {"outcome": "completed", "output": output}
+    except ShardlineError as error:
+        report |= {"outcome": "error", "error": error_kind(error), "message": str(error)[:4000]}
+    except Exception as error:
+        report |= {
+            "outcome": "untyped error",
+            "error": error_kind(error),
+            "message": str(error)[:4000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    report["elapsed_s"] = round(time.monotonic() - started, 3)
+    if executor is not None:
+        began = time.monotonic()
+        try:
+            executor.shutdown()
+            report["shutdown"] = "clean"
+        except Exception as error:
+            report["shutdown"] = f"{error_kind(error)}: {error}"
+        report["shutdown_s"] = round(time.monotonic() - began, 3)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=list(SCENARIOS))
+    parser.add_argument("--executor", required=True)
+    parser.add_argument("--communicator", required=True)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--startup-timeout", type=float, required=True)
+    parser.add_argument("--launched", action="store_true", help="one rank of a launched world")
+    parser.add_argument("--reports", type=Path, required=True)
+    args = parser.parse_args(argv)
+    role = f"rank-{LaunchedRank.from_environ(os.environ).rank}" if args.launched else "driver"
+    report = run(args, role)
+    partial = args.reports / f".{role}.json"
+    partial.write_text(json.dumps(report, default=repr))
+    partial.rename(args.reports / f"{role}.json")
+    return 0 if report.get("outcome") == "completed" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

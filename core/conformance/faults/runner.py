@@ -1,0 +1,91 @@
+"""What the fault suite runs on the ranks: a model runner whose step is one tensor-parallel
+all-reduce, with a fault armed through ``collective_rpc`` (:func:`arm`) planted on the
+victim rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardline.comm.tensor_dict import TensorMeta
+from shardline.interfaces import IntermediateTensors, ModelRunner
+
+#: ``model.runner`` value that selects :class:`FaultModelRunner`.
+FAULT_RUNNER = "shardline.conformance.faults.runner:FaultModelRunner"
+#: How long a hung rank stays hung: far past any deadline (its launcher or executor ends it).
+HANG_S = 3600.0
+PROBE_SHAPE = (8, 16)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Fault ``fault`` (a scenario's step fault, or None) planted on rank ``victim``."""
+
+    fault: str | None
+    victim: int
+
+
+class FaultModelRunner(ModelRunner):
+    """Loads nothing. A step all-reduces a ``PROBE_SHAPE`` tensor of ones over the TP group
+    and the output rank returns the sum; an armed plan replaces that on the victim (and, for
+    control-plane faults, the receiving side on the others)."""
+
+    def __init__(self, config: Any, state: Any) -> None:
+        self.state = state
+        self.plan = Plan(None, -1)
+
+    def load_model(self) -> None:
+        """Nothing to load."""
+
+    def execute_model(
+        self, scheduler_output: Any, intermediate_tensors: IntermediateTensors | None
+    ) -> Any:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return None
+        tp = self.state.tp
+        victim = self.plan.victim
+        fault = self.plan.fault if victim < tp.world_size else None
+        on_victim = tp.rank_in_group == victim
+        if fault == "killed mid-step" and on_victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "hangs in a collective" and on_victim:
+            time.sleep(HANG_S)
+        if fault == "different collectives" and on_victim:
+            tp.recv(torch.empty(PROBE_SHAPE), src=(victim + 1) % tp.world_size)
+        elif fault == "different shapes" and on_victim:
+            tp.all_reduce(torch.ones(PROBE_SHAPE[0], 2 * PROBE_SHAPE[1]))
+        elif fault == "ill-formed object":
+            if on_victim:
+                _send_unsigned_object(tp, victim)
+            else:
+                tp.broadcast_object(None, src=victim)
+        elif fault == "ill-formed tensor dict":
+            if on_victim:
+                for rank in range(tp.world_size):
+                    if rank != victim:
+                        tp.send_object([("x", TensorMeta("float99", (-1,), "cpu"))], rank)
+            else:
+                tp.recv_tensor_dict(src=victim)
+        else:
+            total = tp.all_reduce(torch.ones(PROBE_SHAPE))
+            if self.state.is_output_rank:
+                return {"sum": float(total[0, 0]), "ranks": tp.world_size}
+        return None
+
+
+def _send_unsigned_object(tp: Any, src: int) -> None:
+    """What a process without the job's secret would send: a pickle with no valid tag."""
+    payload = torch.frombuffer(bytearray(b"\x80\x05N." + bytes(64)), dtype=torch.uint8)
+    tp.control.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src)
+    tp.control.broadcast(payload, src)
+
+
+def arm(worker: Any, plan: Plan) -> int:
+    """Plant ``plan`` in the rank's runner; returns the rank's pid."""
+    worker.model_runner.plan = plan
+    return os.getpid()

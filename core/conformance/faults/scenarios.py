@@ -1,0 +1,128 @@
+"""The fault scenarios and what passing each means.
+
+Every scenario runs in a fresh world of ``ranks`` ranks (tensor parallel; the victim is the
+last rank, so never the output rank). Pass: every surviving process (the driver of a
+driver-owned executor; every rank of a launched world but a killed or hung victim) raises a
+typed error (a :class:`~shardline.errors.ShardlineError`) of an expected kind within the
+deadline + 1 s, naming the victim where it can; its executor shuts down cleanly; and no
+process and no ``/dev/shm`` entry is left once the run ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: The slack allowed past a deadline.
+DEADLINE_SLACK_S = 1.0
+#: Entry-point name of the injection plugin (:mod:`.injection`), and the variable that
+#: carries its plan to the scenario's processes.
+INJECTION_ENTRY_POINT = "fault_injection"
+PLAN_VARIABLE = "SHARDLINE_FAULT_PLAN"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One planted fault.
+
+    ``step_fault``: armed in every rank's runner, planted by the next step (else the fault
+    acts at start-up). ``deadline``: "timeout" (``parallel.timeout_s``) or "startup"
+    (``parallel.startup_timeout_s``). ``errors``: acceptable error kinds (a WorkerError
+    counts by the kind it carries). ``names_victim``: the driver's or rank 0's message must
+    name the victim. ``words``: texts some survivor's message must contain. ``victim_survives``:
+    the victim is alive and must raise too. ``completes``: the step must succeed instead.
+    """
+
+    name: str
+    summary: str
+    min_ranks: int
+    step_fault: bool = True
+    deadline: str = "timeout"
+    errors: tuple[str, ...] = ()
+    names_victim: bool = False
+    words: tuple[str, ...] = ()
+    victim_survives: bool = False
+    completes: bool = False
+    overrides: tuple[str, ...] = ()
+
+
+SCENARIOS: dict[str, Scenario] = {
+    scenario.name: scenario
+    for scenario in (
+        Scenario(
+            "killed mid-step",
+            "the victim SIGKILLs itself inside a step, before the all-reduce",
+            min_ranks=2,
+            errors=("PeerLostError", "CommTimeoutError"),
+            names_victim=True,
+        ),
+        Scenario(
+            "hangs in a collective",
+            "the victim stops inside a step; the others wait in the all-reduce",
+            min_ranks=2,
+            errors=("CommTimeoutError",),
+            names_victim=True,
+        ),
+        Scenario(
+            "rank never joins",
+            "the victim's process hangs before joining its worlds",
+            min_ranks=2,
+            step_fault=False,
+            deadline="startup",
+            errors=("CommTimeoutError",),
+            names_victim=True,
+        ),
+        Scenario(
+            "different collectives",
+            "the victim calls recv where the others call all_reduce",
+            min_ranks=2,
+            errors=("CommTimeoutError", "PeerLostError"),
+            words=("all_reduce", "recv"),
+            victim_survives=True,
+        ),
+        Scenario(
+            "different shapes",
+            "the victim all-reduces [8, 32] where the others all-reduce [8, 16] "
+            "(watchdog debug mode, parallel.watchdog_check_every = 1)",
+            min_ranks=2,
+            errors=("CollectiveMismatchError", "PeerLostError"),
+            words=("[8, 16]", "[8, 32]"),
+            victim_survives=True,
+            overrides=("parallel.watchdog_check_every=1",),
+        ),
+        Scenario(
+            "ill-formed object",
+            "the victim broadcasts an object without the job secret's signature",
+            min_ranks=2,
+            errors=("ProtocolError", "CommTimeoutError", "PeerLostError"),
+            words=("job-secret check",),
+            victim_survives=True,
+        ),
+        Scenario(
+            "ill-formed tensor dict",
+            "the victim sends tensor-dict metadata with an unknown dtype and a negative size",
+            min_ranks=2,
+            errors=("ProtocolError", "CommTimeoutError", "PeerLostError"),
+            words=("unknown dtype 'float99'",),
+            victim_survives=True,
+        ),
+        Scenario(
+            "plugin raises on import",
+            "an installed plugin raises on import, with plugins.strict = true",
+            min_ranks=1,
+            step_fault=False,
+            errors=("PluginError",),
+            words=("fault_injection", "raises on import"),
+            victim_survives=True,
+            overrides=("plugins.strict=true",),
+        ),
+        Scenario(
+            "plugin left out by allow-list",
+            "the same plugin, left out of plugins.allow: no process may import it, and the "
+            "step completes",
+            min_ranks=1,
+            step_fault=False,
+            victim_survives=True,
+            completes=True,
+        ),
+    )
+}
