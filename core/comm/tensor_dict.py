@@ -56,7 +56,7 @@ def split(tensor_dict: dict[str, Any]) -> tuple[Metadata, list[torch.Tensor]]:
 
 
 #: Most elements one received tensor may announce (a larger one is refused as ill-formed).
-MAX_ELEMENTS = 1 << 34
+MAX_ELEMENTS = 1 << 31
 
 
 def allocate(
@@ -92,9 +92,12 @@ def allocate(
                 raise refuse(f"entry {key!r}: {value.numel} elements; allowed: {MAX_ELEMENTS}")
             if device is None and value.device not in ("cpu", "cuda"):
                 raise refuse(f"entry {key!r}: device {_short(value.device)}; allowed: cpu, cuda")
-            tensor = torch.empty(
-                shape, dtype=torch_dtype(value.dtype), device=device or value.device
-            )
+            try:
+                tensor = torch.empty(
+                    shape, dtype=torch_dtype(value.dtype), device=device or value.device
+                )
+            except RuntimeError as error:
+                raise refuse(f"entry {key!r}: cannot allocate {_short(shape)}: {error}") from error
             if value.numel > 0:
                 buffers.append(tensor)
             result[key] = tensor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardline.comm.watchdog import WatchedCommunicator
 from shardline.distributed.group import GroupCoordinator
 from shardline.distributed.layout import ParallelLayout
 from shardline.interfaces import Communicator
@@ -53,6 +54,8 @@ class ParallelState:
                 data = data_world.new_group(ranks)
                 control = control_world.new_group(ranks)
                 if rank in ranks:
+                    if isinstance(data, WatchedCommunicator):
+                        data.label = f"{axis} {data.label}"  # "tp ranks [0, 1]" in diagnoses
                     mine[axis] = GroupCoordinator(axis, ranks, data, control)
         return cls(layout, rank, world, mine["tp"], mine["pp"], mine["dp"])
 

@@ -49,6 +49,7 @@ def fault_config(
         f"parallel.tensor_parallel_size={ranks}",
         f"parallel.distributed_executor_backend={executor}",
         f"parallel.communicator={communicator}",
+        f"parallel.control_communicator={communicator}",
         f"parallel.timeout_s={timeout_s}",
         f"parallel.startup_timeout_s={startup_timeout_s}",
         *scenario.overrides,

@@ -1,7 +1,8 @@
 """The fault scenarios and what passing each means.
 
 Every scenario runs in a fresh world of ``ranks`` ranks (tensor parallel; the victim is the
-last rank, so never the output rank). Pass: every surviving process (the driver of a
+last rank, so never the output rank), with the communicator under test on both the data and
+the control plane. Pass: every surviving process (the driver of a
 driver-owned executor; every rank of a launched world but a killed or hung victim) raises a
 typed error (a :class:`~shardline.errors.ShardlineError`) of an expected kind within the
 deadline + 1 s, naming the victim where it can; its executor shuts down cleanly; and no

@@ -1,0 +1,73 @@
+"""The fault-injection suite over the issue's matrix (uni, mp, external_launcher x gloo, mpi,
+custom_ar), and on a careless communicator it must fail."""
+
+import json
+
+import pytest
+
+from shardline.conformance.faults.scenarios import SCENARIOS
+from support.cli import ROOT, shardline
+
+MATRIX_TIMEOUT = 1200
+#: Scenarios each combination runs (uni runs one rank: only the plugin scenarios apply).
+EXPECTED_RUN = {
+    "uni x gloo": 2,
+    "uni x custom_ar": 2,
+    "mp x gloo": len(SCENARIOS),
+    "mp x custom_ar": len(SCENARIOS),
+    "external_launcher (torchrun) x gloo": len(SCENARIOS),
+    "external_launcher (torchrun) x custom_ar": len(SCENARIOS),
+    "external_launcher (mpiexec) x mpi": len(SCENARIOS),
+}
+
+
+@pytest.mark.timeout(MATRIX_TIMEOUT + 60)
+def test_every_fault_ends_typed_in_time_with_nothing_left(tmp_path):
+    report_path = tmp_path / "faults.json"
+    result = shardline(
+        "faults",
+        "--executors=uni,mp,external_launcher",
+        "--communicators=gloo,mpi,custom_ar",
+        f"--json={report_path}",
+        timeout=MATRIX_TIMEOUT,
+    )
+    assert result.returncode == 0, result.stdout[-6000:]
+    report = json.loads(report_path.read_text())
+    passed = {label: row.get("passed", 0) for label, row in report["counts"].items()}
+    assert {label: count for label, count in passed.items() if count} == EXPECTED_RUN
+    unsupported = {
+        r["combination"]: r["reason"] for r in report["results"] if r["outcome"] == "unsupported"
+    }
+    assert "needs ranks started by mpiexec" in unsupported["mp x mpi"]
+    assert "runs at most 1" in unsupported["uni x gloo"]
+    for entry in report["results"]:
+        if entry["outcome"] == "passed" and entry["scenario"] == "different collectives":
+            messages = " ".join(p.get("message", "") for p in entry["processes"])
+            assert "all_reduce [8, 16] float32" in messages, messages
+    assert "passed / run" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_suite_fails_a_communicator_that_unpickles_unsigned_bytes(tmp_path):
+    report_path = tmp_path / "faults.json"
+    result = shardline(
+        "faults",
+        "--executors=mp",
+        "--communicators=trusting_comm:TrustingGlooBackend",
+        "--scenarios=ill-formed object,ill-formed tensor dict",
+        f"--json={report_path}",
+        env={"PYTHONPATH": str(ROOT / "tests" / "support")},
+        timeout=240,
+    )
+    assert result.returncode == 1, result.stdout[-3000:]
+    outcomes = {r["scenario"]: r for r in json.loads(report_path.read_text())["results"]}
+    unsigned = outcomes["ill-formed object"]
+    assert unsigned["outcome"] == "failed"
+    assert "expected a typed error, got completed" in unsigned["reason"]
+    assert outcomes["ill-formed tensor dict"]["outcome"] == "passed"
+
+
+def test_unknown_names_are_one_clear_error():
+    result = shardline("faults", "--executors=mp", "--communicators=glooo", timeout=60)
+    assert result.returncode == 2
+    assert "--communicators = 'glooo'" in result.stderr and "allowed:" in result.stderr
