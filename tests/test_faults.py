@@ -1,5 +1,6 @@
 """The fault-injection suite over the issue's matrix (uni, mp, external_launcher x gloo, mpi,
-custom_ar), and on a careless communicator it must fail."""
+custom_ar) but external_launcher x custom_ar (CI time; `shardline faults` runs it), and on a
+careless communicator it must fail."""
 
 import json
 
@@ -16,23 +17,31 @@ EXPECTED_RUN = {
     "mp x gloo": len(SCENARIOS),
     "mp x custom_ar": len(SCENARIOS),
     "external_launcher (torchrun) x gloo": len(SCENARIOS),
-    "external_launcher (torchrun) x custom_ar": len(SCENARIOS),
     "external_launcher (mpiexec) x mpi": len(SCENARIOS),
 }
 
 
 @pytest.mark.timeout(MATRIX_TIMEOUT + 60)
 def test_every_fault_ends_typed_in_time_with_nothing_left(tmp_path):
-    report_path = tmp_path / "faults.json"
-    result = shardline(
-        "faults",
-        "--executors=uni,mp,external_launcher",
-        "--communicators=gloo,mpi,custom_ar",
-        f"--json={report_path}",
-        timeout=MATRIX_TIMEOUT,
-    )
-    assert result.returncode == 0, result.stdout[-6000:]
-    report = json.loads(report_path.read_text())
+    report = {"counts": {}, "results": []}
+    for executors, communicators in (
+        ("uni,mp", "gloo,mpi,custom_ar"),
+        ("external_launcher", "gloo,mpi"),
+    ):
+        report_path = tmp_path / f"faults-{executors}.json"
+        result = shardline(
+            "faults",
+            f"--executors={executors}",
+            f"--communicators={communicators}",
+            "--timeout=2",
+            f"--json={report_path}",
+            timeout=MATRIX_TIMEOUT / 2,
+        )
+        assert result.returncode == 0, result.stdout[-6000:]
+        assert "passed / run" in result.stdout
+        part = json.loads(report_path.read_text())
+        report["counts"] |= part["counts"]
+        report["results"] += part["results"]
     passed = {label: row.get("passed", 0) for label, row in report["counts"].items()}
     assert {label: count for label, count in passed.items() if count} == EXPECTED_RUN
     unsupported = {
@@ -44,7 +53,6 @@ def test_every_fault_ends_typed_in_time_with_nothing_left(tmp_path):
         if entry["outcome"] == "passed" and entry["scenario"] == "different collectives":
             messages = " ".join(p.get("message", "") for p in entry["processes"])
             assert "all_reduce [8, 16] float32" in messages, messages
-    assert "passed / run" in result.stdout
 
 
 @pytest.mark.timeout(300)

@@ -36,7 +36,7 @@ from shardline_executors.mp_protocol import PHASES, Call, Failure, Phase, Reply
 from shardline_executors.mp_worker import worker_main
 from shardline_executors.shm_ring import ShmRing
 
-_JOIN_S = 5.0
+_JOIN_S = 2.0
 
 
 @dataclass

@@ -159,6 +159,8 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
     problems = _judge(scenario, combination, ranks, deadline, processes, run)
     if scenario.name == "plugin left out by allow-list" and imported_by:
         problems.append(f"{len(imported_by)} process(es) imported the left-out plugin")
+    if scenario.name == "plugin raises on import" and not imported_by:
+        problems.append("no process imported the plugin: the injection did not happen")
     left = sorted(shm_segments() - segments_before)
     if left:
         problems.append(f"/dev/shm entries left: {left}")
@@ -258,6 +260,8 @@ def _write_injection_distribution(folder: Path) -> None:
 def run_matrix(
     combos: Sequence[Combination], scenarios: Sequence[Scenario], settings: Settings, progress
 ) -> list[Result]:
+    """Every scenario on every combination, one after another; ``progress(result)`` after
+    each."""
     results = []
     for combination in combos:
         for scenario in scenarios:
