@@ -25,6 +25,7 @@ from shardline.conformance.faults.scenarios import (
     DEADLINE_SLACK_S,
     INJECTION_ENTRY_POINT,
     PLAN_VARIABLE,
+    SHUTDOWN_LIMIT_S,
     Scenario,
 )
 from shardline.launch import launchers
@@ -242,6 +243,8 @@ def _judge_process(
     shutdown = process.get("shutdown")
     if shutdown is not None and shutdown != "clean":
         problems.append(f"{role}: shutdown raised {shutdown}")
+    if process.get("shutdown_s", 0.0) > SHUTDOWN_LIMIT_S:
+        problems.append(f"{role}: shutdown took {process['shutdown_s']:.1f} s")
     return problems
 
 

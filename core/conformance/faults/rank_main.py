@@ -32,9 +32,6 @@ from shardline.registry import Registry
 from shardline.registry.registry import ENTRY_POINT_GROUP
 from shardline.worker.types import NewRequest, SamplingParams, SchedulerOutput
 
-#: Shutdown must return within this long to count as clean.
-SHUTDOWN_LIMIT_S = 15.0
-
 
 def fault_config(
     scenario: Scenario,

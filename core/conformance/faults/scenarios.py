@@ -2,11 +2,11 @@
 
 Every scenario runs in a fresh world of ``ranks`` ranks (tensor parallel; the victim is the
 last rank, so never the output rank), with the communicator under test on both the data and
-the control plane. Pass: every surviving process (the driver of a
-driver-owned executor; every rank of a launched world but a killed or hung victim) raises a
-typed error (a :class:`~shardline.errors.ShardlineError`) of an expected kind within the
-deadline + 1 s, naming the victim where it can; its executor shuts down cleanly; and no
-process and no ``/dev/shm`` entry is left once the run ends.
+the control plane. Pass: every surviving process (the driver of a driver-owned executor;
+every rank of a launched world but a killed or hung victim) raises a typed error (a
+:class:`~shardline.errors.ShardlineError`) of an expected kind within the deadline + 1 s,
+naming the victim where it can; its executor shuts down without error within
+:data:`SHUTDOWN_LIMIT_S`; and no process and no ``/dev/shm`` entry is left once the run ends.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 #: The slack allowed past a deadline.
 DEADLINE_SLACK_S = 1.0
+#: An executor's shutdown must return within this long to count as clean.
+SHUTDOWN_LIMIT_S = 15.0
 #: Entry-point name of the injection plugin (:mod:`.injection`), and the variable that
 #: carries its plan to the scenario's processes.
 INJECTION_ENTRY_POINT = "fault_injection"
