@@ -106,7 +106,14 @@ class MultiprocExecutor(Executor):
             threading.Thread(
                 target=self._collect_in_background, name="shardline-replies", daemon=True
             ).start()
-        except BaseException:
+        except BaseException as error:
+            # A rank that failed or missed its start-up deadline may be stuck: no waiting for
+            # workers to exit by themselves.
+            self._failure = (
+                error
+                if isinstance(error, ShardlineError)
+                else PeerLostError(f"start-up interrupted: {type(error).__name__}")
+            )
             self.shutdown()
             raise
 

@@ -3,7 +3,8 @@ the suite puts on the scenario's ``PYTHONPATH`` (entry point ``fault_injection``
 on the plan in ``SHARDLINE_FAULT_PLAN`` (JSON, set by the suite for that run only):
 
 - every import leaves a marker file ``imported-by-PID`` in ``markers`` (so the suite sees
-  which processes loaded it, e.g. despite an allow-list);
+  which processes loaded it, e.g. despite an allow-list), and every rank's start a file
+  ``joining-RANK`` holding the wall-clock time it began joining;
 - scenario "plugin raises on import" / "plugin left out by allow-list": importing raises;
 - scenario "rank never joins": rank ``victim`` hangs in ``shardline_rank_starting``.
 """
@@ -30,5 +31,7 @@ if _plan.get("scenario") in RAISES_ON_IMPORT:
 
 @hookimpl
 def shardline_rank_starting(rank: int, world_size: int) -> None:
+    if _plan.get("markers"):  # when this rank began joining (same host: comparable clocks)
+        Path(_plan["markers"], f"joining-{rank}").write_text(repr(time.time()))
     if _plan.get("scenario") == "rank never joins" and rank == _plan.get("victim"):
         time.sleep(HANG_S)

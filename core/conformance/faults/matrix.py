@@ -154,10 +154,14 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
             command = [sys.executable, *program]
         run = launchers.run_session(command, environ, timeout_s=startup + deadline + 90)
         processes = [json.loads(path.read_text()) for path in sorted(reports.glob("*.json"))]
-        imported_by = sorted(markers.iterdir())
+        imported_by = sorted(markers.glob("imported-by-*"))
+        joined_at = {
+            int(path.name.removeprefix("joining-")): float(path.read_text())
+            for path in markers.glob("joining-*")
+        }
     result.seconds = round(time.monotonic() - began, 1)
     result.processes = processes
-    problems = _judge(scenario, combination, ranks, deadline, processes, run)
+    problems = _judge(scenario, combination, ranks, deadline, processes, run, joined_at)
     if scenario.name == "plugin left out by allow-list" and imported_by:
         problems.append(f"{len(imported_by)} process(es) imported the left-out plugin")
     if scenario.name == "plugin raises on import" and not imported_by:
@@ -183,7 +187,13 @@ def _judge(
     deadline: float,
     processes: list[dict[str, Any]],
     run: launchers.LaunchedRun,
+    joined_at: dict[int, float],
 ) -> list[str]:
+    """What is wrong with a run (nothing: passed). A launched survivor may have no report
+    when its launcher ended the world after another rank failed (torchrun and mpiexec do);
+    one must report unless the victim's death was that failure. Start-up faults are timed
+    from when the last rank (the victim included) reached the point of joining
+    (``joined_at``: rank -> wall-clock time)."""
     victim = ranks - 1
     by_role = {process["role"]: process for process in processes}
     if combination.launcher:
@@ -194,14 +204,18 @@ def _judge(
         survivors = ["driver"]
     problems = []
     messages = []
+    reported = [role for role in survivors if role in by_role]
     for role in survivors:
         process = by_role.get(role)
         if process is None:
-            if combination.launcher and scenario.name == "killed mid-step":
-                continue  # the launcher ends the world when a rank dies; it may be first
+            first_failure = reported or scenario.name == "killed mid-step"
+            if combination.launcher and first_failure and run.returncode != 0:
+                continue  # the launcher ended the world when another rank failed first
             problems.append(f"{role} wrote no report (exit code {run.returncode})")
             continue
         messages.append(process.get("message", ""))
+        if scenario.deadline == "startup" and "failed_at" in process and joined_at:
+            process["elapsed_s"] = round(process["failed_at"] - max(joined_at.values()), 3)
         problems += _judge_process(scenario, role, deadline, victim, process)
     for word in scenario.words:
         if messages and not any(word in message for message in messages):

@@ -103,6 +103,7 @@ def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
             output = output.result(timeout=args.timeout + 30)
         report |= {"outcome": "completed", "output": output}
     except ShardlineError as error:
+        report["failed_at"] = time.time()
         report |= {"outcome": "error", "error": error_kind(error), "message": str(error)[:4000]}
     except Exception as error:
         report |= {
