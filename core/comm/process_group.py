@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.comm.arguments import check_peer, group_ranks
+from shardline.comm.store import announce_arrival, never_arrived
 from shardline.comm.work import OnceWork
 from shardline.errors import CommTimeoutError, CommunicationError, PeerLostError
 from shardline.interfaces import Capabilities, Communicator, ReduceOp, Work
@@ -74,11 +75,11 @@ class ProcessGroupCommunicator(Communicator):
         """Join the group stored under ``prefix``; every member calls this. A timeout names
         the members that never arrived."""
         group_store = dist.PrefixStore(prefix, store)
-        group_store.set(f"arrived/{rank}", "1")
+        announce_arrival(group_store, rank)
         try:
             pg = cls.new_process_group(group_store, transport, rank, world_size, timeout_s)
         except (RuntimeError, dist.DistError) as error:
-            missing = [r for r in range(world_size) if not group_store.check([f"arrived/{r}"])]
+            missing = never_arrived(group_store, world_size)
             who = f"ranks {missing} never arrived" if missing else "every rank arrived"
             raise CommTimeoutError(
                 f"{cls.backend_name} group {prefix!r}: rank {rank} of {world_size} could not "

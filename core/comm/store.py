@@ -51,3 +51,13 @@ def connect_store(rendezvous: Rendezvous, timeout_s: float) -> dist.Store:
     if rendezvous.prefix:
         store = dist.PrefixStore(rendezvous.prefix, store)
     return store
+
+
+def announce_arrival(store: dist.Store, rank: int) -> None:
+    """Mark ``rank`` as arrived at a join, so that a timeout can name who did not."""
+    store.set(f"arrived/{rank}", "1")
+
+
+def never_arrived(store: dist.Store, world_size: int) -> list[int]:
+    """The ranks of ``world_size`` that have not called :func:`announce_arrival`."""
+    return [rank for rank in range(world_size) if not store.check([f"arrived/{rank}"])]

@@ -28,7 +28,7 @@ import torch
 from shardline_mpi.plugin import MPI_CAPABILITIES
 
 from shardline.comm.arguments import check_peer, group_ranks
-from shardline.comm.store import connect_store
+from shardline.comm.store import announce_arrival, connect_store, never_arrived
 from shardline.comm.waiting import wait_until
 from shardline.comm.work import OnceWork
 from shardline.config.selection import detect_launcher
@@ -97,7 +97,7 @@ def _meet(world: Any, rank: int, world_size: int, rendezvous: Rendezvous, timeou
     store = None
     if rendezvous.port > 0:
         store = connect_store(rendezvous.with_prefix("mpi"), timeout_s)
-        store.set(f"arrived/{rank}", "1")
+        announce_arrival(store, rank)
     barrier = world.Ibarrier()
     try:
         wait_until(barrier.Test, time.monotonic() + timeout_s, "mpi start-up", yield_for_s=_YIELD_S)
@@ -105,8 +105,7 @@ def _meet(world: Any, rank: int, world_size: int, rendezvous: Rendezvous, timeou
         abort_job_at_exit()
         who = "not every rank arrived"
         if store is not None:
-            missing = [r for r in range(world_size) if not store.check([f"arrived/{r}"])]
-            who = f"ranks {missing} never arrived"
+            who = f"ranks {never_arrived(store, world_size)} never arrived"
         raise CommTimeoutError(
             f"mpi start-up on rank {rank} of {world_size}: {who} within {timeout_s:g} s",
             op="init_world",

@@ -169,6 +169,8 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
     left = sorted(shm_segments() - segments_before)
     if left:
         problems.append(f"/dev/shm entries left: {left}")
+        for name in left:  # reported above; removed so a failed scenario leaks nothing
+            Path("/dev/shm", name).unlink(missing_ok=True)
     if run.leftovers:
         problems.append(f"processes left after the run: {run.leftovers}")
     if run.timed_out:
