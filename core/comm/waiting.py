@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 from shardline.errors import CommTimeoutError
 
-_SPIN_CHECKS = 200
+#: Checks before the first yield (the default of ``wait_until``).
+SPIN_CHECKS = 200
 _YIELD_UNTIL_S = 0.001
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 0.002
@@ -31,6 +32,7 @@ def wait_until(
     on_idle: Callable[[], None] | None = None,
     block: Callable[[float], None] | None = None,
     yield_for_s: float = _YIELD_UNTIL_S,
+    spin_checks: int = SPIN_CHECKS,
 ) -> None:
     """Return once ``ready()`` is true. ``deadline`` is a ``time.monotonic()`` value (None:
     wait forever); passing it raises CommTimeoutError naming ``what``. ``on_idle`` runs about
@@ -38,8 +40,10 @@ def wait_until(
     ``block(seconds)`` sleeps until woken or ``seconds`` pass; it is used once the wait has
     lasted 20 ms, and must re-check readiness itself before sleeping. ``yield_for_s`` is how
     long the wait keeps the CPU between checks (yielding) before it starts to sleep: longer
-    where each check also moves the work forward (polling an MPI request)."""
-    for _ in range(_SPIN_CHECKS):
+    where each check also moves the work forward (polling an MPI request). ``spin_checks``
+    is how many checks come before the first yield: 0 where the waiters outnumber the cores,
+    so a waiter never holds a core that the rank it waits for needs."""
+    for _ in range(spin_checks):
         if ready():
             return
     start = time.monotonic()

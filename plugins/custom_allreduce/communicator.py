@@ -1,22 +1,30 @@
-"""A shared-memory all-reduce for the ranks of one host, layered over a base communicator that
-does everything else.
+"""A shared-memory all-reduce (and barrier) for the ranks of one host, layered over a base
+communicator that does everything else.
 
-Each group maps one segment: a flag area (one 64-byte line per rank and phase) and, per rank,
-an input slot of ``slot_bytes``, plus a result area of the same size. An all-reduce takes the
-shared path only when every rank of the group is on this host (host identities exchanged at
-creation: host name and kernel boot id), the tensor fits a slot and lives on the CPU; anything
-else, and every other operation, goes to the base communicator.
+Each group maps one segment: a flag area (one 64-byte line per rank and phase), two sets of
+small slots (``ONE_SHOT_MAX_BYTES`` per rank each), and, for large tensors, one slot of
+``SLOT_BYTES`` per rank plus a result area of that size. An all-reduce takes the shared path
+only when every rank of the group is on this host (host identities exchanged at creation:
+host name and kernel boot id), the tensor fits a slot and lives on the CPU; anything else, and
+every other operation but the barrier, goes to the base communicator.
 
-- One shot (small tensors): each rank copies its input to its slot, announces it, waits for
-  all, then reduces all slots itself, in rank order, so every rank gets the same bits.
-- Two shots (large tensors): after the same copy, rank r reduces only chunk r (in rank order)
-  into the result area; after a second announcement every rank copies the whole result.
+Every shared call (all-reduce or barrier) has a number; a rank announces "arrived at call c"
+once its input is in place and waits until every rank has announced c.
 
-Every rank then announces that it is done reading, and the next call waits for that before
-overwriting its slot. Waits spin, then yield (several ranks per core stay in tens of µs),
-and end at the group's deadline with ``CommTimeoutError``. The segment is created 0600 and
-unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm even when a rank
-is killed.
+- One shot (small tensors): call c uses the small slot set c mod 2. Each rank copies its
+  input to its slot, announces, waits for all, then reduces all slots itself, in rank order,
+  so every rank gets the same bits. Alternating sets makes overwriting safe without a "done
+  reading" round: a rank that announced call c-1 has finished reading the slots of call c-2.
+- Two shots (large tensors): after the same copy into the large slots, rank r reduces only
+  chunk r (in rank order) into the result area, announces a second phase, and after waiting
+  for it copies the whole result. A rank that announced the chunk phase has finished reading
+  every large slot, and one that arrived at a later call has copied the result.
+
+Per tensor shape the views and the reduction are prepared once (a small cache), so a small
+all-reduce costs a copy, a flag write, a poll and a reduction. Waits spin, then yield (several
+ranks per core stay in tens of µs), and end at the group's deadline with ``CommTimeoutError``.
+The segment is created 0600 and unlinked as soon as every rank has mapped it, so nothing is
+left in /dev/shm even when a rank is killed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +44,7 @@ import numpy as np
 import torch
 from shardline_custom_allreduce.plugin import CUSTOM_AR_CAPABILITIES, CUSTOM_AR_MPI_CAPABILITIES
 
-from shardline.comm.waiting import wait_until
+from shardline.comm.waiting import SPIN_CHECKS, wait_until
 from shardline.errors import CommTimeoutError, CommunicationError
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
 from shardline.registry import Registry
@@ -44,7 +54,9 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 #: Per-rank slot (and result area) size: the largest tensor taken over from the base.
 SLOT_BYTES = 32 << 20
 _LINE = 64  # bytes per flag: one cache line, so ranks never write the same line
-_PHASES = 3  # inputs written, chunks reduced, done reading
+_ARRIVED, _REDUCED = 0, 1  # the phases a rank announces: input in place, chunk reduced
+_PHASES = 2
+_PLANS_KEPT = 64  # prepared tensor shapes kept per group
 _YIELD_S = 0.05  # keep the CPU (yielding) this long in a wait before sleeping
 _NUMPY_COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
 #: dtypes numpy has (bfloat16 is not among them and takes the torch path).
@@ -99,7 +111,11 @@ class CustomAllReduceCommunicator(Communicator):
         super().__init__()
         self.base = base
         self._segment = segment
+        self._rank = base.rank
+        # More ranks than cores here: yield at once instead of spinning on a needed core.
+        self._spin_checks = 0 if base.world_size > len(os.sched_getaffinity(0)) else SPIN_CHECKS
         self._calls = 0
+        self._plans: dict[tuple, _OneShot | str] = {}
 
     @classmethod
     def create(cls, base: Communicator) -> CustomAllReduceCommunicator:
@@ -165,55 +181,92 @@ class CustomAllReduceCommunicator(Communicator):
     # ---- the shared-memory all-reduce -----------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        nbytes = tensor.numel() * tensor.element_size()
-        if (
-            self._segment is None
-            or tensor.device.type != "cpu"
-            or nbytes == 0
-            or nbytes > SLOT_BYTES
-        ):
+        segment = self._segment
+        if segment is None or not tensor.is_cpu:
             return self.base.all_reduce(tensor, op)
-        segment, n, rank = self._segment, self.world_size, self.rank
-        self._calls += 1
-        call = self._calls
-        # The previous call's readers must be done before this rank's slot is overwritten.
-        self._wait_all(2, call - 1, "all_reduce")
-        count = tensor.numel()
-        one_shot = nbytes <= ONE_SHOT_MAX_BYTES
-        numpy_dtype = _NUMPY_DTYPES.get(tensor.dtype) if one_shot else None
-        if numpy_dtype is not None:
-            # Small tensors: numpy views of the slots cost a fraction of torch's per-op time.
-            source = tensor.reshape(-1).numpy()
-            slots = [segment.array(peer, numpy_dtype, count) for peer in range(n)]
-            np.copyto(slots[rank], source)
-            segment.announce(0, rank, call)
-            self._wait_all(0, call, "all_reduce")
-            combine_array = _NUMPY_COMBINE[ReduceOp(op)]
-            total = slots[0].copy()
-            for peer in range(1, n):
-                combine_array(total, slots[peer], out=total)
-            result = torch.from_numpy(total)
+        key = (tensor.shape, tensor.dtype, op)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(tensor, ReduceOp(op))
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            self._plans[key] = plan
+        if plan is _BASE:
+            return self.base.all_reduce(tensor, op)
+        self._calls = call = self._calls + 1
+        if plan is _TWO_SHOT:
+            return self._two_shot(tensor, ReduceOp(op), call)
+        slots = plan.slots[call & 1]
+        if plan.numpy:
+            try:
+                source = tensor.numpy()
+            except RuntimeError:  # a tensor that requires grad
+                source = tensor.detach().numpy()
+            np.copyto(slots[self._rank], source)
         else:
-            combine = _COMBINE[ReduceOp(op)]
-            segment.slot(rank, tensor.dtype, count).copy_(tensor.reshape(-1))
-            segment.announce(0, rank, call)
-            self._wait_all(0, call, "all_reduce")
-            if one_shot:
-                result = segment.slot(0, tensor.dtype, count).clone()
-                for peer in range(1, n):
-                    combine(result, segment.slot(peer, tensor.dtype, count), out=result)
-            else:
-                start, stop = _chunk(count, n, rank)
-                if stop > start:
-                    part = segment.result(tensor.dtype, count)[start:stop]
-                    part.copy_(segment.slot(0, tensor.dtype, count)[start:stop])
-                    for peer in range(1, n):
-                        combine(part, segment.slot(peer, tensor.dtype, count)[start:stop], out=part)
-                segment.announce(1, rank, call)
-                self._wait_all(1, call, "all_reduce")
-                result = segment.result(tensor.dtype, count).clone()
-        segment.announce(2, rank, call)
-        return result.reshape(tensor.shape)
+            slots[self._rank].copy_(tensor)
+        segment.announce(_ARRIVED, self._rank, call)
+        if not segment.all_at(_ARRIVED, call):
+            self._wait_all(_ARRIVED, call, "all_reduce")
+        return plan.reduce(slots)
+
+    def barrier(self) -> None:
+        segment = self._segment
+        if segment is None:
+            self.base.barrier()
+            return
+        self._calls = call = self._calls + 1
+        segment.announce(_ARRIVED, self._rank, call)
+        if not segment.all_at(_ARRIVED, call):
+            self._wait_all(_ARRIVED, call, "barrier")
+
+    def _plan(self, tensor: torch.Tensor, op: ReduceOp) -> _OneShot | str:
+        """How an all-reduce of tensors like ``tensor`` runs: on the base, in two shots, or
+        in one shot with views prepared for its shape."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or nbytes > SLOT_BYTES:
+            return _BASE
+        if nbytes > ONE_SHOT_MAX_BYTES:
+            return _TWO_SHOT
+        segment, count, shape = self._segment, tensor.numel(), tuple(tensor.shape)
+        numpy_dtype = _NUMPY_DTYPES.get(tensor.dtype)
+        if numpy_dtype is None:
+            slots = tuple(
+                tuple(
+                    segment.small_tensor(parity, peer, tensor.dtype, count).view(shape)
+                    for peer in range(self.world_size)
+                )
+                for parity in (0, 1)
+            )
+            return _OneShot(slots, _COMBINE[op], numpy=False, shape=shape)
+        # numpy views: a fraction of torch's per-operation cost for small tensors. A 0-d
+        # tensor is reduced as one element (numpy would return a scalar, not an array).
+        view_shape = shape or (1,)
+        slots = tuple(
+            tuple(
+                segment.small_array(parity, peer, numpy_dtype, count).reshape(view_shape)
+                for peer in range(self.world_size)
+            )
+            for parity in (0, 1)
+        )
+        return _OneShot(slots, _NUMPY_COMBINE[op], numpy=True, shape=shape)
+
+    def _two_shot(self, tensor: torch.Tensor, op: ReduceOp, call: int) -> torch.Tensor:
+        """Rank r reduces chunk r of everyone's input into the result area; all copy it."""
+        segment, n, rank = self._segment, self.world_size, self._rank
+        combine, dtype, count = _COMBINE[op], tensor.dtype, tensor.numel()
+        segment.large(rank, dtype, count).copy_(tensor.reshape(-1))
+        segment.announce(_ARRIVED, rank, call)
+        self._wait_all(_ARRIVED, call, "all_reduce")
+        start, stop = _chunk(count, n, rank)
+        if stop > start:
+            part = segment.result(dtype, count)[start:stop]
+            part.copy_(segment.large(0, dtype, count)[start:stop])
+            for peer in range(1, n):
+                combine(part, segment.large(peer, dtype, count)[start:stop], out=part)
+        segment.announce(_REDUCED, rank, call)
+        self._wait_all(_REDUCED, call, "all_reduce")
+        return segment.result(dtype, count).clone().reshape(tensor.shape)
 
     def _wait_all(self, phase: int, call: int, op: str) -> None:
         """Wait until every rank announced ``phase`` of ``call`` (spin, yield, then sleep)."""
@@ -224,6 +277,7 @@ class CustomAllReduceCommunicator(Communicator):
                 time.monotonic() + self.timeout_s,
                 f"custom_ar {op}",
                 yield_for_s=_YIELD_S,
+                spin_checks=self._spin_checks,
             )
         except CommTimeoutError as error:
             raise CommTimeoutError(
@@ -248,9 +302,6 @@ class CustomAllReduceCommunicator(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return self.base.broadcast(tensor, src)
-
-    def barrier(self) -> None:
-        self.base.barrier()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.base.send(tensor, dst)
@@ -304,24 +355,54 @@ def _chunk(count: int, parts: int, index: int) -> tuple[int, int]:
     return min(count, index * size), min(count, (index + 1) * size)
 
 
+_BASE, _TWO_SHOT = "base", "two shots"
+
+
+@dataclass(frozen=True)
+class _OneShot:
+    """A prepared one-shot all-reduce for one shape: per slot set (call parity) each rank's
+    slot viewed in that shape, and the combining function (numpy ufunc or torch)."""
+
+    slots: tuple[tuple[Any, ...], tuple[Any, ...]]
+    combine: Callable
+    numpy: bool
+    shape: tuple[int, ...]
+
+    def reduce(self, slots: tuple[Any, ...]) -> torch.Tensor:
+        """All slots combined in rank order into a new tensor (the same bits on every rank)."""
+        combine = self.combine
+        total = combine(slots[0], slots[1])
+        for slot in slots[2:]:
+            combine(total, slot, out=total)
+        if not self.numpy:
+            return total
+        result = torch.from_numpy(total)
+        return result if self.shape else result.reshape(())
+
+
 class _Segment:
-    """The mapped shared memory of one group: flags, ``world_size`` slots, a result area."""
+    """The mapped shared memory of one group: flags, two sets of small slots, the large
+    slots and a result area."""
 
     def __init__(self, path: Path, fd: int, memory: mmap.mmap, world_size: int) -> None:
         self._path = path
         self._fd = fd
         self._memory = memory
         self._world_size = world_size
-        self._flags = memoryview(memory)[: _PHASES * world_size * _LINE].cast("q")
-        self._data = _PHASES * world_size * _LINE
+        self._flags = memoryview(memory)[: _flag_bytes(world_size)].cast("q")
         self._stride = _LINE // 8
-        self._views: dict[torch.dtype, list[torch.Tensor]] = {}
-        self._arrays: dict[Any, list[np.ndarray]] = {}
+        self._indices = [
+            [(phase * world_size + rank) * self._stride for rank in range(world_size)]
+            for phase in range(_PHASES)
+        ]
+        self._small = _flag_bytes(world_size)
+        self._large = self._small + 2 * world_size * ONE_SHOT_MAX_BYTES
+        self._large_views: dict[torch.dtype, list[torch.Tensor]] = {}
 
     @classmethod
     def open(cls, name: str, rank: int, world_size: int, create: bool) -> _Segment:
         path = Path("/dev/shm") / name
-        size = _PHASES * world_size * _LINE + (world_size + 1) * SLOT_BYTES
+        size = _segment_bytes(world_size)
         if create:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
@@ -348,59 +429,69 @@ class _Segment:
     def unlink(self) -> None:
         self._path.unlink(missing_ok=True)
 
-    def slot(self, rank: int, dtype: torch.dtype, count: int) -> torch.Tensor:
-        """The first ``count`` elements of ``rank``'s slot (views made once per dtype)."""
-        views = self._views.get(dtype)
+    def small_array(self, parity: int, rank: int, dtype: Any, count: int) -> np.ndarray:
+        """``rank``'s small slot of set ``parity``: its first ``count`` elements, numpy."""
+        offset = self._small + (parity * self._world_size + rank) * ONE_SHOT_MAX_BYTES
+        return np.frombuffer(self._memory, dtype=dtype, count=count, offset=offset)
+
+    def small_tensor(self, parity: int, rank: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """``rank``'s small slot of set ``parity``: its first ``count`` elements, torch."""
+        offset = self._small + (parity * self._world_size + rank) * ONE_SHOT_MAX_BYTES
+        return torch.frombuffer(self._memory, dtype=dtype, count=count, offset=offset)
+
+    def large(self, index: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """The first ``count`` elements of large slot ``index`` (``world_size``: the result
+        area); the full views are made once per dtype."""
+        views = self._large_views.get(dtype)
         if views is None:
             size = torch.empty(0, dtype=dtype).element_size()
-            views = self._views[dtype] = [
+            views = self._large_views[dtype] = [
                 torch.frombuffer(
                     self._memory,
                     dtype=dtype,
                     count=SLOT_BYTES // size,
-                    offset=self._data + index * SLOT_BYTES,
+                    offset=self._large + index * SLOT_BYTES,
                 )
                 for index in range(self._world_size + 1)
             ]
-        return views[rank][:count]
-
-    def array(self, rank: int, dtype: Any, count: int) -> np.ndarray:
-        """The first ``count`` elements of ``rank``'s slot as numpy (views made once)."""
-        views = self._arrays.get(dtype)
-        if views is None:
-            size = np.dtype(dtype).itemsize
-            views = self._arrays[dtype] = [
-                np.frombuffer(
-                    self._memory,
-                    dtype=dtype,
-                    count=SLOT_BYTES // size,
-                    offset=self._data + index * SLOT_BYTES,
-                )
-                for index in range(self._world_size)
-            ]
-        return views[rank][:count]
+        return views[index][:count]
 
     def result(self, dtype: torch.dtype, count: int) -> torch.Tensor:
-        return self.slot(self._world_size, dtype, count)
+        return self.large(self._world_size, dtype, count)
 
     def announce(self, phase: int, rank: int, call: int) -> None:
-        self._flags[(phase * self._world_size + rank) * self._stride] = call
+        self._flags[self._indices[phase][rank]] = call
 
     def all_at(self, phase: int, call: int) -> bool:
-        flags, base, stride = self._flags, phase * self._world_size * self._stride, self._stride
-        return all(flags[base + r * stride] >= call for r in range(self._world_size))
+        flags = self._flags
+        for index in self._indices[phase]:  # noqa: SIM110 (a loop: no generator per poll)
+            if flags[index] < call:
+                return False
+        return True
 
     def ranks_before(self, phase: int, call: int) -> list[int]:
-        base = phase * self._world_size * self._stride
-        return [r for r in range(self._world_size) if self._flags[base + r * self._stride] < call]
+        flags = self._flags
+        return [rank for rank, index in enumerate(self._indices[phase]) if flags[index] < call]
 
     def close(self) -> None:
-        self._views.clear()
-        self._arrays.clear()
+        self._large_views.clear()
         self._flags.release()
         with contextlib.suppress(BufferError):
             self._memory.close()
         os.close(self._fd)
+
+
+def _flag_bytes(world_size: int) -> int:
+    return _PHASES * world_size * _LINE
+
+
+def _segment_bytes(world_size: int) -> int:
+    """Flags, two small slot sets, the large slots and the result area (sparse on disk)."""
+    return (
+        _flag_bytes(world_size)
+        + 2 * world_size * ONE_SHOT_MAX_BYTES
+        + (world_size + 1) * SLOT_BYTES
+    )
 
 
 class CustomAllReduceOverMpi(CustomAllReduceBackend):
