@@ -5,6 +5,8 @@ A ready condition is seen within microseconds while the wait is short (spinning)
 with more ranks than cores the yield phase lets the writer run; short sleeps cover waits of a
 few milliseconds (a model step); after that a waiter with a ``block`` function sleeps in the
 kernel until woken (an idle engine costs nothing), one without keeps sleeping in 2 ms steps.
+:class:`Polling` says how the first two phases use the CPU, from how many ranks share the
+host's cores.
 """
 
 from __future__ import annotations
@@ -12,17 +14,43 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from shardline.errors import CommTimeoutError
 
-#: Checks before the first yield (the default of ``wait_until``).
-SPIN_CHECKS = 200
+_SPIN_CHECKS = 200
 _YIELD_UNTIL_S = 0.001
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 0.002
 _IDLE_CHECK_EVERY_S = 0.05
 _BLOCK_AFTER_S = 0.02
 _BLOCK_AT_MOST_S = 0.2
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Polling:
+    """How a wait uses the CPU before it sleeps: ``spin_checks`` checks in a row, then
+    checks until ``yield_for_s`` (of :func:`wait_until`) has passed, yielding the CPU between
+    them when ``share_cpu``."""
+
+    spin_checks: int = _SPIN_CHECKS
+    share_cpu: bool = True
+
+    @classmethod
+    def for_ranks_on_host(cls, ranks: int) -> Polling:
+        """More ranks than cores: yield at once, so a waiter never holds a core that the rank
+        it waits for needs. A core each: keep it, so a busy neighbour process cannot take it
+        for a time slice in the middle of a transfer."""
+        if ranks > host_cores():
+            return cls(spin_checks=0, share_cpu=True)
+        return cls(spin_checks=_SPIN_CHECKS, share_cpu=False)
 
 
 def wait_until(
@@ -32,7 +60,7 @@ def wait_until(
     on_idle: Callable[[], None] | None = None,
     block: Callable[[float], None] | None = None,
     yield_for_s: float = _YIELD_UNTIL_S,
-    spin_checks: int = SPIN_CHECKS,
+    polling: Polling = Polling(),
 ) -> None:
     """Return once ``ready()`` is true. ``deadline`` is a ``time.monotonic()`` value (None:
     wait forever); passing it raises CommTimeoutError naming ``what``. ``on_idle`` runs about
@@ -40,10 +68,9 @@ def wait_until(
     ``block(seconds)`` sleeps until woken or ``seconds`` pass; it is used once the wait has
     lasted 20 ms, and must re-check readiness itself before sleeping. ``yield_for_s`` is how
     long the wait keeps the CPU between checks (yielding) before it starts to sleep: longer
-    where each check also moves the work forward (polling an MPI request). ``spin_checks``
-    is how many checks come before the first yield: 0 where the waiters outnumber the cores,
-    so a waiter never holds a core that the rank it waits for needs."""
-    for _ in range(spin_checks):
+    where each check also moves the work forward (polling an MPI request). ``polling`` says
+    whether the CPU is yielded between checks (see :class:`Polling`)."""
+    for _ in range(polling.spin_checks):
         if ready():
             return
     start = time.monotonic()
@@ -52,7 +79,8 @@ def wait_until(
             raise CommTimeoutError(f"timed out waiting for {what}", op=what)
         if ready():
             return
-        os.sched_yield()
+        if polling.share_cpu:
+            os.sched_yield()
     sleep = _FIRST_SLEEP_S
     last_idle_check = time.monotonic()
     while not ready():

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from shardline_custom_allreduce.plugin import CUSTOM_AR_CAPABILITIES, CUSTOM_AR_MPI_CAPABILITIES
 
-from shardline.comm.waiting import SPIN_CHECKS, wait_until
+from shardline.comm.waiting import Polling, wait_until
 from shardline.errors import CommTimeoutError, CommunicationError
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
 from shardline.registry import Registry
@@ -101,28 +101,29 @@ class CustomAllReduceBackend(CommunicatorBackend):
         base_backend = registry.get("communicator", self.base).load_available()()
         base = base_backend.init_world(rank, world_size, rendezvous.with_prefix("base"), timeout_s)
         base.object_key = rendezvous.secret  # host identities travel as objects
-        return CustomAllReduceCommunicator.create(base)
+        # A shared world has all its ranks on this host.
+        return CustomAllReduceCommunicator.create(base, Polling.for_ranks_on_host(world_size))
 
 
 class CustomAllReduceCommunicator(Communicator):
     """The shared-memory all-reduce over ``base`` (see the module docstring)."""
 
-    def __init__(self, base: Communicator, segment: _Segment | None) -> None:
+    def __init__(self, base: Communicator, segment: _Segment | None, polling: Polling) -> None:
         super().__init__()
         self.base = base
         self._segment = segment
+        self._polling = polling
         self._rank = base.rank
-        # More ranks than cores here: yield at once instead of spinning on a needed core.
-        self._spin_checks = 0 if base.world_size > len(os.sched_getaffinity(0)) else SPIN_CHECKS
         self._calls = 0
         self._plans: dict[tuple, _OneShot | str] = {}
 
     @classmethod
-    def create(cls, base: Communicator) -> CustomAllReduceCommunicator:
-        """Collective over ``base``: exchange host identities; on one host, map a segment."""
+    def create(cls, base: Communicator, polling: Polling) -> CustomAllReduceCommunicator:
+        """Collective over ``base``: exchange host identities; on one host, map a segment.
+        ``polling``: how waits use the CPU (from the number of ranks on this host)."""
         hosts = [base.broadcast_object(host_identity(), src) for src in range(base.world_size)]
         if base.world_size == 1 or len(set(hosts)) > 1:
-            return cls(base, None)
+            return cls(base, None, polling)
         segment, announced = None, None
         if base.rank == 0:  # create (full size) before anyone may map it
             try:
@@ -145,7 +146,7 @@ class CustomAllReduceCommunicator(Communicator):
             base.barrier()  # everyone has mapped it: the name can go
         finally:
             segment.unlink()
-        return cls(base, segment)
+        return cls(base, segment, polling)
 
     # ---- identity ----------------------------------------------------------------------------
 
@@ -277,7 +278,7 @@ class CustomAllReduceCommunicator(Communicator):
                 time.monotonic() + self.timeout_s,
                 f"custom_ar {op}",
                 yield_for_s=_YIELD_S,
-                spin_checks=self._spin_checks,
+                polling=self._polling,
             )
         except CommTimeoutError as error:
             raise CommTimeoutError(
@@ -340,7 +341,7 @@ class CustomAllReduceCommunicator(Communicator):
         self, ranks: list[int], timeout_s: float | None = None
     ) -> CustomAllReduceCommunicator | None:
         group = self.base.new_group(ranks, timeout_s)
-        return None if group is None else CustomAllReduceCommunicator.create(group)
+        return None if group is None else CustomAllReduceCommunicator.create(group, self._polling)
 
     def close(self) -> None:
         segment, self._segment = self._segment, None

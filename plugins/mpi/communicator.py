@@ -29,7 +29,7 @@ from shardline_mpi.plugin import MPI_CAPABILITIES
 
 from shardline.comm.arguments import check_peer, group_ranks
 from shardline.comm.store import announce_arrival, connect_store, never_arrived
-from shardline.comm.waiting import wait_until
+from shardline.comm.waiting import Polling, wait_until
 from shardline.comm.work import OnceWork
 from shardline.config.selection import detect_launcher
 from shardline.errors import (
@@ -40,6 +40,7 @@ from shardline.errors import (
     PeerLostError,
 )
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
+from shardline.launch.launcher_env import LaunchedRank
 from shardline.launch.mpi_job import abort_job_at_exit
 
 _P2P_TAG = 0
@@ -88,7 +89,10 @@ class MpiBackend(CommunicatorBackend):
         _meet(world, rank, world_size, rendezvous, timeout_s)
         comm = world.Dup()
         comm.Set_errhandler(mpi.ERRORS_RETURN)
-        return MpiCommunicator(comm, timeout_s, user_ops={})
+        ranks_here = LaunchedRank.from_environ(os.environ).local_world_size
+        return MpiCommunicator(
+            comm, timeout_s, user_ops={}, polling=Polling.for_ranks_on_host(ranks_here)
+        )
 
 
 def _meet(world: Any, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float) -> None:
@@ -116,10 +120,11 @@ def _meet(world: Any, rank: int, world_size: int, rendezvous: Rendezvous, timeou
 class MpiCommunicator(Communicator):
     """One MPI communicator. See :class:`~shardline.interfaces.Communicator` for the contract.
 
-    ``user_ops`` caches the float16/bfloat16 reduction operations, shared with subgroups.
+    ``user_ops`` caches the float16/bfloat16 reduction operations, shared with subgroups;
+    ``polling`` says how waits use the CPU (from the number of ranks on this host).
     """
 
-    def __init__(self, comm: Any, timeout_s: float, user_ops: dict) -> None:
+    def __init__(self, comm: Any, timeout_s: float, user_ops: dict, polling: Polling) -> None:
         super().__init__()
         self._mpi = _mpi()
         self._comm = comm
@@ -127,7 +132,10 @@ class MpiCommunicator(Communicator):
         self._world_size = comm.Get_size()
         self._timeout_s = timeout_s
         self._user_ops = user_ops
+        self._polling = polling
         mpi = self._mpi
+        self._from_address = mpi.buffer.fromaddress
+        self._reductions: dict[tuple, tuple[Any, Any]] = {}
         self._datatypes = {
             torch.float32: mpi.FLOAT,
             torch.float64: mpi.DOUBLE,
@@ -158,20 +166,21 @@ class MpiCommunicator(Communicator):
     # ---- collectives -------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        if tensor.numel() == 0 or self._world_size == 1:
+        if self._world_size == 1 or tensor.numel() == 0:
             return tensor.clone(memory_format=torch.contiguous_format)
         source = tensor.contiguous()
         result = torch.empty_like(source)
-        datatype, mpi_op = self._reduction(result.dtype, ReduceOp(op))
-        self._complete(
+        reduction = self._reductions.get((source.dtype, op))
+        if reduction is None:
+            reduction = self._reduction(source.dtype, ReduceOp(op))
+        datatype, mpi_op = reduction
+        request = self._call(
             "all_reduce",
-            self._call(
-                "all_reduce",
-                lambda c: c.Iallreduce(
-                    [_memory(source), datatype], [_memory(result), datatype], mpi_op
-                ),
+            lambda c: c.Iallreduce(
+                [self._memory(source), datatype], [self._memory(result), datatype], mpi_op
             ),
         )
+        self._complete("all_reduce", request)
         return result
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -184,7 +193,7 @@ class MpiCommunicator(Communicator):
             self._call(
                 "all_gather",
                 lambda c: c.Iallgather(
-                    [_memory(source), self._mpi.BYTE], [_memory(output), self._mpi.BYTE]
+                    [self._memory(source), self._mpi.BYTE], [self._memory(output), self._mpi.BYTE]
                 ),
             ),
         )
@@ -209,7 +218,7 @@ class MpiCommunicator(Communicator):
             self._call(
                 "reduce_scatter",
                 lambda c: c.Ireduce_scatter_block(
-                    [_memory(send), datatype], [_memory(output), datatype], mpi_op
+                    [self._memory(send), datatype], [self._memory(output), datatype], mpi_op
                 ),
             ),
         )
@@ -224,11 +233,12 @@ class MpiCommunicator(Communicator):
         output = (
             torch.empty((self._world_size, *source.shape), dtype=source.dtype) if is_root else None
         )
-        receive = [_memory(output), self._mpi.BYTE] if is_root else None
+        receive = [self._memory(output), self._mpi.BYTE] if is_root else None
         self._complete(
             "gather",
             self._call(
-                "gather", lambda c: c.Igather([_memory(source), self._mpi.BYTE], receive, root=dst)
+                "gather",
+                lambda c: c.Igather([self._memory(source), self._mpi.BYTE], receive, root=dst),
             ),
         )
         return torch.cat(list(output), dim=dim) if is_root else None
@@ -241,7 +251,7 @@ class MpiCommunicator(Communicator):
         self._complete(
             "broadcast",
             self._call(
-                "broadcast", lambda c: c.Ibcast([_memory(buffer), self._mpi.BYTE], root=src)
+                "broadcast", lambda c: c.Ibcast([self._memory(buffer), self._mpi.BYTE], root=src)
             ),
         )
         if buffer is not tensor:
@@ -266,7 +276,7 @@ class MpiCommunicator(Communicator):
         if payload.numel() == 0:
             return OnceWork(lambda timeout: None, lambda: True)
         request = self._call(
-            "send", lambda c: c.Isend([_memory(payload), self._mpi.BYTE], dst, _P2P_TAG)
+            "send", lambda c: c.Isend([self._memory(payload), self._mpi.BYTE], dst, _P2P_TAG)
         )
         return self._work("send", request, result=None, keep_alive=[payload])
 
@@ -281,7 +291,7 @@ class MpiCommunicator(Communicator):
             else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         )
         request = self._call(
-            "recv", lambda c: c.Irecv([_memory(buffer), self._mpi.BYTE], src, _P2P_TAG)
+            "recv", lambda c: c.Irecv([self._memory(buffer), self._mpi.BYTE], src, _P2P_TAG)
         )
         copy_back = (lambda: tensor.copy_(buffer)) if buffer is not tensor else None
         return self._work("recv", request, result=tensor, keep_alive=[buffer], after=copy_back)
@@ -300,7 +310,7 @@ class MpiCommunicator(Communicator):
             return None
         sub.Set_errhandler(self._mpi.ERRORS_RETURN)
         group = MpiCommunicator(
-            sub, self._timeout_s if timeout_s is None else timeout_s, self._user_ops
+            sub, self._timeout_s if timeout_s is None else timeout_s, self._user_ops, self._polling
         )
         group.object_key = self.object_key
         return group
@@ -324,6 +334,11 @@ class MpiCommunicator(Communicator):
     def _complete(self, op: str, request: Any, timeout: float | None = None) -> None:
         """Poll ``request`` until done (each test also moves it forward), or raise
         CommTimeoutError at the deadline."""
+        try:
+            if request.Test():  # small operations are often done by now
+                return
+        except self._mpi.Exception as error:
+            raise self._translate(op, error) from error
         seconds = self._timeout_s if timeout is None else timeout
 
         def done() -> bool:
@@ -336,7 +351,13 @@ class MpiCommunicator(Communicator):
             return False
 
         try:
-            wait_until(done, time.monotonic() + seconds, f"mpi {op}", yield_for_s=_YIELD_S)
+            wait_until(
+                done,
+                time.monotonic() + seconds,
+                f"mpi {op}",
+                yield_for_s=_YIELD_S,
+                polling=self._polling,
+            )
         except CommTimeoutError as error:
             abort_job_at_exit()
             raise CommTimeoutError(
@@ -363,16 +384,20 @@ class MpiCommunicator(Communicator):
         return OnceWork(native_wait, native_done, result=result, keep_alive=keep_alive)
 
     def _reduction(self, dtype: torch.dtype, op: ReduceOp) -> tuple[Any, Any]:
-        """The MPI datatype and operation that reduce ``dtype`` with ``op``."""
+        """The MPI datatype and operation that reduce ``dtype`` with ``op`` (kept for the
+        next call)."""
         mpi = self._mpi
         if dtype in _HALF_DTYPES:
             key = (dtype, op)
             if key not in self._user_ops:
                 self._user_ops[key] = mpi.Op.Create(_half_reduction(dtype, op), commute=True)
-            return mpi.UINT16_T, self._user_ops[key]
-        if dtype not in self._datatypes:
+            reduction = (mpi.UINT16_T, self._user_ops[key])
+        elif dtype in self._datatypes:
+            reduction = (self._datatypes[dtype], self._operations[op])
+        else:
             raise BackendUnavailableError(f"mpi cannot reduce dtype {dtype}")
-        return self._datatypes[dtype], self._operations[op]
+        self._reductions[dtype, op] = reduction
+        return reduction
 
     def _translate(self, op: str, error: Exception) -> CommunicationError:
         where = f"mpi {op} on rank {self._rank} of {self._world_size}"
@@ -382,14 +407,13 @@ class MpiCommunicator(Communicator):
             return PeerLostError(f"{where}: a peer went away ({text})", op=op, rank=self._rank)
         return CommunicationError(f"{where}: {text}", op=op, rank=self._rank)
 
+    def _memory(self, tensor: torch.Tensor):
+        """MPI memory over a contiguous CPU tensor's bytes (no copy; the caller keeps the
+        tensor alive until the operation completes)."""
+        return self._from_address(tensor.data_ptr(), tensor.nbytes)
+
     def _check_peer(self, peer: int, op: str) -> None:
         check_peer(peer, self._world_size, op)
-
-
-def _memory(tensor: torch.Tensor):
-    """MPI memory over a contiguous CPU tensor's bytes (no copy; the caller keeps the tensor
-    alive until the operation completes)."""
-    return _mpi().buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
 def _half_reduction(dtype: torch.dtype, op: ReduceOp):
