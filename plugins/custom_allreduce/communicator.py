@@ -197,19 +197,12 @@ class CustomAllReduceCommunicator(Communicator):
         self._calls = call = self._calls + 1
         if plan is _TWO_SHOT:
             return self._two_shot(tensor, ReduceOp(op), call)
-        slots = plan.slots[call & 1]
-        if plan.numpy:
-            try:
-                source = tensor.numpy()
-            except RuntimeError:  # a tensor that requires grad
-                source = tensor.detach().numpy()
-            np.copyto(slots[self._rank], source)
-        else:
-            slots[self._rank].copy_(tensor)
+        parity = call & 1
+        plan.inputs[parity][self._rank].copy_(tensor.detach() if tensor.requires_grad else tensor)
         segment.announce(_ARRIVED, self._rank, call)
         if not segment.all_at(_ARRIVED, call):
             self._wait_all(_ARRIVED, call, "all_reduce")
-        return plan.reduce(slots)
+        return plan.reduce(parity)
 
     def barrier(self) -> None:
         segment = self._segment
@@ -230,27 +223,27 @@ class CustomAllReduceCommunicator(Communicator):
         if nbytes > ONE_SHOT_MAX_BYTES:
             return _TWO_SHOT
         segment, count, shape = self._segment, tensor.numel(), tuple(tensor.shape)
-        numpy_dtype = _NUMPY_DTYPES.get(tensor.dtype)
-        if numpy_dtype is None:
-            slots = tuple(
-                tuple(
-                    segment.small_tensor(parity, peer, tensor.dtype, count).view(shape)
-                    for peer in range(self.world_size)
-                )
-                for parity in (0, 1)
-            )
-            return _OneShot(slots, _COMBINE[op], numpy=False, shape=shape)
-        # numpy views: a fraction of torch's per-operation cost for small tensors. A 0-d
-        # tensor is reduced as one element (numpy would return a scalar, not an array).
-        view_shape = shape or (1,)
-        slots = tuple(
+        peers = range(self.world_size)
+        inputs = tuple(
             tuple(
-                segment.small_array(parity, peer, numpy_dtype, count).reshape(view_shape)
-                for peer in range(self.world_size)
+                segment.small_tensor(parity, peer, tensor.dtype, count).view(shape)
+                for peer in peers
             )
             for parity in (0, 1)
         )
-        return _OneShot(slots, _NUMPY_COMBINE[op], numpy=True, shape=shape)
+        numpy_dtype = _NUMPY_DTYPES.get(tensor.dtype)
+        if numpy_dtype is None:
+            return _OneShot(inputs, inputs, _COMBINE[op], numpy=False, shape=shape)
+        # Reduced through numpy views: a fraction of torch's per-operation cost for small
+        # tensors. A 0-d tensor is reduced as one element (numpy would return a scalar).
+        arrays = tuple(
+            tuple(
+                segment.small_array(parity, peer, numpy_dtype, count).reshape(shape or (1,))
+                for peer in peers
+            )
+            for parity in (0, 1)
+        )
+        return _OneShot(inputs, arrays, _NUMPY_COMBINE[op], numpy=True, shape=shape)
 
     def _two_shot(self, tensor: torch.Tensor, op: ReduceOp, call: int) -> torch.Tensor:
         """Rank r reduces chunk r of everyone's input into the result area; all copy it."""
@@ -362,16 +355,19 @@ _BASE, _TWO_SHOT = "base", "two shots"
 @dataclass(frozen=True)
 class _OneShot:
     """A prepared one-shot all-reduce for one shape: per slot set (call parity) each rank's
-    slot viewed in that shape, and the combining function (numpy ufunc or torch)."""
+    slot as a tensor of that shape (``inputs``, written by its rank) and as what the
+    combining function (numpy ufunc or torch) reads (``reduced``)."""
 
-    slots: tuple[tuple[Any, ...], tuple[Any, ...]]
+    inputs: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+    reduced: tuple[tuple[Any, ...], tuple[Any, ...]]
     combine: Callable
     numpy: bool
     shape: tuple[int, ...]
 
-    def reduce(self, slots: tuple[Any, ...]) -> torch.Tensor:
-        """All slots combined in rank order into a new tensor (the same bits on every rank)."""
-        combine = self.combine
+    def reduce(self, parity: int) -> torch.Tensor:
+        """The slots of set ``parity`` combined in rank order into a new tensor (the same
+        bits on every rank)."""
+        slots, combine = self.reduced[parity], self.combine
         total = combine(slots[0], slots[1])
         for slot in slots[2:]:
             combine(total, slot, out=total)

@@ -2,6 +2,7 @@
 processes by name)."""
 
 import os
+import random
 import time
 
 import torch
@@ -37,3 +38,38 @@ def die_in_all_reduce(ctx, victim: int):
     except CommTimeoutError:
         return time.monotonic() - start
     raise AssertionError("all_reduce returned although a rank was gone")
+
+
+def back_to_back(ctx, calls: int, seed: int):
+    """``calls`` all-reduces in a row of call-dependent values and shapes (small ones: the
+    alternating slot sets), one large one now and then, each rank pausing at random points
+    so ranks run ahead of each other; returns the calls whose result was wrong."""
+    comm = ctx.comm
+    pauses = random.Random(seed * 100 + comm.rank)
+    wrong = []
+    for call in range(calls):
+        count = (1 << 17) + call if call % 50 == 49 else 1 + call % 5
+        values = torch.full((count,), float(call * 10 + comm.rank))
+        if pauses.random() < 0.1:
+            time.sleep(pauses.random() * 0.002)
+        total = comm.all_reduce(values)
+        expected = float(sum(call * 10 + rank for rank in range(comm.world_size)))
+        if not torch.equal(total, torch.full((count,), expected)):
+            wrong.append(call)
+    return wrong
+
+
+def barrier_without(ctx, absent: int):
+    """Every rank but ``absent`` enters a barrier of a group with a 1 s deadline; returns the
+    message of the CommTimeoutError they get (``absent`` returns None)."""
+    comm = ctx.comm
+    group = comm.new_group(list(range(comm.world_size)), timeout_s=1.0)
+    group.barrier()  # everyone passes a first one
+    if comm.rank == absent:
+        time.sleep(2.0)
+        return None
+    try:
+        group.barrier()
+    except CommTimeoutError as error:
+        return str(error)
+    raise AssertionError("the barrier returned although a rank was absent")
