@@ -13,14 +13,8 @@ from dataclasses import dataclass, field
 from shardline.config.loader import LoadedConfig
 from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError
+from shardline.launch.launcher_env import detect_launcher
 from shardline.registry import Component, Registry
-
-#: Environment variables that show a process was started by a launcher, per launcher.
-LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
-    "torchrun": ("TORCHELASTIC_RUN_ID",),
-    "mpiexec (OpenMPI)": ("OMPI_COMM_WORLD_SIZE",),
-    "mpiexec (MPICH/PMI)": ("PMI_SIZE",),
-}
 
 
 @dataclass(frozen=True)
@@ -36,14 +30,6 @@ class Decision:
     reason: str
     alternatives: list[tuple[str, str]] = field(default_factory=list)
     problem: str | None = None
-
-
-def detect_launcher(environ: Mapping[str, str]) -> str | None:
-    """The launcher that started this process (``"torchrun"``, ``"mpiexec (OpenMPI)"``, ...)."""
-    for launcher, variables in LAUNCHER_VARIABLES.items():
-        if any(name in environ for name in variables):
-            return launcher
-    return None
 
 
 def choose_executor(

@@ -10,18 +10,50 @@ from dataclasses import dataclass
 
 from shardline.errors import ConfigError
 
-#: (launcher, rank, world size, local rank, ranks on this host) variables, tried in order.
+
+@dataclass(frozen=True)
+class _Launcher:
+    """A launcher's variables: ``marker`` shows it started this process; the others give the
+    rank, world size, local rank and ranks on this host."""
+
+    name: str
+    marker: str
+    rank: str
+    size: str
+    local_rank: str
+    local_size: str
+
+
+#: Known launchers, tried in order.
 _LAUNCHERS = (
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    (
+    _Launcher(
+        "torchrun", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"
+    ),
+    _Launcher(
         "mpiexec (OpenMPI)",
+        "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
-    ("mpiexec (MPICH/PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    _Launcher(
+        "mpiexec (MPICH/PMI)",
+        "PMI_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+    ),
 )
+
+
+def detect_launcher(environ: Mapping[str, str]) -> str | None:
+    """The launcher that started this process (``"torchrun"``, ``"mpiexec (OpenMPI)"``, ...)."""
+    for launcher in _LAUNCHERS:
+        if launcher.marker in environ:
+            return launcher.name
+    return None
 
 
 @dataclass(frozen=True)
@@ -49,13 +81,16 @@ class LaunchedRank:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> LaunchedRank:
         """Parse the launcher variables; ``ConfigError`` names the variable and its value."""
-        for launcher, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
-            if rank_var not in environ or size_var not in environ:
+        for candidate in _LAUNCHERS:
+            if candidate.rank not in environ or candidate.size not in environ:
                 continue
+            launcher, size_var = candidate.name, candidate.size
             world_size = _integer(environ, size_var, minimum=1)
-            rank = _integer(environ, rank_var, minimum=0, below=world_size, limit=size_var)
-            local_rank = _integer(environ, local_var, minimum=0, default=rank)
-            local_world_size = _integer(environ, local_size_var, minimum=1, default=world_size)
+            rank = _integer(environ, candidate.rank, minimum=0, below=world_size, limit=size_var)
+            local_rank = _integer(environ, candidate.local_rank, minimum=0, default=rank)
+            local_world_size = _integer(
+                environ, candidate.local_size, minimum=1, default=world_size
+            )
             port = environ.get("MASTER_PORT")
             master_port = _integer(environ, "MASTER_PORT", minimum=1) if port else None
             if launcher == "torchrun" and (master_port is None or not environ.get("MASTER_ADDR")):

@@ -157,13 +157,14 @@ class ExternalLauncherExecutor(Executor):
                 if "timeout" not in str(error).lower():
                     raise
                 silent = [rank for rank, key in enumerate(keys) if not store.check([key])]
-                self._failure = CommTimeoutError(
-                    f"collective_rpc {name!r}: ranks {silent} did not answer within {seconds:g} s "
-                    f"(timeout, default parallel.timeout_s); this executor is now unusable",
-                    op=name,
-                )
-                abort_job_at_exit()
-                raise self._failure from error
+                raise self._fail(
+                    CommTimeoutError(
+                        f"collective_rpc {name!r}: ranks {silent} did not answer within "
+                        f"{seconds:g} s (timeout, default parallel.timeout_s); this executor "
+                        "is now unusable",
+                        op=name,
+                    )
+                ) from error
             envelopes = [
                 objects.unseal(store.get(key), self._secret, f"rank {rank}")
                 for rank, key in enumerate(keys)
@@ -172,14 +173,21 @@ class ExternalLauncherExecutor(Executor):
                 for key in [*keys, f"{call_id}/read"]:
                     store.delete_key(key)
         except (RuntimeError, dist.DistError) as error:
-            self._failure = PeerLostError(
-                f"collective_rpc {name!r}: the rendezvous store is unreachable (rank 0 or the "
-                f"launcher's agent is gone?): {error}",
-                op=name,
-            )
-            abort_job_at_exit()
-            raise self._failure from error
+            raise self._fail(
+                PeerLostError(
+                    f"collective_rpc {name!r}: the rendezvous store is unreachable (rank 0 or "
+                    f"the launcher's agent is gone?): {error}",
+                    op=name,
+                )
+            ) from error
         return envelopes
+
+    def _fail(self, failure: ShardlineError) -> ShardlineError:
+        """Remember ``failure`` (later calls raise it) and make this process's exit end an
+        MPI job rather than hang; returns it, to be raised."""
+        self._failure = failure
+        abort_job_at_exit()
+        return failure
 
     def execute_model(self, scheduler_output: Any) -> Any:
         """Run the step on this rank; every rank gets the output rank's result (a completed
@@ -190,8 +198,8 @@ class ExternalLauncherExecutor(Executor):
             if self.world_size > 1:
                 world = self._context.parallel.state.world
                 output = world.broadcast_object(output, src=self._output_rank)
-        except (CommTimeoutError, PeerLostError):
-            abort_job_at_exit()
+        except (CommTimeoutError, PeerLostError) as error:
+            self._fail(error)
             raise
         if not self._pipelined:
             return output

@@ -31,7 +31,6 @@ from shardline.comm.arguments import check_peer, group_ranks
 from shardline.comm.store import announce_arrival, connect_store, never_arrived
 from shardline.comm.waiting import Polling, wait_until
 from shardline.comm.work import OnceWork
-from shardline.config.selection import detect_launcher
 from shardline.errors import (
     BackendUnavailableError,
     CommTimeoutError,
@@ -40,7 +39,7 @@ from shardline.errors import (
     PeerLostError,
 )
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
-from shardline.launch.launcher_env import LaunchedRank
+from shardline.launch.launcher_env import LaunchedRank, detect_launcher
 from shardline.launch.mpi_job import abort_job_at_exit
 
 _P2P_TAG = 0
