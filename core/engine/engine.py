@@ -14,11 +14,11 @@ from typing import Any
 
 from shardline.config.loader import LoadedConfig
 from shardline.config.selection import check_config, resolved
+from shardline.engine.detokenizer import Detokenizer
 from shardline.engine.scheduler import Request, Scheduler
 from shardline.errors import CommTimeoutError, ConfigError
 from shardline.interfaces import Executor
 from shardline.registry import Registry
-from shardline.tokenizer import Tokenizer
 from shardline.weights import load_tokenizer, open_checkpoint
 from shardline.worker.types import SamplingParams, SchedulerOutput
 
@@ -43,33 +43,6 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-class _Detokenizer:
-    """Text of a growing token list. Holds back text ending in an incomplete UTF-8 sequence
-    and cuts at the first stop string."""
-
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.text = ""
-
-    def update(self, token_ids: list[int]) -> tuple[str, bool]:
-        """The new text since the last call, and whether a stop string was reached."""
-        if self.tokenizer is None:
-            return "", False
-        text = self.tokenizer.decode(token_ids)
-        if text.endswith("\ufffd"):
-            return "", False
-        stopped = False
-        if self.stop:
-            search_from = max(0, len(self.text) - max(map(len, self.stop)))
-            hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
-            if hits:
-                text, stopped = text[: min(hits)], True
-        delta = text[len(self.text) :] if text.startswith(self.text) else text
-        self.text = text
-        return delta, stopped
 
 
 class LLMEngine:
@@ -112,7 +85,7 @@ class LLMEngine:
         self.pipeline_depth = config.parallel.pipeline_parallel_size
         self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self._outputs: dict[str, RequestOutput] = {}
-        self._detokenizers: dict[str, _Detokenizer] = {}
+        self._detokenizers: dict[str, Detokenizer] = {}
         self._next_id = 0
 
     @property
@@ -133,7 +106,7 @@ class LLMEngine:
         self.scheduler.add_request(request)
         output = RequestOutput(req_id, request.prompt_token_ids)
         self._outputs[req_id] = output
-        self._detokenizers[req_id] = _Detokenizer(self.tokenizer, sampling.stop)
+        self._detokenizers[req_id] = Detokenizer(self.tokenizer, sampling.stop)
         return output
 
     def has_unfinished_requests(self) -> bool:
@@ -159,10 +132,13 @@ class LLMEngine:
         for request in self.scheduler.update(step, result):
             output = self._outputs[request.req_id]
             output.token_ids = list(request.output_token_ids)
-            delta, stopped = self._detokenizers[request.req_id].update(output.token_ids)
-            output.text += delta
+            detokenizer = self._detokenizers[request.req_id]
+            delta, stopped = detokenizer.update(output.token_ids)
             if stopped and not request.finished:
                 self.scheduler.finish(request, "stop")
+            if request.finished and not stopped:
+                delta += detokenizer.finish(output.token_ids)
+            output.text += delta
             if request.finished:
                 output.finish_reason = request.finish_reason
                 output.embedding = request.embedding
