@@ -2,6 +2,19 @@
 
 from shardline.registry.component import Component
 from shardline.registry.hookspecs import hookimpl, hookspec
-from shardline.registry.registry import ENTRY_POINT_GROUP, PluginFailure, Registry
+from shardline.registry.registry import (
+    ENTRY_POINT_GROUP,
+    PluginFailure,
+    Registry,
+    installed_plugins,
+)
 
-__all__ = ["ENTRY_POINT_GROUP", "Component", "PluginFailure", "Registry", "hookimpl", "hookspec"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Component",
+    "PluginFailure",
+    "Registry",
+    "hookimpl",
+    "hookspec",
+    "installed_plugins",
+]

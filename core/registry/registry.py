@@ -185,6 +185,11 @@ def _collect(manager: pluggy.PluginManager, plugin_name: str) -> list[Component]
     return components
 
 
+def installed_plugins() -> list[str]:
+    """Names of the installed plugins (entry points of ``ENTRY_POINT_GROUP``), none loaded."""
+    return sorted({ep.name for ep in _unique_entry_points()})
+
+
 def _unique_entry_points() -> list[importlib.metadata.EntryPoint]:
     seen: set[tuple[str, str]] = set()
     unique = []

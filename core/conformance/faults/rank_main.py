@@ -13,7 +13,6 @@ message, the seconds from the fault's start to the error, and how shutdown went.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import time
@@ -28,8 +27,7 @@ from shardline.conformance.faults.runner import FAULT_RUNNER, Plan, arm
 from shardline.conformance.faults.scenarios import INJECTION_ENTRY_POINT, SCENARIOS, Scenario
 from shardline.errors import ShardlineError, WorkerError
 from shardline.launch.launcher_env import LaunchedRank
-from shardline.registry import Registry
-from shardline.registry.registry import ENTRY_POINT_GROUP
+from shardline.registry import Registry, installed_plugins
 from shardline.worker.types import NewRequest, SamplingParams, SchedulerOutput
 
 
@@ -52,10 +50,7 @@ def fault_config(
         *scenario.overrides,
     ]
     if scenario.name == "plugin left out by allow-list":
-        names = sorted(
-            {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-            - {INJECTION_ENTRY_POINT}
-        )
+        names = [name for name in installed_plugins() if name != INJECTION_ENTRY_POINT]
         overrides.append(f"plugins.allow=[{','.join(names)}]")
     return load_config(overrides=overrides, environ={}).config
 
