@@ -21,8 +21,9 @@ once its input is in place and waits until every rank has announced c.
   every large slot, and one that arrived at a later call has copied the result.
 
 Per tensor shape the views and the reduction are prepared once (a small cache), so a small
-all-reduce costs a copy, a flag write, a poll and a reduction. Waits spin, then yield (several
-ranks per core stay in tens of µs), and end at the group's deadline with ``CommTimeoutError``.
+all-reduce costs a copy, a flag write, a poll and a reduction. Waits follow the group's
+:class:`~shardline.comm.waiting.Polling` (more ranks than cores: yield the CPU at once, so 4
+ranks on 2 cores stay in tens of µs) and end at the group's deadline with ``CommTimeoutError``.
 The segment is created 0600 and unlinked as soon as every rank has mapped it, so nothing is
 left in /dev/shm even when a rank is killed.
 """
