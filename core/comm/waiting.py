@@ -44,13 +44,16 @@ class Polling:
     share_cpu: bool = True
 
     @classmethod
-    def for_ranks_on_host(cls, ranks: int) -> Polling:
+    def for_ranks_on_host(cls, ranks: int, only_thread: bool = False) -> Polling:
         """More ranks than cores: yield at once, so a waiter never holds a core that the rank
-        it waits for needs. A core each: keep it, so a busy neighbour process cannot take it
-        for a time slice in the middle of a transfer."""
+        it waits for needs. A core each: spin first, then yield between checks, so this
+        process's other threads (a gloo base's I/O thread, which the peers may be waiting
+        on) can run; with ``only_thread`` (nothing else in the process moves the work: MPI,
+        whose operations advance only when polled) keep the core instead, so a busy
+        neighbour process cannot take it for a time slice in the middle of a transfer."""
         if ranks > host_cores():
             return cls(spin_checks=0, share_cpu=True)
-        return cls(spin_checks=_SPIN_CHECKS, share_cpu=False)
+        return cls(spin_checks=_SPIN_CHECKS, share_cpu=not only_thread)
 
 
 def wait_until(

@@ -1,14 +1,14 @@
-"""A shared-memory all-reduce (and barrier) for the ranks of one host, layered over a base
-communicator that does everything else.
+"""A shared-memory all-reduce for the ranks of one host, layered over a base communicator that
+does everything else.
 
 Each group maps one segment: a flag area (one 64-byte line per rank and phase), two sets of
 small slots (``ONE_SHOT_MAX_BYTES`` per rank each), and, for large tensors, one slot of
 ``SLOT_BYTES`` per rank plus a result area of that size. An all-reduce takes the shared path
 only when every rank of the group is on this host (host identities exchanged at creation:
 host name and kernel boot id), the tensor fits a slot and lives on the CPU; anything else, and
-every other operation but the barrier, goes to the base communicator.
+every other operation, goes to the base communicator.
 
-Every shared call (all-reduce or barrier) has a number; a rank announces "arrived at call c"
+Every shared all-reduce has a number; a rank announces "arrived at call c"
 once its input is in place and waits until every rank has announced c.
 
 - One shot (small tensors): call c uses the small slot set c mod 2. Each rank copies its
@@ -205,16 +205,6 @@ class CustomAllReduceCommunicator(Communicator):
             self._wait_all(_ARRIVED, call, "all_reduce")
         return plan.reduce(parity)
 
-    def barrier(self) -> None:
-        segment = self._segment
-        if segment is None:
-            self.base.barrier()
-            return
-        self._calls = call = self._calls + 1
-        segment.announce(_ARRIVED, self._rank, call)
-        if not segment.all_at(_ARRIVED, call):
-            self._wait_all(_ARRIVED, call, "barrier")
-
     def _plan(self, tensor: torch.Tensor, op: ReduceOp) -> _OneShot | str:
         """How an all-reduce of tensors like ``tensor`` runs: on the base, in two shots, or
         in one shot with views prepared for its shape."""
@@ -297,6 +287,9 @@ class CustomAllReduceCommunicator(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return self.base.broadcast(tensor, src)
+
+    def barrier(self) -> None:
+        self.base.barrier()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.base.send(tensor, dst)

@@ -90,7 +90,10 @@ class MpiBackend(CommunicatorBackend):
         comm.Set_errhandler(mpi.ERRORS_RETURN)
         ranks_here = LaunchedRank.from_environ(os.environ).local_world_size
         return MpiCommunicator(
-            comm, timeout_s, user_ops={}, polling=Polling.for_ranks_on_host(ranks_here)
+            comm,
+            timeout_s,
+            user_ops={},
+            polling=Polling.for_ranks_on_host(ranks_here, only_thread=True),
         )
 
 

@@ -57,19 +57,3 @@ def back_to_back(ctx, calls: int, seed: int):
         if not torch.equal(total, torch.full((count,), expected)):
             wrong.append(call)
     return wrong
-
-
-def barrier_without(ctx, absent: int):
-    """Every rank but ``absent`` enters a barrier of a group with a 1 s deadline; returns the
-    message of the CommTimeoutError they get (``absent`` returns None)."""
-    comm = ctx.comm
-    group = comm.new_group(list(range(comm.world_size)), timeout_s=1.0)
-    group.barrier()  # everyone passes a first one
-    if comm.rank == absent:
-        time.sleep(2.0)
-        return None
-    try:
-        group.barrier()
-    except CommTimeoutError as error:
-        return str(error)
-    raise AssertionError("the barrier returned although a rank was absent")
