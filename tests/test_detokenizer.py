@@ -48,7 +48,7 @@ def _stream(ids: list[int], stop: tuple[str, ...], step: int = 1):
 @settings(max_examples=300, deadline=None)
 @given(TOKEN_LISTS, st.integers(1, 3))
 def test_pieces_add_up_to_the_whole_decode(ids, step):
-    pieces, stopped, detokenizer = _stream(ids, ())
+    pieces, stopped, detokenizer = _stream(ids, (), step)
     assert not stopped
     assert "".join(pieces) == detokenizer.text == ByteTokenizer().decode(ids)
 

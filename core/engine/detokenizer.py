@@ -35,12 +35,10 @@ class Detokenizer:
         ends before it; later calls add nothing)."""
         if self.tokenizer is None or self._stopped or len(token_ids) <= self._read:
             return "", self._stopped
-        known = self.tokenizer.decode(token_ids[self._context : self._read])
-        window = self.tokenizer.decode(token_ids[self._context :])
-        if window.endswith(_INCOMPLETE) or len(window) <= len(known):
-            return "", False  # an unfinished character, or tokens without text (yet)
-        self._decoded += window[len(known) :]
-        self._context, self._read = self._read, len(token_ids)
+        new = self._new_text(token_ids)
+        if not new or new.endswith(_INCOMPLETE):
+            return "", False  # tokens without text (yet), or an unfinished character
+        self._take(new, token_ids)
         return self._hand_out()
 
     def finish(self, token_ids: list[int]) -> str:
@@ -49,12 +47,22 @@ class Detokenizer:
         if self._stopped:
             return ""
         if self.tokenizer is not None and len(token_ids) > self._read:
-            known = self.tokenizer.decode(token_ids[self._context : self._read])
-            self._decoded += self.tokenizer.decode(token_ids[self._context :])[len(known) :]
-            self._context = self._read = len(token_ids)
+            self._take(self._new_text(token_ids), token_ids)
         rest = self._decoded[len(self.text) :]
         self.text = self._decoded
         return rest
+
+    def _new_text(self, token_ids: list[int]) -> str:
+        """What the tokens after the last read one add: the window's text beyond the text of
+        its context tokens."""
+        known = self.tokenizer.decode(token_ids[self._context : self._read])
+        return self.tokenizer.decode(token_ids[self._context :])[len(known) :]
+
+    def _take(self, new: str, token_ids: list[int]) -> None:
+        """Add ``new`` (the text of ``token_ids`` beyond the last read token) to the decoded
+        text; the tokens read so far become the next window's context."""
+        self._decoded += new
+        self._context, self._read = self._read, len(token_ids)
 
     def _hand_out(self) -> tuple[str, bool]:
         start = len(self.text)

@@ -60,15 +60,8 @@ _PHASES = 2
 _PLANS_KEPT = 64  # prepared tensor shapes kept per group
 _YIELD_S = 0.05  # keep the CPU (yielding) this long in a wait before sleeping
 _NUMPY_COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
-#: dtypes numpy has (bfloat16 is not among them and takes the torch path).
-_NUMPY_DTYPES = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.float16: np.float16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.uint8: np.uint8,
-}
+#: dtypes reduced through numpy (bfloat16, which numpy lacks, takes the torch path).
+_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.uint8}
 _COMBINE = {
     ReduceOp.SUM: torch.add,
     ReduceOp.MAX: torch.maximum,
@@ -222,17 +215,13 @@ class CustomAllReduceCommunicator(Communicator):
             )
             for parity in (0, 1)
         )
-        numpy_dtype = _NUMPY_DTYPES.get(tensor.dtype)
-        if numpy_dtype is None:
+        if tensor.dtype not in _NUMPY_DTYPES:
             return _OneShot(inputs, inputs, _COMBINE[op], numpy=False, shape=shape)
-        # Reduced through numpy views: a fraction of torch's per-operation cost for small
-        # tensors. A 0-d tensor is reduced as one element (numpy would return a scalar).
+        # Reduced through numpy views of the same slots: a fraction of torch's per-operation
+        # cost for small tensors. A 0-d tensor is reduced as one element (numpy would return
+        # a scalar).
         arrays = tuple(
-            tuple(
-                segment.small_array(parity, peer, numpy_dtype, count).reshape(shape or (1,))
-                for peer in peers
-            )
-            for parity in (0, 1)
+            tuple(view.numpy().reshape(shape or (1,)) for view in views) for views in inputs
         )
         return _OneShot(inputs, arrays, _NUMPY_COMBINE[op], numpy=True, shape=shape)
 
@@ -420,13 +409,8 @@ class _Segment:
     def unlink(self) -> None:
         self._path.unlink(missing_ok=True)
 
-    def small_array(self, parity: int, rank: int, dtype: Any, count: int) -> np.ndarray:
-        """``rank``'s small slot of set ``parity``: its first ``count`` elements, numpy."""
-        offset = self._small + (parity * self._world_size + rank) * ONE_SHOT_MAX_BYTES
-        return np.frombuffer(self._memory, dtype=dtype, count=count, offset=offset)
-
     def small_tensor(self, parity: int, rank: int, dtype: torch.dtype, count: int) -> torch.Tensor:
-        """``rank``'s small slot of set ``parity``: its first ``count`` elements, torch."""
+        """``rank``'s small slot of set ``parity``: its first ``count`` elements."""
         offset = self._small + (parity * self._world_size + rank) * ONE_SHOT_MAX_BYTES
         return torch.frombuffer(self._memory, dtype=dtype, count=count, offset=offset)
 
