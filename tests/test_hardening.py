@@ -2,7 +2,9 @@
 errors only, private shared memory, the job secret of launched worlds."""
 
 import os
+import re
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,131 @@ def test_config_files_load_or_fail_with_one_clear_error(tmp_path_factory, text, 
         assert str(path) in str(error) or "invalid configuration" in str(error)
         return
     assert isinstance(mapping, dict)
+
+
+@FUZZ
+@given(raw=st.binary(max_size=300), suffix=st.sampled_from([".yaml", ".toml", ".json"]))
+def test_config_file_bytes_load_or_fail_with_one_clear_error(tmp_path_factory, raw, suffix):
+    path = tmp_path_factory.mktemp("config") / f"shardline{suffix}"
+    path.write_bytes(raw)
+    try:
+        load_config(path, environ={})
+    except ConfigError as error:
+        assert str(path) in str(error) or "invalid configuration" in str(error)
+
+
+def _laughs(levels: int) -> str:
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for level in range(1, levels):
+        lines.append(f"l{level}: &l{level} [{', '.join([f'*l{level - 1}'] * 9)}]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("where", ["file", "--set"])
+def test_yaml_aliases_that_expand_past_the_bound_are_refused_at_once(tmp_path, where):
+    """The "billion laughs" shape (9^9 strings from 1 KB) is refused before anything is
+    built, in a message of bounded size; a few aliases are fine."""
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"aliases expand to more than 10000 nodes") as error:
+        if where == "file":
+            path = tmp_path / "laughs.yaml"
+            path.write_text("parallel:\n  tensor_parallel_size: 1\n" + _laughs(9))
+            load_config(path, environ={})
+        else:
+            flow = "{" + _laughs(9).strip().replace("\n", ", ") + "}"
+            load_config(overrides=["plugins.allow=" + flow], environ={})
+    assert time.monotonic() - start < 2.0
+    assert len(str(error.value)) < 1000
+    path = tmp_path / "anchors.yaml"
+    path.write_text("defaults: &d {timeout_s: 7}\nparallel: *d\n".replace("defaults", "parallel"))
+    with pytest.raises(ConfigError, match="duplicate key 'parallel'"):
+        load_config(path, environ={})
+    path.write_text("plugins:\n  allow: &names [gloo]\n  strict: false\n")
+    assert load_config(path, environ={}).config.plugins.allow == ["gloo"]
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text", "fragment"),
+    [
+        (".yaml", "parallel:\n  timeout_s: 3\nparallel:\n  timeout_s: 4\n", "(lines 1 and 3)"),
+        (".yaml", "parallel:\n  timeout_s: 3\n  timeout_s: 4\n", "(lines 2 and 3)"),
+        (".json", '{"parallel": {"timeout_s": 3, "timeout_s": 4}}', ""),
+    ],
+)
+def test_duplicate_keys_in_a_file_are_refused(tmp_path, suffix, text, fragment):
+    path = tmp_path / f"dup{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"duplicate key '(parallel|timeout_s)'") as error:
+        load_config(path, environ={})
+    assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text"),
+    [(".json", "[" * 100_000), (".yaml", "a: " + "[" * 100_000), (".toml", "a = " + "[" * 100_000)],
+)
+def test_deeply_nested_files_are_refused(tmp_path, suffix, text):
+    path = tmp_path / f"deep{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"not valid (json|yaml|toml)"):
+        load_config(path, environ={})
+
+
+def test_binary_and_oversized_files_are_refused_with_the_limit(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xd9\x00\xff")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xd9 at offset 0\)"):
+        load_config(binary, environ={})
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("# " + "x" * (1 << 20))
+    with pytest.raises(ConfigError, match=r"larger than 1048576 bytes"):
+        load_config(huge, environ={})
+
+
+def test_values_echoed_in_errors_are_cut():
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=["parallel.device=" + "x" * 100_000], environ={})
+    assert len(str(error.value)) < 600
+    assert "(100002 characters)" in str(error.value)  # the repr, quotes included
+
+
+@pytest.mark.parametrize(
+    ("assignment", "fragment"),
+    [
+        ("parallel.tensor_parallel_size=true", "Input should be a valid integer"),
+        ("parallel.tensor_parallel_size=" + "1" + "0" * 30, "less than or equal to 1024"),
+        ("parallel.timeout_s=.inf", "finite number"),
+        ("parallel.startup_timeout_s=1000000000000.0", "less than or equal to 86400"),
+        ("cache.num_blocks=1000000000", "less than or equal to 16777216"),
+        ("sampling.seed=-1", "greater than or equal to 0"),
+        ("parallel.watchdog=1", "valid boolean"),
+    ],
+)
+def test_values_that_would_overflow_later_are_refused_with_the_bound(assignment, fragment):
+    with pytest.raises(ConfigError, match=rf"--set {re.escape(assignment)}: .*{fragment}"):
+        load_config(overrides=[assignment], environ={})
+
+
+def test_a_world_too_large_for_any_host_is_refused():
+    sizes = ["parallel.tensor_parallel_size=1024", "parallel.pipeline_parallel_size=1024"]
+    with pytest.raises(ConfigError, match=r"1048576 ranks .* at most 65536"):
+        load_config(overrides=sizes, environ={})
+
+
+def test_a_bad_nested_set_or_environment_key_names_its_source():
+    with pytest.raises(ConfigError, match=r"^invalid configuration: --set parallel.timeout_s.x=3"):
+        load_config(overrides=["parallel.timeout_s.x=3"], environ={})
+    environ = {"SHARDLINE_PARALLEL__TIMEOUT_S__X": "3"}
+    with pytest.raises(ConfigError, match=r"env SHARDLINE_PARALLEL__TIMEOUT_S__X: "):
+        load_config(environ=environ)
+
+
+def test_a_shardline_variable_without_the_section_separator_is_warned_about():
+    loaded = load_config(environ={"SHARDLINE_PARALLEL_TIMEOUT_S": "3", "SHARDLINE_DEBUG": "1"})
+    assert loaded.config.parallel.timeout_s == 300.0
+    (warning,) = loaded.warnings
+    assert "SHARDLINE_PARALLEL_TIMEOUT_S is ignored" in warning
+    assert "did you mean SHARDLINE_PARALLEL__TIMEOUT_S?" in warning
 
 
 def test_shared_memory_rings_are_private_to_the_user():

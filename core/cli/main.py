@@ -189,7 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> LoadedConfig:
-    return load_config(args.config, args.overrides)
+    return _warned(load_config(args.config, args.overrides))
+
+
+def _warned(loaded: LoadedConfig) -> LoadedConfig:
+    """``loaded``, after printing its warnings (e.g. a mistyped variable) to stderr."""
+    for warning in loaded.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return loaded
 
 
 def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
@@ -229,7 +236,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
     if args.command == "run":
         if args.interactive and args.question:
             raise ConfigError("give a question or --interactive, not both")
-        loaded = run_cmd.load_run_config(args.config, args.overrides)
+        loaded = _warned(run_cmd.load_run_config(args.config, args.overrides))
         return run_cmd.run(loaded, args.question, args.interactive)
     if args.command == "demo":
         return demo_cmd.run(_load(args), args.rounds, args.hidden)

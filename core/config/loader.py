@@ -8,7 +8,12 @@ Environment variables: ``SHARDLINE_<SECTION>__<KEY>=value`` (double underscore b
 section and key, e.g. ``SHARDLINE_PARALLEL__TENSOR_PARALLEL_SIZE=2``), plus the shorthands
 ``SHARDLINE_PLUGINS`` (comma-separated allow-list) and ``SHARDLINE_STRICT_PLUGINS``.
 Values in the environment and in ``--set`` are read as YAML scalars (``2``, ``true``,
-``[a, b]``).
+``[a, b]``). Any other ``SHARDLINE_*`` variable that is not one Shardline reads (see
+:data:`OTHER_VARIABLES`) makes a warning, so a mistyped key is never ignored in silence.
+
+Config files are untrusted input: at most :data:`MAX_FILE_BYTES`, UTF-8, no duplicate keys,
+and YAML aliases may not expand past :data:`MAX_YAML_NODES` nodes. Values echoed in errors
+are cut to :data:`MAX_ECHO_CHARS` characters.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,25 @@ from shardline.errors import ConfigError
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 ENV_PREFIX = "SHARDLINE_"
 DEFAULT_SOURCE = "default"
+#: ``SHARDLINE_*`` variables that are not config keys (read by other parts of Shardline).
+OTHER_VARIABLES = frozenset(
+    {
+        "SHARDLINE_DEBUG",
+        "SHARDLINE_JOB_SECRET",
+        "SHARDLINE_MODELS",
+        "SHARDLINE_TEST_MODELS",
+        "SHARDLINE_LOCAL_WORLD_AUTHKEY",
+        "SHARDLINE_FAULT_PLAN",
+    }
+)
+#: The largest config file read; real ones are a few hundred bytes.
+MAX_FILE_BYTES = 1 << 20
+#: The most nodes a YAML document may have once its aliases are expanded.
+MAX_YAML_NODES = 10_000
+#: Values echoed in an error are cut to this many characters.
+MAX_ECHO_CHARS = 120
+#: Problems listed in one error at most (the rest are counted).
+MAX_PROBLEMS = 20
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,8 @@ class LoadedConfig:
     config: EngineConfig
     sources: Mapping[str, str]
     path: Path | None = None
+    #: Things that did not stop loading but look like mistakes (e.g. a mistyped variable).
+    warnings: tuple[str, ...] = field(default=())
 
     def source_of(self, key: str) -> str:
         """The source of dotted ``key`` (``"default"`` when nothing set it)."""
@@ -68,38 +94,59 @@ def load_config(
         _merge(merged, sources, _nest(key, value), source)
     for item in overrides:
         key, value = _parse_assignment(item)
-        _merge(merged, sources, _nest(key, value), f"--set {item}")
+        _merge(merged, sources, _nest(key, value), f"--set {_cut(item, MAX_ECHO_CHARS)}")
     try:
         config = EngineConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(_describe(error, sources, merged)) from None
-    return LoadedConfig(config, sources, file_path)
+    return LoadedConfig(config, sources, file_path, tuple(_unknown_variables(environ)))
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """The mapping in a ``.yaml``/``.yml``/``.toml``/``.json`` file."""
+    """The mapping in a ``.yaml``/``.yml``/``.toml``/``.json`` file (see the module docstring
+    for what a file may hold)."""
     if path.suffix not in CONFIG_SUFFIXES:
         raise ConfigError(
-            f"{path}: unsupported config file type {path.suffix or '(none)'!r}; "
+            f"{path}: unsupported config file type {echo(path.suffix or '(none)')}; "
             f"allowed: {', '.join(CONFIG_SUFFIXES)}",
             source=str(path),
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            raw = file.read(MAX_FILE_BYTES + 1)
     except OSError as error:
         raise ConfigError(
             f"{path}: cannot read config file: {error.strerror}", source=str(path)
+        ) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(
+            f"{path}: config file larger than {MAX_FILE_BYTES} bytes; allowed: at most "
+            f"{MAX_FILE_BYTES} bytes",
+            source=str(path),
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start}); "
+            "allowed: a UTF-8 text file",
+            source=str(path),
         ) from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_refuse_duplicate_json_keys)
         else:
-            data = yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
+            data = _load_yaml(text)
+    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError, ValueError) as error:
         raise ConfigError(
-            f"{path}: not valid {path.suffix[1:]}: {error}", source=str(path)
+            f"{path}: not valid {path.suffix[1:]}: {_cut(_parse_problem(error), 400)}",
+            source=str(path),
+        ) from None
+    except RecursionError:
+        raise ConfigError(
+            f"{path}: not valid {path.suffix[1:]}: nested too deeply", source=str(path)
         ) from None
     if data is None:
         return {}
@@ -112,6 +159,130 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
+class _ConfigYamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate keys in a mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.value == "<<":
+                continue
+            line = key_node.start_mark.line + 1
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {echo(key_node.value)} (lines {seen[key_node.value]} and "
+                    f"{line}); allowed: each key once",
+                    key_node.start_mark,
+                )
+            seen[key_node.value] = line
+        return super().construct_mapping(node, deep)
+
+
+class _TooLarge(yaml.YAMLError):
+    """A YAML document whose aliases expand past the bound."""
+
+
+def _load_yaml(text: str) -> Any:
+    """One YAML document, refused when its aliases expand past :data:`MAX_YAML_NODES`
+    nodes (the "billion laughs" shape) before anything is built from it."""
+    loader = _ConfigYamlLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_YAML_NODES:
+            raise _TooLarge(
+                f"its aliases expand to more than {MAX_YAML_NODES} nodes; allowed: at most "
+                f"{MAX_YAML_NODES} (a config needs a few dozen)"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Nodes in ``node`` with every alias expanded, counted without expanding (a node
+    reached again through an alias is counted from ``sizes``). A node that contains itself
+    counts as too large."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    sizes[key] = MAX_YAML_NODES + 1  # a cycle back here is refused
+    if isinstance(node, yaml.MappingNode):
+        children = [child for pair in node.value for child in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes)
+        if total > MAX_YAML_NODES:
+            break
+    sizes[key] = total
+    return total
+
+
+def _parse_problem(error: Exception) -> str:
+    """A parser's complaint in one line, with the line and column where it has them."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        mark = error.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        return f"{error.problem}{where}"
+    return str(error)
+
+
+def _refuse_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {echo(key)}; allowed: each key once")
+        result[key] = value
+    return result
+
+
+def echo(value: Any) -> str:
+    """``repr(value)``, cut to :data:`MAX_ECHO_CHARS` characters (untrusted values are
+    echoed in errors; a huge one must not flood the terminal)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deeply>"
+    return _cut(text, MAX_ECHO_CHARS)
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _unknown_variables(environ: Mapping[str, str]):
+    """A warning for each ``SHARDLINE_*`` variable that is neither a config key
+    (``SHARDLINE_<SECTION>__<KEY>``) nor one Shardline reads elsewhere."""
+    known = {"SHARDLINE_PLUGINS", "SHARDLINE_STRICT_PLUGINS", *OTHER_VARIABLES}
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or "__" in name or name in known:
+            continue
+        rest = name[len(ENV_PREFIX) :].lower()
+        guess = next(
+            (
+                f"{ENV_PREFIX}{section.upper()}__{rest[len(section) + 1 :].upper()}"
+                for section in EngineConfig.model_fields
+                if rest.startswith(f"{section}_")
+            ),
+            None,
+        )
+        hint = f"; did you mean {guess}?" if guess else ""
+        yield (
+            f"environment variable {name} is ignored: config variables are "
+            f"SHARDLINE_<SECTION>__<KEY>, with two underscores between section and key{hint}"
+        )
+
+
 def _environment_values(environ: Mapping[str, str]):
     for name in sorted(environ):
         raw = environ[name]
@@ -119,10 +290,12 @@ def _environment_values(environ: Mapping[str, str]):
             names = [part.strip() for part in raw.split(",") if part.strip()]
             yield "plugins.allow", names, f"env {name}"
         elif name == "SHARDLINE_STRICT_PLUGINS":
-            yield "plugins.strict", _scalar(raw), f"env {name}"
+            flag = raw.strip().lower()
+            value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+            yield "plugins.strict", value.get(flag, raw), f"env {name}"
         elif name.startswith(ENV_PREFIX) and "__" in name:
             key = name[len(ENV_PREFIX) :].lower().replace("__", ".")
-            yield key, _scalar(raw), f"env {name}"
+            yield key, _scalar(raw, f"env {name}"), f"env {name}"
 
 
 def _parse_assignment(item: str) -> tuple[str, Any]:
@@ -130,16 +303,20 @@ def _parse_assignment(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(
-            f"--set {item!r}: expected section.key=value, e.g. parallel.tensor_parallel_size=2",
+            f"--set {echo(item)}: expected section.key=value, e.g. parallel.tensor_parallel_size=2",
             source="--set",
         )
-    return key, _scalar(raw)
+    return key, _scalar(raw, f"--set {_cut(key, MAX_ECHO_CHARS)}")
 
 
-def _scalar(raw: str) -> Any:
+def _scalar(raw: str, source: str) -> Any:
+    """A value from ``--set`` or the environment, read as YAML (with the file's alias bound);
+    text that is not YAML stays text."""
     try:
-        return yaml.safe_load(raw) if raw.strip() else raw
-    except yaml.YAMLError:
+        return _load_yaml(raw) if raw.strip() else raw
+    except _TooLarge as error:
+        raise ConfigError(f"{source}: {error}", source=source) from None
+    except (yaml.YAMLError, RecursionError):
         return raw
 
 
@@ -169,10 +346,11 @@ def _merge(
 
 def _describe(error: ValidationError, sources: Mapping[str, str], data: Mapping) -> str:
     lines = []
-    for item in error.errors():
+    items = error.errors()
+    for item in items[:MAX_PROBLEMS]:
         loc = [str(part) for part in item["loc"]]
         key = ".".join(loc)
-        source = sources.get(key) or _nearest_source(sources, key)
+        source = _source_of(sources, key)
         value = _lookup(data, loc)
         if item["type"] == "extra_forbidden":
             allowed = _allowed_keys(loc[:-1])
@@ -182,7 +360,9 @@ def _describe(error: ValidationError, sources: Mapping[str, str], data: Mapping)
             message = f"unknown key.{hint} Allowed in {where}: {', '.join(allowed)}"
         else:
             message = item["msg"]
-        lines.append(f"{source}: {key} = {value!r}: {message}")
+        lines.append(f"{source}: {_cut(key, MAX_ECHO_CHARS)} = {echo(value)}: {message}")
+    if len(items) > MAX_PROBLEMS:
+        lines.append(f"... and {len(items) - MAX_PROBLEMS} more problems")
     header = "invalid configuration:" if len(lines) > 1 else "invalid configuration"
     return header + ("\n  " + "\n  ".join(lines) if len(lines) > 1 else ": " + lines[0])
 
@@ -208,7 +388,14 @@ def _lookup(data: Any, loc: Sequence[str]) -> Any:
     return data
 
 
-def _nearest_source(sources: Mapping[str, str], key: str) -> str:
+def _source_of(sources: Mapping[str, str], key: str) -> str:
+    """Where ``key``'s value came from: its own source, else the source that set something
+    inside it (``--set a.b.c=1`` for an error at ``a.b``), else the nearest enclosing one."""
+    if key in sources:
+        return sources[key]
+    inside = sorted({source for name, source in sources.items() if name.startswith(f"{key}.")})
+    if inside:
+        return ", ".join(inside)
     while "." in key:
         key = key.rsplit(".", 1)[0]
         if key in sources:

@@ -1,35 +1,44 @@
-"""The configuration schema. Every section rejects unknown keys."""
+"""The configuration schema. Every section rejects unknown keys, takes values of their own
+type only (``true`` is not a size, ``"2"`` in a JSON file is not a number), and bounds every
+number, so that no single value can overflow or exhaust anything later."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-)
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.distributed.layout import ParallelLayout
 
 DType = Literal["float32", "float16", "bfloat16"]
 
+#: The largest size of one parallel dimension, and of the whole world.
+MAX_PARALLEL_SIZE = 1024
+MAX_WORLD_SIZE = 65536
+#: The longest deadline: one day.
+MAX_TIMEOUT_S = 86400.0
+#: Counts of tokens, blocks and requests: at most 2^24.
+MAX_COUNT = 1 << 24
+
+ParallelSize = Annotated[int, Field(ge=1, le=MAX_PARALLEL_SIZE)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
+Name = Annotated[str, Field(min_length=1, max_length=512)]
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelConfig(Section):
     """What to run."""
 
-    path: str | None = Field(
-        default=None, description="HF safetensors directory or GGUF file; None: no model"
+    path: Annotated[str, Field(min_length=1, max_length=4096)] | None = Field(
+        default=None,
+        description="HF safetensors directory, GGUF file or catalog name; None: no model",
     )
     dtype: DType = Field(default="float32", description="compute dtype of weights and activations")
-    runner: str = Field(
+    runner: Name = Field(
         default="llama", description="model runner: a registered name or package.module:Class"
     )
     pooling: Literal["last", "mean"] = Field(
@@ -42,18 +51,22 @@ class ModelConfig(Section):
 class CacheConfig(Section):
     """The paged KV cache of every rank."""
 
-    block_size: PositiveInt = Field(default=16, description="tokens per cache block")
-    num_blocks: PositiveInt = Field(default=512, description="cache blocks per rank and layer")
+    block_size: Annotated[int, Field(ge=1, le=4096)] = Field(
+        default=16, description="tokens per cache block"
+    )
+    num_blocks: Count = Field(default=512, description="cache blocks per rank and layer")
 
 
 class SchedulerConfig(Section):
     """Continuous batching: what one engine step may hold."""
 
-    max_num_seqs: PositiveInt = Field(default=32, description="requests in one step at most")
-    max_num_batched_tokens: PositiveInt = Field(
+    max_num_seqs: Annotated[int, Field(ge=1, le=65536)] = Field(
+        default=32, description="requests in one step at most"
+    )
+    max_num_batched_tokens: Count = Field(
         default=512, description="token budget of one step (prefill chunks + decode tokens)"
     )
-    max_model_len: PositiveInt | None = Field(
+    max_model_len: Count | None = Field(
         default=None,
         description="longest sequence (prompt + output); None: the model's context length, "
         "capped by what the KV cache holds",
@@ -63,39 +76,47 @@ class SchedulerConfig(Section):
 class SamplingConfig(Section):
     """Default sampling of ``LLM.generate`` and ``shardline run`` (a call may pass its own)."""
 
-    temperature: float = Field(default=0.0, ge=0, description="0: greedy")
-    top_k: int = Field(default=0, ge=0, description="keep the k likeliest tokens; 0: off")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus mass; 1.0: off")
-    seed: int = Field(default=0, description="seed of each request's random stream")
-    max_tokens: PositiveInt = Field(default=256, description="tokens generated at most")
+    temperature: float = Field(
+        default=0.0, ge=0, le=100, allow_inf_nan=False, description="0: greedy"
+    )
+    top_k: int = Field(
+        default=0, ge=0, le=MAX_COUNT, description="keep the k likeliest tokens; 0: off"
+    )
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, allow_inf_nan=False, description="nucleus mass; 1.0: off"
+    )
+    seed: int = Field(
+        default=0, ge=0, le=(1 << 63) - 1, description="seed of each request's random stream"
+    )
+    max_tokens: Count = Field(default=256, description="tokens generated at most")
 
 
 class ParallelConfig(Section):
     """How ranks are laid out, started and connected."""
 
-    tensor_parallel_size: PositiveInt = Field(default=1, description="ranks sharing each layer")
-    pipeline_parallel_size: PositiveInt = Field(default=1, description="pipeline stages")
-    data_parallel_size: PositiveInt = Field(default=1, description="model replicas")
-    external_data_parallel_size: PositiveInt = Field(
+    tensor_parallel_size: ParallelSize = Field(default=1, description="ranks sharing each layer")
+    pipeline_parallel_size: ParallelSize = Field(default=1, description="pipeline stages")
+    data_parallel_size: ParallelSize = Field(default=1, description="model replicas")
+    external_data_parallel_size: ParallelSize = Field(
         default=1, description="replicas driven by separate engines"
     )
-    nnodes: PositiveInt = Field(default=1, description="hosts the ranks run on")
+    nnodes: ParallelSize = Field(default=1, description="hosts the ranks run on")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="device of the tensors")
-    distributed_executor_backend: str = Field(
+    distributed_executor_backend: Name = Field(
         default="auto",
         description="executor: auto, a registered name (uni, mp, external_launcher, ...) or "
         "package.module:Class",
     )
-    communicator: str = Field(
+    communicator: Name = Field(
         default="gloo",
         description="data-plane communicator: a registered name, package.module:Class, or "
         "auto (the fastest installed one that fits: custom_ar_mpi, custom_ar, nccl, mpi, gloo)",
     )
-    control_communicator: str = Field(
+    control_communicator: Name = Field(
         default="gloo",
         description="control-plane communicator (objects, metadata, barriers); CPU only",
     )
-    timeout_s: PositiveFloat = Field(
+    timeout_s: Seconds = Field(
         default=300.0, description="deadline of every collective and point-to-point wait"
     )
     watchdog: bool = Field(
@@ -103,14 +124,23 @@ class ParallelConfig(Section):
         description="fingerprint every data-plane operation; a timeout then says which rank "
         "is in which operation",
     )
-    watchdog_check_every: NonNegativeInt = Field(
+    watchdog_check_every: Annotated[int, Field(ge=0, le=MAX_COUNT)] = Field(
         default=0,
         description="debug: ranks compare fingerprints every N collectives (0: only on a "
         "timeout) and stop at the first mismatch",
     )
-    startup_timeout_s: PositiveFloat = Field(
+    startup_timeout_s: Seconds = Field(
         default=120.0, description="deadline of each start-up phase (spawn, join, load)"
     )
+
+    @model_validator(mode="after")
+    def _bounded_world(self) -> ParallelConfig:
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"the layout has {self.world_size} ranks (tensor x pipeline x data x external "
+                f"data parallel sizes); allowed: at most {MAX_WORLD_SIZE}"
+            )
+        return self
 
     @property
     def layout(self) -> ParallelLayout:
@@ -129,7 +159,7 @@ class ParallelConfig(Section):
 class PluginsConfig(Section):
     """Which plugins load. ``SHARDLINE_PLUGINS`` (comma-separated names) overrides ``allow``."""
 
-    allow: list[str] | None = Field(
+    allow: Annotated[list[Name], Field(max_length=1024)] | None = Field(
         default=None, description="entry-point names to load; None: every installed plugin"
     )
     strict: bool = Field(default=False, description="a plugin that fails to load is fatal")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,11 @@ class LLM:
     ) -> None:
         if isinstance(config, LoadedConfig) and overrides:
             raise TypeError("overrides apply to a config path or None, not a LoadedConfig")
-        loaded = (
-            config if isinstance(config, LoadedConfig) else load_config(config, overrides, environ)
-        )
+        if not isinstance(config, LoadedConfig):
+            config = load_config(config, overrides, environ)
+            for warning in config.warnings:
+                warnings.warn(warning, stacklevel=2)
+        loaded = config
         loaded = _with_resolved_model(loaded, pull_progress)
         self.engine = LLMEngine(loaded, registry, environ)
 
