@@ -7,6 +7,29 @@ what to do.
 
 from __future__ import annotations
 
+from typing import Any
+
+#: Values echoed in an error message are cut to this many characters.
+ECHO_CHARS = 120
+
+
+def echo(value: Any) -> str:
+    """``repr(value)`` for an error message, cut to :data:`ECHO_CHARS` characters: values
+    from config files, flags and peers are untrusted, and a huge one must not flood the
+    terminal."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deeply>"
+    return cut(text, ECHO_CHARS)
+
+
+def cut(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and how long it was."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
 
 class ShardlineError(Exception):
     """Base class of every error Shardline raises on purpose."""

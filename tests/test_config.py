@@ -1,6 +1,7 @@
 """Config loading: formats, layering and sources, clear errors, cross-field checks."""
 
 import json
+import re
 
 import pytest
 
@@ -164,3 +165,26 @@ def test_schema_describes_every_section():
         "plugins",
     }
     assert "tensor_parallel_size" in json.dumps(schema)
+
+
+@pytest.mark.parametrize(
+    ("assignment", "fragment"),
+    [
+        (
+            "parallel.distributed_executor_backend=os:system",
+            "'os:system': os:system is a builtin_function_or_method, not a subclass of "
+            "shardline.interfaces.executor.Executor; allowed: a registered executor "
+            "(external_launcher, mp, uni)",
+        ),
+        (
+            "model.runner=shardline.interfaces:Executor",
+            "is a class Executor, not a subclass of shardline.interfaces.model_runner.ModelRunner",
+        ),
+        ("model.runner=nosuch", "model.runner = 'nosuch': no installed plugin provides this "),
+        ("parallel.communicator=os:path", "os:path is a module, not a subclass of"),
+    ],
+)
+def test_components_of_the_wrong_kind_or_type_are_refused_at_validation(assignment, fragment):
+    loaded = load_config(overrides=[assignment], environ={})
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        check_config(loaded, Registry.load(), {})

@@ -100,9 +100,10 @@ def test_unavailable_component_raises_the_typed_error(plugin_dir):
         "ghost",
         "ghost_plugin",
         """
+        from shardline.interfaces import CommunicatorBackend
         from shardline.registry import Component, hookimpl
 
-        class GhostBackend:
+        class GhostBackend(CommunicatorBackend):
             @classmethod
             def unavailable_reason(cls):
                 return "needs 8 CUDA devices, found 0"

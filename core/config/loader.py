@@ -13,7 +13,7 @@ Values in the environment and in ``--set`` are read as YAML scalars (``2``, ``tr
 
 Config files are untrusted input: at most :data:`MAX_FILE_BYTES`, UTF-8, no duplicate keys,
 and YAML aliases may not expand past :data:`MAX_YAML_NODES` nodes. Values echoed in errors
-are cut to :data:`MAX_ECHO_CHARS` characters.
+are cut (:func:`shardline.errors.echo`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from shardline.config.schema import EngineConfig
-from shardline.errors import ConfigError
+from shardline.errors import ECHO_CHARS, ConfigError, cut, echo
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 ENV_PREFIX = "SHARDLINE_"
@@ -51,8 +51,6 @@ OTHER_VARIABLES = frozenset(
 MAX_FILE_BYTES = 1 << 20
 #: The most nodes a YAML document may have once its aliases are expanded.
 MAX_YAML_NODES = 10_000
-#: Values echoed in an error are cut to this many characters.
-MAX_ECHO_CHARS = 120
 #: Problems listed in one error at most (the rest are counted).
 MAX_PROBLEMS = 20
 
@@ -94,7 +92,7 @@ def load_config(
         _merge(merged, sources, _nest(key, value), source)
     for item in overrides:
         key, value = _parse_assignment(item)
-        _merge(merged, sources, _nest(key, value), f"--set {_cut(item, MAX_ECHO_CHARS)}")
+        _merge(merged, sources, _nest(key, value), f"--set {cut(item, ECHO_CHARS)}")
     try:
         config = EngineConfig.model_validate(merged)
     except ValidationError as error:
@@ -141,7 +139,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
             data = _load_yaml(text)
     except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError, ValueError) as error:
         raise ConfigError(
-            f"{path}: not valid {path.suffix[1:]}: {_cut(_parse_problem(error), 400)}",
+            f"{path}: not valid {path.suffix[1:]}: {cut(_parse_problem(error), 400)}",
             source=str(path),
         ) from None
     except RecursionError:
@@ -244,22 +242,6 @@ def _refuse_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def echo(value: Any) -> str:
-    """``repr(value)``, cut to :data:`MAX_ECHO_CHARS` characters (untrusted values are
-    echoed in errors; a huge one must not flood the terminal)."""
-    try:
-        text = repr(value)
-    except RecursionError:
-        text = f"<{type(value).__name__} nested too deeply>"
-    return _cut(text, MAX_ECHO_CHARS)
-
-
-def _cut(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
-
-
 def _unknown_variables(environ: Mapping[str, str]):
     """A warning for each ``SHARDLINE_*`` variable that is neither a config key
     (``SHARDLINE_<SECTION>__<KEY>``) nor one Shardline reads elsewhere."""
@@ -306,7 +288,7 @@ def _parse_assignment(item: str) -> tuple[str, Any]:
             f"--set {echo(item)}: expected section.key=value, e.g. parallel.tensor_parallel_size=2",
             source="--set",
         )
-    return key, _scalar(raw, f"--set {_cut(key, MAX_ECHO_CHARS)}")
+    return key, _scalar(raw, f"--set {cut(key, ECHO_CHARS)}")
 
 
 def _scalar(raw: str, source: str) -> Any:
@@ -360,7 +342,7 @@ def _describe(error: ValidationError, sources: Mapping[str, str], data: Mapping)
             message = f"unknown key.{hint} Allowed in {where}: {', '.join(allowed)}"
         else:
             message = item["msg"]
-        lines.append(f"{source}: {_cut(key, MAX_ECHO_CHARS)} = {echo(value)}: {message}")
+        lines.append(f"{source}: {cut(key, ECHO_CHARS)} = {echo(value)}: {message}")
     if len(items) > MAX_PROBLEMS:
         lines.append(f"... and {len(items) - MAX_PROBLEMS} more problems")
     header = "invalid configuration:" if len(lines) > 1 else "invalid configuration"

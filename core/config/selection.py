@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from shardline.config.loader import LoadedConfig
 from shardline.config.schema import EngineConfig
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, echo
 from shardline.launch.launcher_env import detect_launcher
 from shardline.registry import Component, Registry
 
@@ -57,17 +57,39 @@ def choose_executor(
         (c.name, "chosen" if c.name == chosen else "not selected")
         for c in registry.components("executor")
     ]
-    problem = None
-    try:
-        registry.get("executor", chosen, field_name)
-    except ConfigError as error:
-        problem = str(error)
+    problem = _load_problem(registry, "executor", chosen, field_name)
     if chosen == "uni" and world_size > 1:
         problem = (
             f"{field_name} = 'uni' runs one rank in-process, but the layout has {world_size} "
             f"ranks; allowed: mp, external_launcher, or auto"
         )
     return Decision(field_name, chosen, reason, alternatives, problem)
+
+
+def choose_model_runner(config: EngineConfig, registry: Registry) -> Decision:
+    """Resolve ``model.runner``: a registered name or a ``package.module:Class`` path to a
+    :class:`~shardline.interfaces.ModelRunner` subclass (imported, never called)."""
+    field_name = "model.runner"
+    requested = config.model.runner
+    alternatives = [
+        (c.name, "chosen" if c.name == requested else "not selected")
+        for c in registry.components("model_runner")
+    ]
+    problem = _load_problem(registry, "model_runner", requested, field_name)
+    return Decision(field_name, requested, "configured", alternatives, problem)
+
+
+def _load_problem(registry: Registry, kind: str, name: str, field_name: str) -> str | None:
+    """Why ``name`` cannot be used for ``field_name`` (unknown, fails to import, not the
+    kind's class, or unavailable here), or None."""
+    try:
+        component = registry.get(kind, name, field_name)
+    except ConfigError as error:
+        return str(error)
+    reason = component.unavailable_reason()
+    if reason is None:
+        return None
+    return f"{field_name} = {echo(name)}: {reason}"
 
 
 def choose_communicator(
@@ -132,7 +154,8 @@ AUTO_COMMUNICATOR_PREFERENCE = ("custom_ar_mpi", "custom_ar", "nccl", "mpi", "gl
 
 
 def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
-    """The data-plane communicator, control-plane communicator and executor decisions."""
+    """The data-plane communicator, control-plane communicator, executor and model runner
+    decisions."""
     executor = choose_executor(config, registry, environ)
     communicators = []
     for field_name in ("parallel.communicator", "parallel.control_communicator"):
@@ -141,7 +164,7 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
             continue
         decision = choose_communicator(config, registry, field_name)
         communicators.append(_check_launcher(decision, executor, registry, environ))
-    return [*communicators, executor]
+    return [*communicators, executor, choose_model_runner(config, registry)]
 
 
 def _choose_auto_communicator(

@@ -9,6 +9,16 @@ from typing import Any
 
 from shardline.errors import BackendUnavailableError
 from shardline.interfaces.capabilities import Capabilities
+from shardline.interfaces.communicator_backend import CommunicatorBackend
+from shardline.interfaces.executor import Executor
+from shardline.interfaces.model_runner import ModelRunner
+
+#: What a component's target must be a subclass of, by kind.
+KIND_BASES: dict[str, type] = {
+    "communicator": CommunicatorBackend,
+    "executor": Executor,
+    "model_runner": ModelRunner,
+}
 
 
 @dataclass(frozen=True)
@@ -30,8 +40,11 @@ class Component:
     plugin: str = ""
 
     def load(self) -> Any:
-        """The object ``target`` names. Raises ImportError or AttributeError if it is missing."""
-        return import_target(self.target)
+        """The class ``target`` names. Raises ImportError or AttributeError if it is missing,
+        TypeError if it is not a subclass of what its kind needs (:data:`KIND_BASES`)."""
+        loaded = import_target(self.target)
+        check_kind(loaded, self.kind, self.target)
+        return loaded
 
     def load_available(self) -> Any:
         """Like :meth:`load`, but raises :class:`BackendUnavailableError` with the reason when
@@ -46,14 +59,30 @@ class Component:
     def unavailable_reason(self) -> str | None:
         """Why this part cannot run here, or None. Import failures count as a reason."""
         try:
-            loaded = self.load()
+            loaded = import_target(self.target)
         except Exception as error:
             return f"cannot import {self.target}: {type(error).__name__}: {error}"
+        try:
+            check_kind(loaded, self.kind, self.target)
+        except TypeError as error:
+            return str(error)
         check = getattr(loaded, "unavailable_reason", None)
         return check() if callable(check) else None
 
     def claimed_by(self, kind: str, plugin: str) -> Component:
         return dataclasses.replace(self, kind=kind, plugin=plugin)
+
+
+def check_kind(loaded: Any, kind: str, target: str) -> None:
+    """Raise TypeError unless ``loaded`` is a subclass of ``kind``'s base class (nothing is
+    called: a wrong target such as ``os:system`` is refused before it can run)."""
+    base = KIND_BASES.get(kind)
+    if base is None or (isinstance(loaded, type) and issubclass(loaded, base)):
+        return
+    what = f"class {loaded.__qualname__}" if isinstance(loaded, type) else type(loaded).__name__
+    raise TypeError(
+        f"{target} is a {what}, not a subclass of {base.__module__}.{base.__qualname__}"
+    )
 
 
 def import_target(target: str) -> Any:

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import pluggy
 
-from shardline.errors import ConfigError, PluginError
+from shardline.errors import ConfigError, PluginError, echo
 from shardline.registry import hookspecs
-from shardline.registry.component import Component, import_target
+from shardline.registry.component import Component, check_kind, import_target
 
 if TYPE_CHECKING:
     from shardline.config.schema import PluginsConfig
@@ -141,15 +141,25 @@ class Registry:
         found = self._by_kind[kind].get(name)
         if found is not None:
             return found
+        noun = kind.replace("_", " ")
         if ":" in name:
             try:
                 target = import_target(name)
             except Exception as error:
                 raise ConfigError(
-                    f"{field or kind} = {name!r}: cannot import it ({type(error).__name__}: "
+                    f"{field or kind} = {echo(name)}: cannot import it ({type(error).__name__}: "
                     f"{error})",
                     field=field,
                 ) from error
+            try:
+                check_kind(target, kind, name)
+            except TypeError as error:
+                raise ConfigError(
+                    f"{field or kind} = {echo(name)}: {error}; allowed: a registered {noun} "
+                    f"({', '.join(self.names(kind)) or 'none installed'}) or a "
+                    "'package.module:Class' path to such a subclass",
+                    field=field,
+                ) from None
             return Component(
                 name=name,
                 target=name,
@@ -164,7 +174,7 @@ class Registry:
         failed = [f.name for f in self.failures]
         failed_note = f" (plugins that failed to load: {', '.join(failed)})" if failed else ""
         raise ConfigError(
-            f"{field or kind} = {name!r}: no installed plugin provides this {kind}{hint}. "
+            f"{field or kind} = {echo(name)}: no installed plugin provides this {noun}{hint}. "
             f"Allowed: {', '.join(known) or 'none'}, or a 'package.module:Class' path"
             f"{failed_note}",
             field=field,
