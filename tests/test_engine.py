@@ -8,6 +8,7 @@ import torch
 
 from shardline.engine import LLM, SamplingParams
 from shardline.errors import RequestError
+from support.memory_probe import bytes_held
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,6 +73,10 @@ def test_generate_and_embed_match_transformers(tiny_llama_dir, reference, tp, pp
         assert engine.scheduler.num_preemptions > 0
         assert max(depth) == pp, "the engine keeps one batch in flight per pipeline stage"
         embeddings = llm.embed(PROMPTS)
+        # The memory plan checked before the ranks started is what they hold.
+        planned = {r: share for share in engine.capacity.shares for r in share.ranks}
+        for rank, (parameters, cache) in enumerate(engine.executor.collective_rpc(bytes_held)):
+            assert (parameters, cache) == (planned[rank].memory.weights, planned[rank].kv_cache)
     for got, want in zip(embeddings, _expected_embeddings(hidden, "last"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

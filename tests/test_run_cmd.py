@@ -75,8 +75,20 @@ def test_interactive_chat_reads_until_end_of_input(model_cache):
             ["--set", "parallel.tensor_parallel_size=1", "--set", "scheduler.max_model_len=16"],
             "the prompt has",
         ),
+        (["--set", "parallel.pipeline_parallel_size=100"], "the model has only 30 layers"),
+        (["--set", "parallel.tensor_parallel_size=16"], "more than the model's 9 attention heads"),
+        (["--set", "cache.num_blocks=16777216"], "the job does not fit this host"),
     ],
-    ids=["unknown-model", "bad-value", "out-of-range", "bad-set", "prompt-too-long"],
+    ids=[
+        "unknown-model",
+        "bad-value",
+        "out-of-range",
+        "bad-set",
+        "prompt-too-long",
+        "stages-over-layers",
+        "tp-over-heads",
+        "cache-over-host",
+    ],
 )
 def test_bad_input_gives_one_clear_line(model_cache, arguments, expected):
     result = shardline("run", *arguments, env=model_cache, timeout=240)

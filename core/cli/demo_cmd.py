@@ -18,9 +18,8 @@ from shardline.registry import Registry
 
 
 def run(loaded: LoadedConfig, rounds: int, hidden: int) -> int:
-    config = loaded.config
-    registry = Registry.for_plugins(config.plugins)
-    check_config(loaded, registry, os.environ)
+    registry = Registry.for_plugins(loaded.config.plugins)
+    config = check_config(loaded, registry, os.environ).config
     layout = config.parallel.layout
     print(
         f"starting {layout.world_size} ranks (tp={layout.tensor_parallel_size}, "

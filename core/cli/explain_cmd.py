@@ -1,15 +1,21 @@
-"""``shardline explain``: which backend each field selects, and why the others were not."""
+"""``shardline explain``: which backend each field selects and why the others were not, and
+the memory plan of the ranks on this host."""
 
 from __future__ import annotations
 
 import os
 
+from shardline.cli.config_cmd import with_local_model
+from shardline.cli.table import render
+from shardline.config.capacity import PROCESS_BYTES, CapacityPlan, size_text
 from shardline.config.loader import LoadedConfig
-from shardline.config.selection import decide, is_error
+from shardline.config.selection import capacity_plan, decide, is_error, resolved
+from shardline.errors import ConfigError
 from shardline.registry import Registry
 
 
 def run(loaded: LoadedConfig) -> int:
+    loaded, note = with_local_model(loaded)
     config = loaded.config
     registry = Registry.for_plugins(config.plugins)
     layout = config.parallel.layout
@@ -18,8 +24,8 @@ def run(loaded: LoadedConfig) -> int:
         f"dp={layout.data_parallel_size} external_dp={layout.external_data_parallel_size} "
         f"-> world size {layout.world_size}, output rank {layout.output_rank}"
     )
-    print(f"  tp groups: {layout.tp_groups()}")
-    print(f"  pp groups: {layout.pp_groups()}")
+    print(f"  tp groups: {_groups(layout.tp_groups())}")
+    print(f"  pp groups: {_groups(layout.pp_groups())}")
     decisions = decide(config, registry, os.environ)
     failed = any(is_error(d, config) for d in decisions)
     for decision in decisions:
@@ -33,4 +39,75 @@ def run(loaded: LoadedConfig) -> int:
             print("  (no installed plugin provides this kind yet)")
     for failure in registry.failures:
         print(f"\nplugin {failure.name!r} failed to load and was not considered: {failure.error}")
+    if not failed:
+        try:
+            plan = capacity_plan(
+                loaded, resolved(config, decisions), decisions, registry, os.environ
+            )
+        except ConfigError as error:
+            print(f"\nmemory plan: problem: {error}")
+            failed = True
+        else:
+            print()
+            print(describe_plan(plan))
+    if note:
+        print(f"\n{note}")
     return 2 if failed else 0
+
+
+def describe_plan(plan: CapacityPlan) -> str:
+    """The memory plan as a table: one row per (stage, TP rank) position on this host. A
+    rank's peak (EACH) counts the larger of LOADING (freed before the first step) and
+    ACTIVATIONS."""
+    lines = [
+        f"memory plan on this host ({plan.placement.why}; {size_text(plan.host.available)} "
+        f"available, {plan.host.source}; cache.memory_fraction {plan.memory_fraction:g} "
+        f"allows {size_text(plan.budget)}):"
+    ]
+    rows = [
+        (
+            _span(share.ranks),
+            share.pp_rank,
+            share.tp_rank,
+            size_text(share.memory.weights),
+            size_text(share.kv_cache),
+            size_text(share.memory.loading),
+            size_text(share.memory.activations),
+            size_text(PROCESS_BYTES) if share.new_processes else "(this one)",
+            size_text(share.peak + (PROCESS_BYTES if share.new_processes else 0)),
+        )
+        for share in plan.shares
+    ]
+    headers = (
+        "RANKS",
+        "STAGE",
+        "TP",
+        "WEIGHTS",
+        "KV CACHE",
+        "LOADING",
+        "ACTIVATIONS",
+        "PROCESS",
+        "EACH",
+    )
+    lines += ["  " + line for line in render(headers, rows).splitlines()]
+    cache = (
+        f"; KV cache: {plan.num_blocks} blocks per rank, sequences up to "
+        f"{plan.max_model_len} tokens"
+        if plan.max_model_len is not None
+        else "; no model planned (only the rank processes are counted)"
+    )
+    lines.append(f"  total {size_text(plan.total)}, headroom {size_text(plan.headroom)}{cache}")
+    return "\n".join(lines)
+
+
+def _span(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _groups(groups: list[list[int]]) -> str:
+    """The groups, or the first 8 of them and how many there are."""
+    if len(groups) <= 8:
+        return str(groups)
+    return f"{str(groups[:8])[:-1]}, ...] ({len(groups)} groups)"

@@ -49,12 +49,22 @@ class ModelConfig(Section):
 
 
 class CacheConfig(Section):
-    """The paged KV cache of every rank."""
+    """The paged KV cache of every rank, and the share of the host's memory the job may use
+    (checked against the model's plan before anything starts: :mod:`shardline.config.capacity`)."""
 
     block_size: Annotated[int, Field(ge=1, le=4096)] = Field(
         default=16, description="tokens per cache block"
     )
-    num_blocks: Count = Field(default=512, description="cache blocks per rank and layer")
+    num_blocks: Count | Literal["auto"] = Field(
+        default=512,
+        description="cache blocks per rank and layer; auto: as many as the memory budget "
+        "leaves, at most what scheduler.max_num_seqs sequences of max_model_len can use",
+    )
+    memory_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = Field(
+        default=0.9,
+        description="the most of this host's available memory the job's ranks on it may use "
+        "in all (weights, KV cache, activations, a process each); a plan over it is refused",
+    )
 
 
 class SchedulerConfig(Section):

@@ -7,9 +7,12 @@ Pure decisions over (config, registry, environment): used by validation, by
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from shardline.config.capacity import CapacityPlan, HostMemory, plan_capacity, ranks_on_this_host
 from shardline.config.loader import LoadedConfig
 from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError, echo
@@ -249,10 +252,27 @@ def is_error(decision: Decision, config: EngineConfig) -> bool:
     return not (decision.field == "parallel.distributed_executor_backend" and on_auto)
 
 
+@dataclass(frozen=True)
+class CheckedConfig:
+    """A config every check passed. ``config`` has its ``auto`` fields resolved (what rank
+    processes are given); ``decisions`` say why each component was chosen; ``capacity`` is the
+    memory plan on this host."""
+
+    config: EngineConfig
+    decisions: list[Decision]
+    capacity: CapacityPlan
+
+
 def check_config(
-    loaded: LoadedConfig, registry: Registry, environ: Mapping[str, str]
-) -> list[Decision]:
-    """Every decision; raises one :class:`ConfigError` listing each problem with its source."""
+    loaded: LoadedConfig,
+    registry: Registry,
+    environ: Mapping[str, str],
+    host: HostMemory | None = None,
+) -> CheckedConfig:
+    """Every decision, then, when ``model.path`` names an existing file or directory, what
+    the model and this host allow (the runner's :meth:`~shardline.interfaces.ModelRunner.plan`
+    and the memory plan, against ``host``, read when not given). Raises one
+    :class:`ConfigError` listing each problem with its source. Nothing is started."""
     config = loaded.config
     decisions = decide(config, registry, environ)
     problems = [
@@ -263,8 +283,63 @@ def check_config(
             f"{loaded.source_of('parallel.nnodes')}: parallel.nnodes = {config.parallel.nnodes}: "
             f"the world of {config.parallel.world_size} ranks does not divide evenly over the hosts"
         )
+    config = resolved(config, decisions)
+    capacity = None
+    if not problems:
+        try:
+            capacity = capacity_plan(loaded, config, decisions, registry, environ, host)
+        except ConfigError as error:
+            problems += [_with_source(loaded, line) for line in _problem_lines(str(error))]
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    return decisions
+    assert capacity is not None  # set whenever no problem was found
+    if capacity.num_blocks != config.cache.num_blocks:
+        cache = config.cache.model_copy(update={"num_blocks": capacity.num_blocks})
+        config = config.model_copy(update={"cache": cache})
+    return CheckedConfig(config, decisions, capacity)
+
+
+def capacity_plan(
+    loaded: LoadedConfig,
+    config: EngineConfig,
+    decisions: list[Decision],
+    registry: Registry,
+    environ: Mapping[str, str],
+    host: HostMemory | None = None,
+) -> CapacityPlan:
+    """The memory plan of the ranks on this host (``config``: resolved by ``decisions``),
+    with the model runner's plan when ``model.path`` exists. Raises ConfigError."""
+    chosen = {d.field: d.chosen for d in decisions}
+    plan = None
+    path = config.model.path
+    if path is not None and Path(path).exists():
+        runner = registry.get("model_runner", chosen["model.runner"], "model.runner").load()
+        plan = runner.plan(config)
+    if plan is None and config.cache.num_blocks == "auto":
+        raise ConfigError(
+            f"cache.num_blocks = 'auto': sizing the KV cache needs a model.path that exists "
+            f"and a model runner that plans its memory ({config.model.runner!r} with "
+            f"model.path = {echo(path)}); allowed: a number of blocks"
+        )
+    executor = registry.get(
+        "executor", chosen["parallel.distributed_executor_backend"], "executor"
+    ).load()
+    placement = ranks_on_this_host(config, executor, environ)
+    return plan_capacity(loaded, plan, placement, host or HostMemory.read())
+
+
+def _problem_lines(message: str) -> list[str]:
+    """The problems of one ConfigError message (one, or an indented list under a header)."""
+    lines = message.splitlines()
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return [line.strip() for line in lines[1:] if line.strip()]
+    return [message]
+
+
+def _with_source(loaded: LoadedConfig, problem: str) -> str:
+    """``problem`` prefixed with the source of the field it starts with (``field = value``),
+    unless it already names a source."""
+    match = re.match(r"([a-z_]+\.[a-z_]+) = ", problem)
+    return f"{loaded.source_of(match.group(1))}: {problem}" if match else problem

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.config.loader import LoadedConfig
-from shardline.config.selection import check_config, resolved
+from shardline.config.selection import check_config
 from shardline.engine.detokenizer import Detokenizer
 from shardline.engine.scheduler import Request, Scheduler
 from shardline.errors import CommTimeoutError, ConfigError
@@ -63,12 +63,16 @@ class LLMEngine:
         environ = os.environ if environ is None else environ
         config = loaded.config
         registry = registry or Registry.for_plugins(config.plugins)
-        decisions = check_config(loaded, registry, environ)
-        config = resolved(config, decisions)
+        checked = check_config(loaded, registry, environ)
+        config = checked.config
+        #: The memory plan of the ranks on this host, as checked before they started.
+        self.capacity = checked.capacity
         checkpoint = open_checkpoint(config.model.path)
         self.tokenizer = load_tokenizer(checkpoint)
         self.config = config
-        self.max_model_len = _max_model_len(loaded, checkpoint.architecture.max_positions)
+        self.max_model_len = checked.capacity.max_model_len or _max_model_len(
+            loaded, checkpoint.architecture.max_positions
+        )
         self.scheduler = Scheduler(
             config.scheduler,
             block_size=config.cache.block_size,

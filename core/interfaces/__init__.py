@@ -5,7 +5,7 @@ from shardline.interfaces.communicator import Communicator, ReduceOp
 from shardline.interfaces.communicator_backend import CommunicatorBackend, Rendezvous
 from shardline.interfaces.executor import Executor
 from shardline.interfaces.intermediate import IntermediateTensors
-from shardline.interfaces.model_runner import ModelRunner
+from shardline.interfaces.model_runner import ModelPlan, ModelRunner, RankMemory
 from shardline.interfaces.work import Work
 
 __all__ = [
@@ -14,7 +14,9 @@ __all__ = [
     "CommunicatorBackend",
     "Executor",
     "IntermediateTensors",
+    "ModelPlan",
     "ModelRunner",
+    "RankMemory",
     "ReduceOp",
     "Rendezvous",
     "Work",

@@ -3,9 +3,45 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from shardline.interfaces.intermediate import IntermediateTensors
+
+if TYPE_CHECKING:
+    from shardline.config.schema import EngineConfig
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank needs beside its process: its weights, the transient of loading them
+    (freed before the first step), the activations of its largest step, and one KV-cache
+    block over all its layers (the cache is ``num_blocks`` of these)."""
+
+    weights: int
+    loading: int
+    activations: int
+    kv_cache_block: int
+
+    def peak(self, num_blocks: int) -> int:
+        """The most the rank holds at once: weights and cache, plus the larger of loading
+        and a step."""
+        return self.weights + num_blocks * self.kv_cache_block + max(self.loading, self.activations)
+
+
+class ModelPlan(abc.ABC):
+    """What a model decides before any process starts (see :meth:`ModelRunner.plan`)."""
+
+    #: The longest sequence the model itself allows (its context length).
+    context_length: int
+
+    @abc.abstractmethod
+    def rank_memory(
+        self, pp_rank: int, tp_rank: int, max_model_len: int, cache_tokens: int
+    ) -> RankMemory:
+        """The memory of the rank at pipeline stage ``pp_rank`` and tensor-parallel rank
+        ``tp_rank`` (ranks of other data-parallel replicas hold the same), when sequences are
+        at most ``max_model_len`` tokens and the KV cache holds ``cache_tokens`` tokens."""
 
 
 class ModelRunner(abc.ABC):
@@ -14,6 +50,20 @@ class ModelRunner(abc.ABC):
     A ModelRunner is built by the rank's Worker with the rank's ``ParallelState`` and the
     engine config; it never looks up groups through globals.
     """
+
+    @classmethod
+    def plan(cls, config: EngineConfig) -> ModelPlan | None:
+        """Called in the driver before any rank process starts (and by ``shardline config
+        validate`` and ``explain``), with ``model.path`` resolved to a file or directory.
+
+        Raise :class:`~shardline.errors.ConfigError` listing, in one message, every way the
+        config cannot run this model (e.g. more pipeline stages than layers, a
+        tensor-parallel size the heads cannot be split over), each naming the field, the
+        value and the limit. Return what the ranks will hold so that the host's memory is
+        checked before anything is allocated, or None (the default) when the runner cannot
+        tell: then only the config's own bounds apply.
+        """
+        return None
 
     @abc.abstractmethod
     def load_model(self) -> None:

@@ -71,34 +71,52 @@ class LlamaArchitecture:
 def partition_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     """Decoder layers of pipeline stage ``pp_rank``: contiguous, sizes differing by at most
     one, earlier stages taking the extra layers. Every stage gets at least one layer."""
-    if num_layers < pp_size:
-        raise ConfigError(
-            f"parallel.pipeline_parallel_size = {pp_size}: the model has only {num_layers} layers"
-        )
+    problem = pipeline_parallel_problem(num_layers, pp_size)
+    if problem is not None:
+        raise ConfigError(problem)
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
+def pipeline_parallel_problem(num_layers: int, pp_size: int) -> str | None:
+    """Why the model cannot be cut into ``pp_size`` stages (each needs a layer), or None."""
+    if pp_size <= num_layers:
+        return None
+    return (
+        f"parallel.pipeline_parallel_size = {pp_size}: the model has only {num_layers} layers "
+        f"(every stage needs one); allowed: 1..{num_layers}"
+    )
+
+
 def check_tensor_parallel(arch: LlamaArchitecture, tp_size: int) -> None:
-    """Refuse a tensor-parallel size the model cannot be split over, naming the field and the
-    sizes that would work. Heads may split unevenly; the MLP width must divide evenly."""
+    """Refuse a tensor-parallel size the model cannot be split over (see
+    :func:`tensor_parallel_problem`)."""
+    problem = tensor_parallel_problem(arch, tp_size)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def tensor_parallel_problem(arch: LlamaArchitecture, tp_size: int) -> str | None:
+    """Why the model cannot be split over ``tp_size`` ranks, naming the field and the sizes
+    that would work, or None. Heads may split unevenly; the MLP width must divide evenly."""
     if arch.num_heads % arch.num_kv_heads:
-        raise ConfigError(
+        return (
             f"model: num_attention_heads ({arch.num_heads}) is not a multiple of "
             f"num_key_value_heads ({arch.num_kv_heads})"
         )
+    if tp_size <= arch.num_heads and arch.intermediate_size % tp_size == 0:
+        return None
     allowed = [t for t in range(1, arch.num_heads + 1) if arch.intermediate_size % t == 0]
-    if tp_size > arch.num_heads or arch.intermediate_size % tp_size:
-        reason = (
-            f"more than the model's {arch.num_heads} attention heads"
-            if tp_size > arch.num_heads
-            else f"does not divide the model's intermediate_size ({arch.intermediate_size})"
-        )
-        raise ConfigError(
-            f"parallel.tensor_parallel_size = {tp_size}: {reason}; allowed: "
-            f"{', '.join(map(str, allowed))}"
-        )
+    reason = (
+        f"more than the model's {arch.num_heads} attention heads"
+        if tp_size > arch.num_heads
+        else f"does not divide the model's intermediate_size ({arch.intermediate_size})"
+    )
+    return (
+        f"parallel.tensor_parallel_size = {tp_size}: {reason}; allowed: "
+        f"{', '.join(map(str, allowed))}"
+    )
 
 
 def expected_shape(arch: LlamaArchitecture, hf_name: str) -> tuple[int, ...]:

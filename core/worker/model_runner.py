@@ -12,6 +12,7 @@ from shardline.dtypes import torch_dtype
 from shardline.interfaces import IntermediateTensors, ModelRunner
 from shardline.layers.attention import AttentionMetadata, KVCache
 from shardline.models.llama import LlamaForCausalLM
+from shardline.models.memory import LlamaPlan
 from shardline.weights import open_checkpoint
 from shardline.worker.sampler import make_generator, sample
 from shardline.worker.types import ModelRunnerOutput, SamplingParams, SchedulerOutput
@@ -32,6 +33,12 @@ class RequestState:
 
 class LlamaModelRunner(ModelRunner):
     """Runs this rank's pipeline stage of a Llama model over a paged KV cache."""
+
+    @classmethod
+    def plan(cls, config: EngineConfig) -> LlamaPlan:
+        """The layout checked against the checkpoint's architecture (its metadata only), and
+        what each rank will hold."""
+        return LlamaPlan.of(open_checkpoint(config.model.path).architecture, config)
 
     def __init__(self, config: EngineConfig, state: ParallelState) -> None:
         self.config = config

@@ -1,0 +1,120 @@
+"""What each rank of a Llama model holds, in bytes, computed from the architecture alone
+(nothing loaded): the sizes of its weight shards as the parallel layers cut them, its KV-cache
+block, and an upper estimate of the activations of its largest step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardline.config.schema import EngineConfig
+from shardline.errors import ConfigError
+from shardline.interfaces import ModelPlan, RankMemory
+from shardline.layers.sharding import head_shard, vocab_shard
+from shardline.models.architecture import (
+    LlamaArchitecture,
+    partition_layers,
+    pipeline_parallel_problem,
+    tensor_parallel_problem,
+)
+
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: Logits and attention scores are computed in float32 whatever the weights' dtype.
+_FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class LlamaPlan(ModelPlan):
+    """The plan of ``arch`` over the config's tensor- and pipeline-parallel sizes."""
+
+    arch: LlamaArchitecture
+    dtype: str
+    tp_size: int
+    pp_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+
+    @classmethod
+    def of(cls, arch: LlamaArchitecture, config: EngineConfig) -> LlamaPlan:
+        """The plan, or a ConfigError listing every way the layout cannot hold the model."""
+        parallel = config.parallel
+        problems = [
+            problem
+            for problem in (
+                tensor_parallel_problem(arch, parallel.tensor_parallel_size),
+                pipeline_parallel_problem(arch.num_layers, parallel.pipeline_parallel_size),
+            )
+            if problem is not None
+        ]
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        if problems:
+            raise ConfigError("the model does not fit the layout:\n  " + "\n  ".join(problems))
+        return cls(
+            arch,
+            config.model.dtype,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            config.cache.block_size,
+        )
+
+    @property
+    def context_length(self) -> int:
+        return self.arch.max_positions
+
+    def rank_memory(
+        self, pp_rank: int, tp_rank: int, max_model_len: int, cache_tokens: int
+    ) -> RankMemory:
+        arch, size = self.arch, _BYTES[self.dtype]
+        layers = len(partition_layers(arch.num_layers, self.pp_size, pp_rank))
+        heads = head_shard(arch.num_heads, arch.num_kv_heads, self.tp_size, tp_rank)
+        q, kv = heads.num_heads * arch.head_dim, heads.num_kv_heads * arch.head_dim
+        mlp = arch.intermediate_size // self.tp_size
+        hidden = arch.hidden_size
+        per_layer = (q + 2 * kv) * hidden + hidden * q + 3 * mlp * hidden + 2 * hidden
+        if arch.attention_bias:
+            per_layer += q + 2 * kv + hidden
+        if arch.mlp_bias:
+            per_layer += 2 * mlp + hidden
+        vocab_rows = vocab_shard(arch.vocab_size, self.tp_size, tp_rank).padded_per_rank
+        first, last = pp_rank == 0, pp_rank == self.pp_size - 1
+        tables = int(first) + int(last and not (arch.tie_word_embeddings and first))
+        parameters = layers * per_layer + tables * vocab_rows * hidden + int(last) * hidden
+        # Loading converts one tensor shard at a time (GGUF dequantizes to float32 first).
+        largest_shard = max(vocab_rows * hidden if tables else 0, mlp * hidden * 2, q * hidden)
+        return RankMemory(
+            weights=parameters * size,
+            loading=largest_shard * _FLOAT32,
+            activations=self._activations(
+                heads.num_heads, q, kv, mlp, vocab_rows, last, max_model_len, cache_tokens
+            ),
+            kv_cache_block=layers * 2 * self.block_size * kv * size,
+        )
+
+    def _activations(
+        self,
+        num_heads: int,
+        q: int,
+        kv: int,
+        mlp: int,
+        vocab_rows: int,
+        last: bool,
+        max_model_len: int,
+        cache_tokens: int,
+    ) -> int:
+        """An upper estimate of one step's transient tensors (one layer's at a time): the
+        per-token tensors of the step's token budget; attention over the cache, whichever is
+        larger of a prefill chunk (keys, values and float32 scores of one sequence) and the
+        batched decode (keys and values gathered for every running sequence); and on the last
+        stage the logits of every sequence, local and gathered, in float32."""
+        size = _BYTES[self.dtype]
+        arch, tokens = self.arch, self.max_num_batched_tokens
+        per_token = tokens * (4 * arch.hidden_size + q + 2 * kv + 3 * mlp) * size
+        context = min(max_model_len, cache_tokens)
+        prefill = context * (2 * q) * size + num_heads * min(tokens, context) * context * _FLOAT32
+        gathered = min(self.max_num_seqs * max_model_len, cache_tokens)
+        decode = gathered * (2 * q + 2 * kv) * size + gathered * 16
+        logits = self.max_num_seqs * (vocab_rows + arch.vocab_size) * _FLOAT32 if last else 0
+        return per_token + max(prefill, decode) + logits
