@@ -16,6 +16,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
 from shardline.engine import LLM, SamplingParams
 
@@ -28,12 +29,15 @@ def process_figures(_worker=None) -> dict:
 
 
 def snapshot(llm: LLM) -> dict:
-    """Driver and worker figures, and the /dev/shm entries."""
-    workers = llm.engine.executor.collective_rpc(process_figures)
+    """Driver and worker figures, and the job's /dev/shm segments (other jobs' are not
+    looked at: the host is shared)."""
+    executor = llm.engine.executor
+    workers = executor.collective_rpc(process_figures)
+    segments = Path("/dev/shm").glob(f"shardline-{executor.job}-*")
     return {
         "driver": process_figures(),
         "workers": workers,
-        "dev_shm": sorted(os.listdir("/dev/shm")),
+        "dev_shm": sorted(path.name for path in segments),
     }
 
 

@@ -90,16 +90,38 @@ class WorkerError(ShardlineError):
     """An exception raised inside a rank, carried to the caller.
 
     ``rank`` is the rank that raised, ``exc_type`` the original exception's class name and
-    ``remote_traceback`` its formatted traceback.
+    ``remote_traceback`` its formatted traceback. ``origin`` is the original exception itself
+    when it is one of Shardline's typed errors (a :class:`ConfigError` in a rank's start-up,
+    say), so that its type decides what the caller does, as if it had been raised here.
     """
 
     def __init__(
-        self, message: str, *, rank: int, exc_type: str, remote_traceback: str = ""
+        self,
+        message: str,
+        *,
+        rank: int,
+        exc_type: str,
+        remote_traceback: str = "",
+        origin: ShardlineError | None = None,
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
+        self.origin = origin
 
     def __str__(self) -> str:
         return f"rank {self.rank} raised {self.exc_type}: {self.args[0]}"
+
+
+def portable(error: BaseException) -> ShardlineError | None:
+    """``error`` when it is a Shardline error that survives pickling (to travel from a rank
+    to its driver as :attr:`WorkerError.origin`), else None."""
+    import pickle
+
+    if not isinstance(error, ShardlineError) or isinstance(error, WorkerError):
+        return None
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:
+        return None

@@ -11,6 +11,19 @@ from support.greedy_driver import GREEDY_TOKENS, PROMPT_A, PROMPT_B
 from support.tiny_llama import write_tiny_llama
 
 
+@pytest.fixture
+def own_shm():
+    """A private /dev/shm for the commands a test runs (``own_shm.wrap(command)``): what they
+    leave there is theirs alone (``own_shm.entries()``), whatever else runs on the host."""
+    from shardline.launch import private_shm
+
+    reason = private_shm.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"judging leaks needs a private /dev/shm: {reason}")
+    with private_shm.PrivateShm() as shm:
+        yield shm
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A small random Llama written by transformers (real safetensors files)."""

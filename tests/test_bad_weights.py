@@ -11,6 +11,7 @@ from shardline.errors import ConfigError
 from shardline.models.architecture import LlamaArchitecture, check_tensor_parallel
 from shardline.registry import Registry
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
+from support.cli import shardline
 from support.tiny_llama import write_tiny_llama
 
 
@@ -153,3 +154,30 @@ def test_tensor_parallel_sizes_the_model_cannot_take():
     ):
         check_tensor_parallel(dataclasses.replace(ARCH, num_kv_heads=3), 2)
     check_tensor_parallel(ARCH, 3)  # uneven heads (3, 3, 2) are fine: 96 divides by 3
+
+
+def test_a_rank_refusing_the_weights_ends_the_cli_with_exit_2_and_one_line(checkpoint_dir):
+    """The ConfigError is raised inside a worker process; its type survives the trip to the
+    driver, so the command ends as if it had been raised there (exit 2, one message), and
+    shutting the other workers down prints nothing."""
+
+    def shrink(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight"] = tensors[
+            "model.layers.0.mlp.down_proj.weight"
+        ][:, :8].contiguous()
+
+    _rewrite(checkpoint_dir, shrink)
+    result = shardline(
+        "run",
+        "x",
+        "--set",
+        f"model.path={checkpoint_dir}",
+        "--set",
+        "parallel.tensor_parallel_size=2",
+        "--set",
+        "parallel.communicator=gloo",
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: rank 0 raised ConfigError: failed in start-up phase 'model")
+    assert "model.layers.0.mlp.down_proj.weight has shape (64, 8)" in line

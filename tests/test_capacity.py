@@ -13,6 +13,7 @@ from shardline.config.capacity import PROCESS_BYTES, HostMemory
 from shardline.config.selection import check_config
 from shardline.errors import ConfigError
 from shardline.registry import Registry
+from support.cli import shardline
 
 GIB = 1 << 30
 
@@ -118,3 +119,20 @@ def test_planned_weights_are_the_model_parameters(tiny_llama_dir):
     padding = 2 * (128 - 100) * 64
     (share,) = _check(tiny_llama_dir).capacity.shares
     assert share.memory.weights == 4 * (parameters + padding)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["conformance", "gloo", "--world-sizes", "1,1000"],
+        ["conformance", "mp", "--world-sizes", "1000"],
+        ["bench", "comm", "-n", "1000"],
+        ["demo", "--set", "parallel.tensor_parallel_size=1000"],
+    ],
+    ids=["communicator-suite", "executor-suite", "bench-comm", "demo"],
+)
+def test_commands_refuse_more_rank_processes_than_the_host_holds(arguments):
+    result = shardline(*arguments, timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "1000 rank processes need 250.0 GiB (256.0 MiB each" in line, line

@@ -4,7 +4,6 @@ while the world runs or after a rank is killed."""
 
 import ast
 import json
-import os
 import subprocess
 import sys
 
@@ -16,16 +15,17 @@ from shardline.launch.comm_world import CommunicatorSetup
 from shardline.launch.local_world import LocalWorld
 from support import allreduce_checks
 from support.cli import shardline
+from support.segments import job_segments
 
 SUITE_TIMEOUT = 900
 
 
-def _segments():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("shardline-ar")}
+def _segments(job):
+    return set(job_segments(job))
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT + 60)
-def test_custom_ar_passes_the_whole_suite(tmp_path):
+def test_custom_ar_passes_the_whole_suite(tmp_path, own_shm):
     report_path = tmp_path / "custom_ar.json"
     # World sizes 2-4 here (CI time; a world of one is its base's); the CLI runs 1-4.
     result = shardline(
@@ -35,13 +35,14 @@ def test_custom_ar_passes_the_whole_suite(tmp_path):
         "--report",
         str(report_path),
         timeout=SUITE_TIMEOUT,
+        wrap=own_shm.wrap,
     )
     assert result.returncode == 0, result.stdout[-3000:]
     report = json.loads(report_path.read_text())
     assert report["summary"] == {"passed": report["summary"]["passed"]}
     assert report["summary"]["passed"] > 800
     assert {case["world_size"] for case in report["cases"]} == {2, 3, 4}
-    assert _segments() == set()
+    assert own_shm.entries() == []
 
 
 @pytest.mark.timeout(180)
@@ -55,7 +56,7 @@ def test_shared_path_one_shot_and_two_shot():
             for shared, total, largest in results:
                 assert shared
                 assert torch.equal(total, expected_sum) and torch.equal(largest, expected_max)
-        shared, names = world.run(allreduce_checks.segments_while_mapped)[0]
+        shared, names = world.run(allreduce_checks.segments_while_mapped, world.rendezvous.job)[0]
         assert shared and names == []  # unlinked as soon as every rank mapped it
 
 
@@ -73,7 +74,7 @@ def test_a_killed_rank_leaves_no_segment():
             world.run(allreduce_checks.die_in_all_reduce, 2)
     finally:
         world.close()
-    assert _segments() == set()
+    assert _segments(world.rendezvous.job) == set()
 
 
 def test_the_base_is_built_without_running_any_other_plugin():

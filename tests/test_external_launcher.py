@@ -3,7 +3,6 @@
 with no process or shared-memory segment left."""
 
 import json
-import os
 
 import pytest
 
@@ -70,10 +69,6 @@ def test_world_size_must_match_the_layout(tiny_llama_dir):
         ExternalLauncherExecutor(config, {**TORCHRUN, "WORLD_SIZE": "3"})
 
 
-def _segments():
-    return set(os.listdir("/dev/shm"))
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("launcher", "tp", "pp"),
@@ -87,14 +82,14 @@ def _segments():
     ],
 )
 def test_launched_world_generates_transformers_tokens(
-    tiny_llama_dir, tiny_llama_greedy, launcher, tp, pp
+    tiny_llama_dir, tiny_llama_greedy, own_shm, launcher, tp, pp
 ):
-    before = _segments()
     run = run_launched(
         launcher,
         2,
         ["-m", "support.launched_driver", str(tiny_llama_dir), str(tp), str(pp)],
         timeout_s=150,
+        wrap=own_shm.wrap,
     )
     assert run.returncode == 0, f"{launcher} failed:\n{run.stdout}\n{run.stderr}"
     printed = [line for line in run.stdout.splitlines() if line.startswith("{")]
@@ -103,4 +98,4 @@ def test_launched_world_generates_transformers_tokens(
     assert report["executor"] == "external_launcher"
     assert report["tokens"] == tiny_llama_greedy
     assert run.leftovers == []
-    assert _segments() <= before
+    assert own_shm.entries() == []

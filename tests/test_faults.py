@@ -3,13 +3,20 @@ custom_ar) but external_launcher x custom_ar (CI time; `shardline faults` runs i
 careless communicator it must fail."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from shardline.conformance.faults.scenarios import SCENARIOS
 from support.cli import ROOT, shardline
+from support.segments import job_segments
 
 MATRIX_TIMEOUT = 1200
+SUPPORT = ROOT / "tests" / "support"
 #: Scenarios each combination runs (uni runs one rank: only the plugin scenarios apply).
 EXPECTED_RUN = {
     "uni x gloo": 2,
@@ -22,7 +29,42 @@ EXPECTED_RUN = {
 
 
 @pytest.mark.timeout(MATRIX_TIMEOUT + 60)
-def test_every_fault_ends_typed_in_time_with_nothing_left(tmp_path):
+def test_every_fault_ends_typed_in_time_with_nothing_left(tmp_path, tiny_llama_dir):
+    """... beside another job: an idle mp engine and segments named as other software names
+    them, which all survive, and the engine still shuts down cleanly after the matrix."""
+    foreign = subprocess.Popen(
+        [sys.executable, str(SUPPORT / "foreign_job.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    engine = subprocess.Popen(
+        [sys.executable, str(SUPPORT / "mp_driver.py"), str(tiny_llama_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+    )
+    try:
+        foreign_segments = json.loads(foreign.stdout.readline())
+        engine_job = json.loads(engine.stdout.readline())["job"]
+        engine_segments = job_segments(engine_job)
+        assert len(engine_segments) == 4  # call ring, heartbeats, a reply ring per worker
+        _run_matrix(tmp_path)
+        for name in [*foreign_segments, *engine_segments]:
+            assert Path("/dev/shm", name).exists(), f"{name} of another job was removed"
+        engine.send_signal(signal.SIGINT)
+        assert "shut down" in engine.communicate(timeout=60)[0]
+        foreign.stdin.close()
+        assert foreign.stdout.readline().strip() == "done"
+    finally:
+        for process in (foreign, engine):
+            if process.poll() is None:
+                process.kill()
+            process.wait(30)
+
+
+def _run_matrix(tmp_path):
     report = {"counts": {}, "results": []}
     for executors, communicators in (
         ("uni,mp", "gloo,mpi,custom_ar"),
@@ -73,6 +115,25 @@ def test_the_suite_fails_a_communicator_that_unpickles_unsigned_bytes(tmp_path):
     assert unsigned["outcome"] == "failed"
     assert "expected a typed error, got completed" in unsigned["reason"]
     assert outcomes["ill-formed tensor dict"]["outcome"] == "passed"
+
+
+@pytest.mark.timeout(300)
+def test_the_suite_catches_a_backend_that_leaves_a_segment(tmp_path):
+    report_path = tmp_path / "faults.json"
+    result = shardline(
+        "faults",
+        "--executors=mp",
+        "--communicators=leaky_comm:LeakyGlooBackend",
+        "--scenarios=plugin left out by allow-list",
+        f"--json={report_path}",
+        env={"PYTHONPATH": str(SUPPORT)},
+        timeout=240,
+    )
+    assert result.returncode == 1, result.stdout[-3000:]
+    (outcome,) = json.loads(report_path.read_text())["results"]
+    assert outcome["outcome"] == "failed"
+    assert "/dev/shm entries left: ['leaky-" in outcome["reason"]
+    assert not list(Path("/dev/shm").glob("leaky-*"))  # it leaked into its private /dev/shm
 
 
 def test_unknown_names_are_one_clear_error():

@@ -3,19 +3,22 @@ on 2 cores); a SIGKILL mid-generation, a bad start-up, an idle engine, a killed 
 driver, each with nothing left behind. The executor contract itself (replies, order,
 exceptions, deadlines, deaths, shutdown) is checked by the executor conformance suite."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from shardline.config import load_config
 from shardline.conformance.executors import probe
 from shardline.conformance.executors.checks import alive
-from shardline.errors import PeerLostError, WorkerError
+from shardline.errors import ConfigError, PeerLostError, WorkerError
 from shardline.registry import Registry
 from support.greedy_driver import GREEDY_TOKENS, run_script
+from support.segments import job_segments
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,14 +39,15 @@ def _executor(tiny_llama_dir, tp=1, pp=1, extra=()):
     return Registry.load().get("executor", "mp").load_available()(config)
 
 
-def _segments():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+def _segments(job):
+    """The job's shared-memory segments (``shardline-<job>-...``); other jobs' are not ours."""
+    return job_segments(job)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 def test_mp_generates_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp, pp):
-    before = _segments()
     executor = _executor(tiny_llama_dir, tp, pp)
+    assert len(_segments(executor.job)) == 2 + tp * pp  # call ring, heartbeats, reply rings
     try:
 
         def execute(step):
@@ -56,11 +60,10 @@ def test_mp_generates_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp,
     finally:
         executor.shutdown()
     assert alive(pids) == []
-    assert _segments() == before
+    assert _segments(executor.job) == []
 
 
 def test_sigkill_mid_generation_fails_the_step_within_a_second(tiny_llama_dir):
-    before = _segments()
     executor = _executor(tiny_llama_dir, tp=1, pp=2)
     pids = [pid for _, pid in executor.collective_rpc(probe.rank_and_pid)]
     steps = 0
@@ -85,16 +88,17 @@ def test_sigkill_mid_generation_fails_the_step_within_a_second(tiny_llama_dir):
     finally:
         executor.shutdown()
     assert alive(pids) == []
-    assert _segments() == before
+    assert _segments(executor.job) == []
 
 
-def test_start_up_failure_names_phase_and_rank(tmp_path):
-    before = _segments()
+def test_start_up_failure_names_phase_and_rank_and_keeps_its_type(tmp_path, capfd):
     with pytest.raises(WorkerError) as raised:
         _executor(tmp_path / "missing-model", tp=2)
     assert "start-up phase 'model load'" in str(raised.value)
     assert "not an HF model directory" in str(raised.value)
-    assert _segments() == before
+    assert isinstance(raised.value.origin, ConfigError)  # decides the CLI's exit code
+    assert "not an HF model directory" in str(raised.value.origin)
+    assert "Exception ignored" not in capfd.readouterr().err  # a quiet shutdown
 
 
 def _start_driver(tiny_llama_dir):
@@ -124,6 +128,15 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _wait_gone_segments(job, seconds):
+    """A killed driver's segments are removed by Python's resource tracker once it sees the
+    driver gone."""
+    deadline = time.monotonic() + seconds
+    while _segments(job) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _segments(job)
+
+
 def _wait_gone(pids, seconds):
     deadline = time.monotonic() + seconds
     while alive(pids) and time.monotonic() < deadline:
@@ -132,7 +145,6 @@ def _wait_gone(pids, seconds):
 
 
 def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(tiny_llama_dir):
-    before = _segments()
     driver, info = _start_driver(tiny_llama_dir)
     try:
         workers = info["workers"]
@@ -144,14 +156,13 @@ def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(tiny_lla
         driver.kill()
         driver.wait(10)
         assert _wait_gone(workers, 5.0) == []
-        assert _segments() == before
+        assert _wait_gone_segments(info["job"], 5.0) == []
     finally:
         if driver.poll() is None:
             driver.kill()
 
 
 def test_ctrl_c_on_the_driver_shuts_everything_down(tiny_llama_dir):
-    before = _segments()
     driver, info = _start_driver(tiny_llama_dir)
     try:
         driver.send_signal(signal.SIGINT)
@@ -165,7 +176,58 @@ def test_ctrl_c_on_the_driver_shuts_everything_down(tiny_llama_dir):
             ) from None
         assert "shut down" in out, err
         assert _wait_gone(info["workers"], 5.0) == []
-        assert _segments() == before
+        assert _segments(info["job"]) == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def _listening_addresses(port):
+    """The local addresses of the sockets listening on TCP ``port`` (from /proc/net)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(address)
+    return found
+
+
+def test_the_store_listens_on_loopback_and_drops_junk_quietly(tiny_llama_dir):
+    """Every rank of an mp world is local: its store is reachable from this host only. A
+    connection sending junk, a huge length or another protocol is dropped, nothing reaches
+    the user's terminal, and the store keeps serving."""
+    import socket
+    import struct
+
+    from shardline.comm.store import connect_store
+    from shardline.interfaces import Rendezvous
+
+    driver, info = _start_driver(tiny_llama_dir)
+    try:
+        host, port = info["store"]
+        assert host == "127.0.0.1"
+        assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1, nothing else
+        validate = b"\x00" + struct.pack("<I", 0x3C85F7CE)  # what a store client sends first
+        for junk in (
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"\xff" * 4096,
+            validate + b"\x01" + struct.pack("<Q", 1 << 40),
+            validate + b"\x01" + struct.pack("<Q", 1) + b"k" + struct.pack("<Q", 1 << 33),
+        ):
+            with socket.create_connection((host, port), timeout=5) as connection:
+                connection.sendall(junk)
+                connection.settimeout(2)
+                with contextlib.suppress(OSError):
+                    connection.recv(1)
+        store = connect_store(Rendezvous(host, port, "probe/"), 10.0)
+        store.set("alive", "yes")
+        assert store.get("alive") == b"yes"
+        driver.send_signal(signal.SIGINT)
+        out, err = driver.communicate(timeout=30)
+        assert "shut down" in out
+        assert err == "", err
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -17,13 +17,8 @@ from support.cli import shardline
 SUITE_TIMEOUT = 900
 
 
-def _segments():
-    return set(os.listdir("/dev/shm"))
-
-
 @pytest.mark.timeout(SUITE_TIMEOUT + 60)
-def test_mpi_passes_the_whole_suite(tmp_path):
-    before = _segments()
+def test_mpi_passes_the_whole_suite(tmp_path, own_shm):
     report_path = tmp_path / "mpi.json"
     # World sizes 2 and 4 here (CI time); `shardline conformance mpi` runs 1-4 by default.
     result = shardline(
@@ -33,6 +28,7 @@ def test_mpi_passes_the_whole_suite(tmp_path):
         "--report",
         str(report_path),
         timeout=SUITE_TIMEOUT,
+        wrap=own_shm.wrap,
     )
     assert result.returncode == 0, result.stdout[-3000:]
     report = json.loads(report_path.read_text())
@@ -40,12 +36,11 @@ def test_mpi_passes_the_whole_suite(tmp_path):
     assert report["summary"]["passed"] > 500
     assert {case["world_size"] for case in report["cases"]} == {2, 4}
     assert report["matrix"]["all_reduce[sum]"]["bfloat16"] == dict.fromkeys("24", "passed")
-    assert _segments() <= before
+    assert own_shm.entries() == []
 
 
 @pytest.mark.timeout(180)
-def test_model_over_mpi_under_mpiexec(tiny_llama_dir, tiny_llama_greedy):
-    before = _segments()
+def test_model_over_mpi_under_mpiexec(tiny_llama_dir, tiny_llama_greedy, own_shm):
     run = run_launched(
         "mpiexec",
         2,
@@ -59,11 +54,12 @@ def test_model_over_mpi_under_mpiexec(tiny_llama_dir, tiny_llama_greedy):
             "parallel.control_communicator=mpi",
         ],
         timeout_s=150,
+        wrap=own_shm.wrap,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     (line,) = [line for line in run.stdout.splitlines() if line.startswith("{")]
     assert json.loads(line)["tokens"] == tiny_llama_greedy
-    assert run.leftovers == [] and _segments() <= before
+    assert run.leftovers == [] and own_shm.entries() == []
 
 
 def test_mpi_is_refused_under_an_executor_that_starts_processes():
@@ -82,8 +78,7 @@ def test_mpi_is_refused_under_an_executor_that_starts_processes():
     )
 
 
-def test_outside_mpiexec_nothing_initializes_mpi():
-    before = _segments()
+def test_outside_mpiexec_nothing_initializes_mpi(own_shm):
     probe = (
         "import sys\n"
         "from shardline.registry import Registry\n"
@@ -94,10 +89,14 @@ def test_outside_mpiexec_nothing_initializes_mpi():
     )
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI"))}
     result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=environ, timeout=120
+        own_shm.wrap([sys.executable, "-c", probe]),
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
     )
     assert result.stdout.strip() == "False", result.stderr
-    assert _segments() <= before
+    assert own_shm.entries() == []
 
 
 def test_init_world_outside_mpiexec_names_the_launcher(monkeypatch):

@@ -18,18 +18,13 @@ def model_cache():
     return {"SHARDLINE_MODELS": str(smollm2_gguf().parent)}
 
 
-def _segments():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
-
-
-def test_run_without_arguments_answers_the_sample_question(model_cache):
-    before = _segments()
-    result = shardline("run", env=model_cache, timeout=240)
+def test_run_without_arguments_answers_the_sample_question(model_cache, own_shm):
+    result = shardline("run", env=model_cache, timeout=240, wrap=own_shm.wrap)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     figures = result.stderr.strip().splitlines()[-1]
     assert "tokens/s" in figures and "tp=2 pp=1, mp, custom_ar" in figures
-    assert _segments() == before
+    assert own_shm.entries() == []
 
 
 def test_run_with_a_question_and_overrides(model_cache):

@@ -23,6 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from shardline.cli.table import render
+from shardline.config.capacity import (
+    DEFAULT_MEMORY_FRACTION,
+    HostMemory,
+    check_rank_processes,
+    size_text,
+)
 from shardline.errors import ConfigError
 from shardline.launch.comm_world import CommunicatorSetup, RankContext
 from shardline.launch.local_world import LocalWorld
@@ -73,6 +79,15 @@ def settings_from(args) -> BenchSettings:
     begin, end = parse_size(args.begin, "-b"), parse_size(args.end, "-e")
     if end < begin:
         raise ConfigError(f"-e {args.end} is below -b {args.begin}")
+    check_rank_processes(args.ranks, f"-n {args.ranks}")
+    host = HostMemory.read()
+    # Each rank holds its input, an output and, for all_gather, every rank's part.
+    need = args.ranks * end * (args.ranks + 2)
+    if need > host.available * DEFAULT_MEMORY_FRACTION:
+        raise ConfigError(
+            f"-e {args.end} with -n {args.ranks}: the tensors need {size_text(need)}; this "
+            f"host has {size_text(host.available)} available; allowed: a smaller -e or -n"
+        )
     if not hasattr(torch, args.dtype) or not isinstance(getattr(torch, args.dtype), torch.dtype):
         raise ConfigError(f"--dtype = {args.dtype!r}: allowed: float32, float16, bfloat16, ...")
     return BenchSettings(

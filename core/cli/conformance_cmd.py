@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from shardline.config.capacity import check_rank_processes
 from shardline.errors import ConfigError
 from shardline.interfaces import CommunicatorBackend, Executor
 from shardline.registry import Registry
@@ -46,6 +47,16 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     allow = os.environ.get("SHARDLINE_PLUGINS")
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
     kind = args.kind or suite_kind(args.name, registry)
+    if args.world_sizes:
+        try:
+            largest = max(int(part) for part in args.world_sizes.split(",") if part.strip())
+        except ValueError:
+            raise ConfigError(
+                f"--world-sizes = {args.world_sizes!r}: comma-separated positive integers, "
+                "e.g. 1,2,4",
+                field="--world-sizes",
+            ) from None
+        check_rank_processes(largest, f"--world-sizes {args.world_sizes}")
     if kind == "communicator":
         options = [
             "--pyargs",

@@ -39,6 +39,10 @@ def run(loaded: LoadedConfig) -> int:
             print("  (no installed plugin provides this kind yet)")
     for failure in registry.failures:
         print(f"\nplugin {failure.name!r} failed to load and was not considered: {failure.error}")
+    executor = next(d for d in decisions if d.field == "parallel.distributed_executor_backend")
+    if executor.problem is None:
+        executor_class = registry.get("executor", executor.chosen).load()
+        print(f"\nrendezvous store: {executor_class.rendezvous_note(config, os.environ)}")
     if not failed:
         try:
             plan = capacity_plan(

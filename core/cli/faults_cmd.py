@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
         print("\n- (not run):")
         for label, reason in unsupported:
             print(f"  {label}: {reason}")
+    unjudged = matrix.leak_check_unavailable()
+    if unjudged:
+        print(f"\nnote: {unjudged}")
     failures = [r for r in results if r.outcome == "failed"]
     for result in failures:
         print(f"\nFAIL {result.combination}: {result.scenario}\n{result.reason}")

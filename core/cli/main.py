@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -272,8 +274,20 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return bench_decode.run(cases, skipped, args.json)
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (``timeout``, a service manager): unwind like Ctrl-C, shutting every
+    rank down on the way out. A second SIGTERM ends the process at once."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     passthrough: list[str] = []
     if "--" in argv:
         split = argv.index("--")
@@ -290,11 +304,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("error: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except WorkerError as error:
+        # A rank's own typed error (a ConfigError in its start-up, say) ends the command as
+        # it would have here; anything else a rank raised is a failure of the run.
         print(f"error: {error}", file=sys.stderr)
         if os.environ.get("SHARDLINE_DEBUG"):
             print(error.remote_traceback, file=sys.stderr)
-        return 1
+        return 2 if error.origin is not None else 1
     except ShardlineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

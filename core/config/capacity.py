@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.config.loader import LoadedConfig
-from shardline.config.schema import EngineConfig
+from shardline.config.schema import CacheConfig, EngineConfig
 from shardline.errors import ConfigError
 from shardline.interfaces import Executor, ModelPlan, RankMemory
+
+DEFAULT_MEMORY_FRACTION = CacheConfig.model_fields["memory_fraction"].default
 
 #: A rank process before it loads anything (Python, torch, Shardline): about 230 MB resident
 #: measured on Linux x86-64 with torch 2.13 (CPU build), rounded up.
@@ -66,6 +68,22 @@ def _mem_available() -> int:
     except (OSError, ValueError, IndexError):
         pass
     raise ConfigError("cannot read MemAvailable from /proc/meminfo to plan the job's memory")
+
+
+def check_rank_processes(count: int, what: str, host: HostMemory | None = None) -> None:
+    """Refuse to start ``count`` rank processes (for ``what``, e.g. ``--world-sizes 64``) that
+    this host cannot hold: each costs :data:`PROCESS_BYTES`, all of them at most the default
+    ``cache.memory_fraction`` of the memory it has. Raises ConfigError with the figures."""
+    host = host or HostMemory.read()
+    budget = int(host.available * DEFAULT_MEMORY_FRACTION)
+    if count * PROCESS_BYTES <= budget:
+        return
+    raise ConfigError(
+        f"{what}: {count} rank processes need {size_text(count * PROCESS_BYTES)} "
+        f"({size_text(PROCESS_BYTES)} each before loading anything); this host has "
+        f"{size_text(host.available)} available ({host.source}), {DEFAULT_MEMORY_FRACTION:g} of "
+        f"it allows {size_text(budget)}; allowed: at most {budget // PROCESS_BYTES} ranks here"
+    )
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ class CacheConfig(Section):
     block_size: Annotated[int, Field(ge=1, le=4096)] = Field(
         default=16, description="tokens per cache block"
     )
-    num_blocks: Count | Literal["auto"] = Field(
+    num_blocks: Annotated[int, Field(ge=1, le=(1 << 31) - 1)] | Literal["auto"] = Field(
         default=512,
         description="cache blocks per rank and layer; auto: as many as the memory budget "
         "leaves, at most what scheduler.max_num_seqs sequences of max_model_len can use",

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from shardline.config.capacity import check_rank_processes
 from shardline.conformance.reporting import skip_reason, summary
-from shardline.errors import CommTimeoutError, PeerLostError, WorkerError
+from shardline.errors import CommTimeoutError, ConfigError, PeerLostError, WorkerError
 from shardline.interfaces import Capabilities
 from shardline.launch.comm_world import CommunicatorSetup
 from shardline.launch.local_world import LocalWorld
@@ -67,6 +68,10 @@ def world_sizes(config: pytest.Config) -> list[int]:
         raise pytest.UsageError(f"--shardline-world-sizes={raw!r}: expected e.g. 1,2,3,4") from None
     if not sizes or min(sizes) < 1:
         raise pytest.UsageError(f"--shardline-world-sizes={raw!r}: sizes must be positive")
+    try:
+        check_rank_processes(max(sizes), f"--shardline-world-sizes={raw}")
+    except ConfigError as error:
+        raise pytest.UsageError(str(error)) from None
     return sizes
 
 

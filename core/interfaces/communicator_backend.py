@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import hashlib
 from dataclasses import dataclass, field
 
 from shardline.interfaces.capabilities import Capabilities
@@ -23,6 +24,14 @@ class Rendezvous:
     port: int
     prefix: str = ""
     secret: bytes = field(default=b"", repr=False)
+
+    @property
+    def job(self) -> str:
+        """A short name of the job, the same in every rank and revealing nothing of the
+        secret it is derived from. Host-wide resources a job creates carry it (shared-memory
+        segments are named ``shardline-<job>-...``), so that leak checks and clean-up can
+        tell the job's own from another job's."""
+        return hashlib.sha256(b"shardline job " + self.secret).hexdigest()[:12]
 
     def with_prefix(self, prefix: str) -> Rendezvous:
         """The same store and secret, with ``prefix`` appended to this one's."""

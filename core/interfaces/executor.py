@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,6 +26,13 @@ class Executor(abc.ABC):
     owns_processes: bool = False
     launched: bool = False
     enforces_deadlines: bool = True
+
+    @classmethod
+    def rendezvous_note(cls, config: Any, environ: Mapping[str, str]) -> str:
+        """Where this executor's ranks meet (the rendezvous store: which process serves it,
+        on which address, and whether other hosts can reach it), for ``shardline explain``.
+        Nothing is started."""
+        return "not described by this executor"
 
     @property
     def reports_results(self) -> bool:

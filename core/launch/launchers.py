@@ -11,8 +11,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from shardline.launch.tether import tethered
 
 #: How long processes of a finished run may take to exit (Python's resource tracker, say).
 _SETTLE_S = 2.0
@@ -66,12 +69,18 @@ class LaunchedRun:
     timed_out: bool = False
 
 
-def run_launched(launcher: str, ranks: int, program: list[str], timeout_s: float) -> LaunchedRun:
+def run_launched(
+    launcher: str,
+    ranks: int,
+    program: list[str],
+    timeout_s: float,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+) -> LaunchedRun:
     """Run ``program`` (``-m module args...``) on ``ranks`` ranks; the whole process group is
-    killed if it outlives ``timeout_s``."""
-    run = run_session(
-        [*launcher_command(launcher, ranks), *program], launcher_environment(), timeout_s
-    )
+    killed if it outlives ``timeout_s``. ``wrap`` changes the whole command (e.g. to run it
+    with a private /dev/shm)."""
+    command = [*launcher_command(launcher, ranks), *program]
+    run = run_session(wrap(command) if wrap else command, launcher_environment(), timeout_s)
     if run.timed_out:
         raise AssertionError(
             f"{launcher} run did not finish within {timeout_s} s\n{run.stdout}\n{run.stderr}"
@@ -81,9 +90,11 @@ def run_launched(launcher: str, ranks: int, program: list[str], timeout_s: float
 
 def run_session(command: list[str], environ: dict[str, str], timeout_s: float) -> LaunchedRun:
     """Run ``command`` in a session of its own; when it ends, or outlives ``timeout_s``, every
-    process still in that session ``_SETTLE_S`` later is listed (``leftovers``) and killed."""
+    process still in that session ``_SETTLE_S`` later is listed (``leftovers``) and killed.
+    The command is tethered to this process (it gets SIGTERM should this process die: a
+    launcher then ends its ranks)."""
     process = subprocess.Popen(
-        command,
+        tethered(command, signal.SIGTERM),
         env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -4,12 +4,14 @@ Each rank process joins the world through a *setup* callable (e.g. "init the glo
 then runs functions the parent sends it, one at a time, and sends back the result or the
 exception. Used by the conformance suite (worlds started once and reused) and by the demo.
 
-Ranks are spawned by multiprocessing, or, for backends that need it (MPI), started by
-``mpiexec`` and connected back to the parent over a local socket (``launcher="mpiexec"``).
+Ranks are tethered children (:mod:`shardline.launch.tether`), or, for backends that need it
+(MPI), started by ``mpiexec`` (itself tethered, ended with SIGTERM so that it ends its ranks)
+and connected back to the parent over a local socket (``launcher="mpiexec"``).
 
 Guarantees: every wait has a deadline; a rank that dies is reported (with its exit code when
-this process spawned it); a rank whose parent dies exits on its own (its command connection
-closes); :meth:`LocalWorld.close` is idempotent and leaves no process behind.
+this process spawned it); ranks end when the parent dies, in every phase (the kernel ends a
+tethered child; a rank also leaves when its command connection closes);
+:meth:`LocalWorld.close` is idempotent and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardline.comm.store import serve_store
-from shardline.errors import CommTimeoutError, PeerLostError, WorkerError
+from shardline.errors import CommTimeoutError, PeerLostError, WorkerError, portable
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.launchers import launcher_command, launcher_environment
+from shardline.launch.tether import ChildProcess, Spawner
 from shardline.launch.threads import share_cores
 
 _STOP = "stop"
@@ -59,8 +62,9 @@ class LocalWorld:
         self.call_timeout_s = call_timeout_s
         self.broken: str | None = None
         self._store, self.rendezvous = serve_store(timeout_s=start_timeout_s)
+        self._spawner = Spawner("shardline-world-spawner")
         self._connections: list[multiprocessing.connection.Connection] = []
-        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._processes: list[ChildProcess] = []
         self._launcher: subprocess.Popen | None = None
         try:
             if launcher == "mpiexec":
@@ -73,17 +77,17 @@ class LocalWorld:
             raise
 
     def _spawn(self, setup: Callable[[int, int, Rendezvous], Any]) -> None:
-        context = multiprocessing.get_context("spawn")
         for rank in range(self.world_size):
-            parent_end, child_end = context.Pipe()
-            process = context.Process(
-                target=serve_rank,
-                args=(rank, self.world_size, self.rendezvous, setup, child_end),
-                name=f"shardline-rank-{rank}",
-                daemon=True,
-            )
-            process.start()
-            child_end.close()
+            parent_end, child_end = multiprocessing.Pipe()
+            try:
+                process = self._spawner.start(
+                    serve_rank,
+                    (rank, self.world_size, self.rendezvous, setup, child_end.fileno()),
+                    name=f"shardline-rank-{rank}",
+                    pass_fds=(child_end.fileno(),),
+                )
+            finally:
+                child_end.close()
             self._connections.append(parent_end)
             self._processes.append(process)
 
@@ -100,8 +104,12 @@ class LocalWorld:
             environ["SHARDLINE_LOCAL_WORLD_AUTHKEY"] = authkey.hex()
             command = launcher_command("mpiexec", self.world_size)
             command += ["-m", "shardline.launch.mpiexec_rank", f"{host}:{port}"]
-            self._launcher = subprocess.Popen(
-                command, env=environ, start_new_session=True, stdin=subprocess.DEVNULL
+            self._launcher = self._spawner.popen(
+                command,
+                death_signal=signal.SIGTERM,
+                env=environ,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
             )
             connections: dict[int, multiprocessing.connection.Connection] = {}
             deadline = time.monotonic() + timeout_s
@@ -166,6 +174,7 @@ class LocalWorld:
             if process.is_alive():
                 process.kill()
                 process.join(_JOIN_GRACE_S)
+            process.close()
         if self._launcher is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._launcher.wait(max(0.0, deadline - time.monotonic()))
@@ -177,6 +186,7 @@ class LocalWorld:
             connection.close()
         self._connections = []
         self._processes = []
+        self._spawner.close()
         self.broken = self.broken or "closed"
 
     def _collect(self, what: str, ranks: Sequence[int] | range, timeout_s: float) -> list[Any]:
@@ -209,9 +219,13 @@ class LocalWorld:
         for rank in sorted(replies):
             kind, *payload = replies[rank]
             if kind == "error":
-                exc_type, message, remote_traceback = payload
+                exc_type, message, remote_traceback, origin = payload
                 raise WorkerError(
-                    message, rank=rank, exc_type=exc_type, remote_traceback=remote_traceback
+                    message,
+                    rank=rank,
+                    exc_type=exc_type,
+                    remote_traceback=remote_traceback,
+                    origin=origin,
                 )
             if kind == "lost":
                 raise PeerLostError(payload[0], op=what, rank=rank)
@@ -235,10 +249,13 @@ def serve_rank(
     world_size: int,
     rendezvous: Rendezvous,
     setup: Callable[[int, int, Rendezvous], Any],
-    connection: multiprocessing.connection.Connection,
+    connection: multiprocessing.connection.Connection | int,
 ) -> None:
     """Body of a rank process: set up, report, then serve calls until told to stop (or
-    until the connection closes, or the parent process is gone)."""
+    until the connection closes, or the parent process is gone). ``connection``: to the
+    parent, or its file descriptor."""
+    if isinstance(connection, int):
+        connection = multiprocessing.connection.Connection(connection)
     parent = os.getppid()
     share_cores(world_size)
     try:
@@ -273,4 +290,4 @@ def serve_rank(
 
 
 def _error_reply(error: BaseException) -> tuple:
-    return ("error", type(error).__name__, str(error), traceback.format_exc())
+    return ("error", type(error).__name__, str(error), traceback.format_exc(), portable(error))

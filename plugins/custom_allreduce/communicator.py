@@ -96,33 +96,39 @@ class CustomAllReduceBackend(CommunicatorBackend):
         base = base_backend.init_world(rank, world_size, rendezvous.with_prefix("base"), timeout_s)
         base.object_key = rendezvous.secret  # host identities travel as objects
         # A shared world has all its ranks on this host.
-        return CustomAllReduceCommunicator.create(base, Polling.for_ranks_on_host(world_size))
+        return CustomAllReduceCommunicator.create(
+            base, Polling.for_ranks_on_host(world_size), rendezvous.job
+        )
 
 
 class CustomAllReduceCommunicator(Communicator):
     """The shared-memory all-reduce over ``base`` (see the module docstring)."""
 
-    def __init__(self, base: Communicator, segment: _Segment | None, polling: Polling) -> None:
+    def __init__(
+        self, base: Communicator, segment: _Segment | None, polling: Polling, job: str
+    ) -> None:
         super().__init__()
         self.base = base
         self._segment = segment
         self._polling = polling
+        self._job = job
         self._rank = base.rank
         self._calls = 0
         self._plans: dict[tuple, _OneShot | str] = {}
 
     @classmethod
-    def create(cls, base: Communicator, polling: Polling) -> CustomAllReduceCommunicator:
-        """Collective over ``base``: exchange host identities; on one host, map a segment.
-        ``polling``: how waits use the CPU (from the number of ranks on this host)."""
+    def create(cls, base: Communicator, polling: Polling, job: str) -> CustomAllReduceCommunicator:
+        """Collective over ``base``: exchange host identities; on one host, map a segment
+        (named ``shardline-<job>-ar-...``). ``polling``: how waits use the CPU (from the
+        number of ranks on this host)."""
         hosts = [base.broadcast_object(host_identity(), src) for src in range(base.world_size)]
         if base.world_size == 1 or len(set(hosts)) > 1:
-            return cls(base, None, polling)
+            return cls(base, None, polling, job)
         segment, announced = None, None
         if base.rank == 0:  # create (full size) before anyone may map it
             try:
                 segment = _Segment.open(
-                    f"shardline-ar-{secrets.token_hex(8)}", 0, base.world_size, create=True
+                    f"shardline-{job}-ar-{secrets.token_hex(8)}", 0, base.world_size, create=True
                 )
                 announced = segment.name
             except OSError as error:
@@ -140,7 +146,7 @@ class CustomAllReduceCommunicator(Communicator):
             base.barrier()  # everyone has mapped it: the name can go
         finally:
             segment.unlink()
-        return cls(base, segment, polling)
+        return cls(base, segment, polling, job)
 
     # ---- identity ----------------------------------------------------------------------------
 
@@ -317,7 +323,9 @@ class CustomAllReduceCommunicator(Communicator):
         self, ranks: list[int], timeout_s: float | None = None
     ) -> CustomAllReduceCommunicator | None:
         group = self.base.new_group(ranks, timeout_s)
-        return None if group is None else CustomAllReduceCommunicator.create(group, self._polling)
+        if group is None:
+            return None
+        return CustomAllReduceCommunicator.create(group, self._polling, self._job)
 
     def close(self) -> None:
         segment, self._segment = self._segment, None

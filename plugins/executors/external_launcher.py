@@ -41,7 +41,7 @@ from shardline.launch.launcher_env import LaunchedRank
 from shardline.launch.mpi_job import abort_job_at_exit
 from shardline.launch.threads import share_cores
 from shardline.worker.setup import WorkerContext, WorkerSetup
-from shardline_executors.launch_env import Meeting, meet
+from shardline_executors.launch_env import Meeting, describe_meeting, meet
 
 #: How long the process serving the store waits at shutdown for the others to finish reading.
 _CLOSING_S = 10.0
@@ -54,6 +54,13 @@ class ExternalLauncherExecutor(Executor):
     """
 
     launched = True
+
+    @classmethod
+    def rendezvous_note(cls, config: EngineConfig, environ: Mapping[str, str]) -> str:
+        try:
+            return describe_meeting(LaunchedRank.from_environ(environ))
+        except ConfigError as error:
+            return f"unknown outside a launcher ({error})"
 
     def __init__(self, config: EngineConfig, environ: Mapping[str, str] | None = None) -> None:
         launched = LaunchedRank.from_environ(os.environ if environ is None else environ)

@@ -56,6 +56,25 @@ def meet(launched: LaunchedRank, timeout_s: float) -> Meeting:
     return _meet_through_mpi(launched, timeout_s, prefix)
 
 
+def describe_meeting(launched: LaunchedRank) -> str:
+    """Where :func:`meet` will have the ranks meet, and who can reach it (for ``explain``)."""
+    if launched.master_addr is not None and launched.master_port is not None:
+        where = f"{launched.master_addr}:{launched.master_port}"
+        if launched.agent_store:
+            return f"served by {launched.launcher}'s agent at {where}, as the launcher binds it"
+        return (
+            f"served by rank 0 at {where} (MASTER_ADDR / MASTER_PORT), listening on that "
+            "address only"
+        )
+    if launched.local_world_size == launched.world_size:
+        return "served by rank 0 on 127.0.0.1 (one host: loopback only)"
+    return (
+        "served by rank 0 on every interface of its host (ranks on several hosts and no "
+        "MASTER_ADDR: reachable from other hosts; set MASTER_ADDR / MASTER_PORT to listen on "
+        "one address)"
+    )
+
+
 def _serve_at(host: str, port: int, timeout_s: float) -> Any:
     try:
         store, _ = serve_store(host, timeout_s, port=port)
@@ -85,10 +104,12 @@ def _meet_through_mpi(launched: LaunchedRank, timeout_s: float, prefix: str) -> 
         )
     served, address, secret = None, None, launched.job_secret
     if launched.rank == 0:
+        # One host: loopback only. Several: every interface (no address was configured),
+        # reached at this host's name; `shardline explain` says so.
         single_host = launched.local_world_size == launched.world_size
-        host = "127.0.0.1" if single_host else socket.gethostname()
+        bind, advertised = ("127.0.0.1", None) if single_host else ("0.0.0.0", socket.gethostname())
         try:
-            served, rendezvous = serve_store(host, timeout_s)
+            served, rendezvous = serve_store(bind, timeout_s, advertised_host=advertised)
             address = (rendezvous.host, rendezvous.port, secret or rendezvous.secret)
         except (RuntimeError, OSError) as error:
             address = error

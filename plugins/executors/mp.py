@@ -1,9 +1,12 @@
 """The ``mp`` executor: one worker process per rank on this host, driven through shared memory.
 
 Every call is broadcast once on a shared-memory ring that all workers read; each worker
-answers on its own ring, and only the requested rank replies. Liveness: a monitor thread
-waits on the workers' process handles, so a death is seen at once and turns every pending and
-later call into a :class:`PeerLostError` naming the rank and its exit code. Deadlines: every
+answers on its own ring, and only the requested rank replies. Workers are tethered children
+(:mod:`shardline.launch.tether`): they end with the driver in every phase, even when it is
+killed; the rings, named ``shardline-<job>-...``, are removed then by Python's resource
+tracker. Liveness: a monitor thread waits on the workers' process handles, so a death is seen
+at once and turns every pending and later call into a :class:`PeerLostError` naming the rank
+and its exit code. Deadlines: every
 start-up phase and every call has one. Shutdown is idempotent and leaves no process and no
 shared-memory segment, also after a failure.
 """
@@ -30,13 +33,23 @@ from shardline.comm.store import serve_store
 from shardline.comm.waiting import wait_until
 from shardline.comm.watchdog import REPORT_GRACE_S
 from shardline.config.schema import EngineConfig
-from shardline.errors import CommTimeoutError, PeerLostError, ShardlineError, WorkerError
+from shardline.errors import (
+    CommTimeoutError,
+    CommunicationError,
+    PeerLostError,
+    ShardlineError,
+    WorkerError,
+)
 from shardline.interfaces import Executor
+from shardline.launch.tether import ChildProcess, Spawner
+from shardline_executors.heartbeat import Heartbeats
 from shardline_executors.mp_protocol import PHASES, Call, Failure, Phase, Reply
 from shardline_executors.mp_worker import worker_main
 from shardline_executors.shm_ring import ShmRing
 
 _JOIN_S = 2.0
+#: A worker whose heartbeat is older than this has stopped running (see heartbeat.py).
+FROZEN_S = 1.0
 
 
 @dataclass
@@ -54,6 +67,13 @@ class MultiprocExecutor(Executor):
 
     owns_processes = True
 
+    @classmethod
+    def rendezvous_note(cls, config: EngineConfig, environ: Any) -> str:
+        return (
+            "served by this process on 127.0.0.1 at a port the OS picks (loopback only: "
+            "unreachable from other hosts)"
+        )
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel.world_size
@@ -68,36 +88,44 @@ class MultiprocExecutor(Executor):
         self._pending: deque[_PendingCall] = deque()
         self._collect_lock = threading.Lock()
         self._wake_collector = threading.Condition()
-        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._processes: list[ChildProcess] = []
         self._store, rendezvous = serve_store(timeout_s=config.parallel.startup_timeout_s)
-        self._calls = ShmRing.create(readers=self.world_size)
-        doorbells = [
-            multiprocessing.get_context("spawn").Pipe(duplex=False) for _ in range(self.world_size)
-        ]
+        #: Where the ranks meet (a store on loopback), and the job's name, which names the
+        #: shared-memory segments this executor creates.
+        self.rendezvous_address = (rendezvous.host, rendezvous.port)
+        self.job = rendezvous.job
+        self._spawner = Spawner("shardline-mp-spawner")
+        self._heartbeats = Heartbeats(f"shardline-{self.job}-heartbeats", self.world_size)
+        self._calls = ShmRing.create(f"shardline-{self.job}-calls", readers=self.world_size)
+        doorbells = [multiprocessing.Pipe(duplex=False) for _ in range(self.world_size)]
         self._calls.set_doorbells([send for _, send in doorbells])
-        self._replies = [ShmRing.create(readers=1) for _ in range(self.world_size)]
+        self._replies = [
+            ShmRing.create(f"shardline-{self.job}-replies-{rank}", readers=1)
+            for rank in range(self.world_size)
+        ]
         self._inboxes: list[deque[Any]] = [deque() for _ in range(self.world_size)]
         self._failed_calls: set[int] = set()
         atexit.register(self.shutdown)
         try:
-            context = multiprocessing.get_context("spawn")
             for rank in range(self.world_size):
-                process = context.Process(
-                    target=worker_main,
-                    args=(
+                doorbell = doorbells[rank][0]
+                process = self._spawner.start(
+                    worker_main,
+                    (
                         rank,
                         self.world_size,
                         config,
                         rendezvous,
                         self._calls.handle,
                         self._replies[rank].handle,
-                        doorbells[rank][0],
+                        self._heartbeats.name,
+                        doorbell.fileno(),
                         os.getpid(),
                     ),
                     name=f"shardline-worker-{rank}",
-                    daemon=True,
+                    pass_fds=(doorbell.fileno(),),
                 )
-                process.start()
+                doorbell.close()
                 self._processes.append(process)
             threading.Thread(
                 target=self._watch_workers, name="shardline-liveness", daemon=True
@@ -139,6 +167,7 @@ class MultiprocExecutor(Executor):
                         rank=rank,
                         exc_type=message.exc_type,
                         remote_traceback=message.traceback,
+                        origin=message.error,
                     )
                 if not (isinstance(message, Phase) and message.name == phase):
                     raise PeerLostError(
@@ -278,21 +307,44 @@ class MultiprocExecutor(Executor):
             _settle(call.future, value=[call.replies[r] for r in call.ranks])
         except WorkerError as error:
             self._failed_calls.add(call.call_id)
-            _settle(call.future, error=error)
+            if isinstance(error.origin, CommunicationError):
+                # A rank's collective failed (a peer stuck or gone): the world is broken.
+                self._fail(error)
+            else:
+                _settle(call.future, error=error)
         except CommTimeoutError:
-            silent = [r for r in call.ranks if r not in call.replies]
-            self._fail(
-                CommTimeoutError(
-                    f"call {call.name!r}: ranks {silent} did not answer by the deadline; the "
-                    "executor is unusable (a worker is stuck)",
-                    op=call.name,
-                )
-            )
+            self._fail(self._deadline_error(call))
         except ShardlineError as error:
             self._fail(error)
         finally:
             if self._pending and self._pending[0] is call and call.future.done():
                 self._pending.popleft()
+
+    def _deadline_error(self, call: _PendingCall) -> CommTimeoutError:
+        """The error of a call past its deadline. A rank whose heartbeat stopped is the
+        cause (the ranks that did not answer may be waiting on it in a collective)."""
+        silent = [r for r in call.ranks if r not in call.replies]
+        stopped = {
+            rank: quiet
+            for rank in range(self.world_size)
+            if (quiet := self._heartbeats.silent_for(rank)) is not None and quiet > FROZEN_S
+        }
+        if stopped:
+            names = ", ".join(
+                f"rank {rank} (pid {self._processes[rank].pid}, no heartbeat for {quiet:.1f} s)"
+                for rank, quiet in stopped.items()
+            )
+            return CommTimeoutError(
+                f"call {call.name!r} passed its deadline: {names} stopped running (stopped with "
+                f"SIGSTOP, or frozen); ranks {silent} did not answer. The executor is unusable",
+                op=call.name,
+                rank=next(iter(stopped)),
+            )
+        return CommTimeoutError(
+            f"call {call.name!r}: ranks {silent} did not answer by the deadline; the "
+            "executor is unusable (a worker is stuck)",
+            op=call.name,
+        )
 
     def _raise_failure(self, rank: int, message: Failure, call: _PendingCall) -> None:
         """Raise the worker's error, unless a worker died: then the death is the cause (a
@@ -305,6 +357,7 @@ class MultiprocExecutor(Executor):
             rank=rank,
             exc_type=message.exc_type,
             remote_traceback=message.traceback,
+            origin=message.error,
         )
 
     def _peek(self, rank: int) -> Any:
@@ -370,6 +423,8 @@ class MultiprocExecutor(Executor):
             if process.is_alive():
                 process.kill()
                 process.join(_JOIN_S)
+            process.close()
+        self._spawner.close()
         for call in list(self._pending):
             _settle(call.future, error=PeerLostError("the mp executor was shut down"))
         self._pending.clear()
@@ -377,6 +432,7 @@ class MultiprocExecutor(Executor):
             self._wake_collector.notify_all()
         for ring in [self._calls, *self._replies]:
             ring.close()
+        self._heartbeats.close()
 
 
 def _chain_first(done: Future, outer: Future) -> None:

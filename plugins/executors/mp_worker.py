@@ -1,19 +1,19 @@
 """The body of an mp worker process: start up in phases, then serve broadcast calls.
 
-The process ignores Ctrl-C (the driver decides when workers stop) and exits by itself when
-its driver dies, unlinking the driver's shared-memory segments so none are left behind.
+The process ignores Ctrl-C (the driver decides when workers stop). The kernel ends it when
+its driver dies (it is a tethered child); as a second line, a thread watches the parent and
+unlinks the driver's segments before leaving, where the kernel cannot do the first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.connection
 import os
 import pickle
 import signal
 import threading
 import time
-import traceback
-from multiprocessing import shared_memory
 from typing import Any
 
 import cloudpickle
@@ -22,6 +22,7 @@ from shardline.config.schema import EngineConfig
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.threads import share_cores
 from shardline.worker.setup import WorkerSetup
+from shardline_executors.heartbeat import start_beating
 from shardline_executors.mp_protocol import Call, Failure, Phase, Reply
 from shardline_executors.shm_ring import RingHandle, ShmRing
 
@@ -35,44 +36,50 @@ def worker_main(
     rendezvous: Rendezvous,
     calls: RingHandle,
     replies: RingHandle,
-    doorbell: Any,
+    heartbeats: str,
+    doorbell_fd: int,
     parent_pid: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start_beating(heartbeats, rank)
     share_cores(world_size)
-    segments = [calls.name, replies.name]
+    segments = [calls.name, replies.name, heartbeats]
     threading.Thread(target=_exit_with_parent, args=(parent_pid, segments), daemon=True).start()
+    doorbell = multiprocessing.connection.Connection(doorbell_fd, writable=False)
     inbox = ShmRing.attach(calls)
     outbox = ShmRing.attach(replies)
-
-    def send(message: Any) -> None:
-        outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-    phase = "spawn"
-    send(Phase(phase))
+    context = None
     try:
-        context = None
-        phase = "distributed init"
 
-        def advance(done: str) -> None:
-            nonlocal phase
-            send(Phase(done))
-            phase = "model load" if done == "distributed init" else "ready"
+        def send(message: Any) -> None:
+            outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-        context = WorkerSetup(config).build(rank, world_size, rendezvous, on_phase=advance)
-        send(Phase("ready"))
-    except BaseException as error:
-        send(Failure(None, phase, type(error).__name__, str(error), traceback.format_exc()))
-        return
-    try:
-        _serve(rank, context.worker, inbox, doorbell, send)
-    except (EOFError, OSError):
-        # The doorbell's other end closed: the driver is gone.
-        _leave(segments)
+        phase = "spawn"
+        send(Phase(phase))
+        try:
+            phase = "distributed init"
+
+            def advance(done: str) -> None:
+                nonlocal phase
+                send(Phase(done))
+                phase = "model load" if done == "distributed init" else "ready"
+
+            context = WorkerSetup(config).build(rank, world_size, rendezvous, on_phase=advance)
+            send(Phase("ready"))
+        except BaseException as error:
+            send(Failure.of(None, phase, error))
+            return
+        try:
+            _serve(rank, context.worker, inbox, doorbell, send)
+        except (EOFError, OSError):
+            # The doorbell's other end closed: the driver is gone.
+            _leave(segments)
     finally:
-        context.close()
+        if context is not None:
+            context.close()
         inbox.close()
         outbox.close()
+        doorbell.close()
 
 
 def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, send) -> None:
@@ -87,11 +94,7 @@ def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, send) -> None:
             else:
                 value = cloudpickle.loads(call.method)(worker, *call.args, **call.kwargs)
         except Exception as error:
-            send(
-                Failure(
-                    call.call_id, "call", type(error).__name__, str(error), traceback.format_exc()
-                )
-            )
+            send(Failure.of(call.call_id, "call", error))
             continue
         if call.reply_rank is None or call.reply_rank == rank:
             send(Reply(call.call_id, value))
@@ -108,7 +111,5 @@ def _leave(segments: list[str]) -> None:
     """The driver is gone: unlink its segments (it cannot) and end this process now."""
     for name in segments:
         with contextlib.suppress(FileNotFoundError):
-            segment = shared_memory.SharedMemory(name=name)
-            segment.close()
-            segment.unlink()
+            os.unlink(f"/dev/shm/{name}")
     os._exit(3)

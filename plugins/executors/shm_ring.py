@@ -16,14 +16,19 @@ reassemble it.
 
 Blocking: a reader that has waited a while raises its "sleeping" word and waits on its
 doorbell (a pipe); the writer rings the doorbell of every sleeping reader after publishing.
-A wake-up lost to a race costs at most the reader's block timeout (200 ms). Segments are
-created mode 0600 (private to the user) by the owner, which alone
-unlinks them.
+A wake-up lost to a race costs at most the reader's block timeout (200 ms).
+
+Segments are created mode 0600 (private to the user) under a name the owner chooses (the job's
+name in it), by the owner, which alone unlinks them; Python's resource tracker removes them
+should the owner be killed. Other processes map them directly, without the resource tracker
+(which would remove a segment when any one of them exits).
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -53,14 +58,15 @@ class ShmRing:
     """One side of a ring. Build the owner with :meth:`create` (the writer's side usually),
     then :meth:`attach` from other processes with their reader index (or ``None`` to write)."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, handle: RingHandle, owner: bool) -> None:
+    def __init__(self, shm: Any, handle: RingHandle, owner: bool) -> None:
         self._shm = shm
         self.handle = handle
         self._owner = owner
+        self._buf = shm.buf
         header_words = _header_words(handle.slots, handle.readers)
         # Plain memoryview words: an index is one aligned 8-byte load or store, and much
         # cheaper from Python than a numpy scalar (this is the spin loop's whole cost).
-        self._header = shm.buf[: header_words * 8]
+        self._header = self._buf[: header_words * 8]
         self._words = self._header.cast("q")
         self._position_base = handle.slots * _WORDS_PER_SLOT
         self._sleeping_base = self._position_base + handle.readers
@@ -69,18 +75,16 @@ class ShmRing:
         self._doorbells: list[Any] | None = None
 
     @classmethod
-    def create(cls, readers: int, slots: int = 16, slot_bytes: int = 1 << 20) -> ShmRing:
+    def create(cls, name: str, readers: int, slots: int = 16, slot_bytes: int = 1 << 20) -> ShmRing:
+        """The owner's side of a new segment called ``name`` (FileExistsError if taken)."""
         header = _header_words(slots, readers) * 8
-        shm = shared_memory.SharedMemory(create=True, size=header + slots * slot_bytes)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=header + slots * slot_bytes)
         shm.buf[:header] = bytes(header)
         return cls(shm, RingHandle(shm.name, readers, slots, slot_bytes), owner=True)
 
     @classmethod
     def attach(cls, handle: RingHandle) -> ShmRing:
-        # Ranks are the owner's descendants and share its resource tracker, which keeps one
-        # entry per name: attaching adds nothing, and only the owner unlinks.
-        shm = shared_memory.SharedMemory(name=handle.name)
-        return cls(shm, handle, owner=False)
+        return cls(_Mapping(handle.name), handle, owner=False)
 
     def set_doorbells(self, doorbells: list[Any]) -> None:
         """Writer side: one sending ``Connection`` per reader, rung when it sleeps."""
@@ -112,7 +116,7 @@ class ShmRing:
                     on_idle,
                 )
             start = self._data_offset + slot * size
-            self._shm.buf[start : start + len(chunk)] = chunk
+            self._buf[start : start + len(chunk)] = chunk
             base = slot * _WORDS_PER_SLOT
             words[base + 1] = len(chunk)
             words[base + 2] = 1 if index < len(chunks) - 1 else 0
@@ -166,7 +170,7 @@ class ShmRing:
                     block,
                 )
             start = self._data_offset + slot * self.handle.slot_bytes
-            parts.append(bytes(self._shm.buf[start : start + words[sequence_word + 1]]))
+            parts.append(bytes(self._buf[start : start + words[sequence_word + 1]]))
             more = words[sequence_word + 2]
             words[position] = seq + 1
             if not more:
@@ -180,9 +184,25 @@ class ShmRing:
             return
         self._words.release()
         self._header.release()
-        del self._words, self._header
+        del self._words, self._header, self._buf
         self._shm.close()
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
         self._shm = None
+
+
+class _Mapping:
+    """A segment mapped by name, without the resource tracker: ``buf`` and ``close``."""
+
+    def __init__(self, name: str) -> None:
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        try:
+            self._mmap = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()

@@ -24,6 +24,10 @@ class UniProcExecutor(Executor):
     max_world_size = 1
     enforces_deadlines = False
 
+    @classmethod
+    def rendezvous_note(cls, config: EngineConfig, environ: Any) -> str:
+        return "served by this process on 127.0.0.1 (loopback only: unreachable from other hosts)"
+
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel.world_size != 1:
             raise ConfigError(

@@ -8,6 +8,7 @@ import time
 import torch
 
 from shardline.errors import CommTimeoutError
+from support.segments import job_segments
 
 
 def paths_and_results(ctx, count: int, dtype: str):
@@ -19,10 +20,11 @@ def paths_and_results(ctx, count: int, dtype: str):
     return comm.shared, comm.all_reduce(values), comm.all_reduce(values, "max")
 
 
-def segments_while_mapped(ctx):
+def segments_while_mapped(ctx, job: str):
+    """Whether the shared path is on, and the job's segments in /dev/shm (after a call)."""
     comm = ctx.comm
     comm.all_reduce(torch.ones(8))
-    return comm.shared, sorted(n for n in os.listdir("/dev/shm") if n.startswith("shardline-ar"))
+    return comm.shared, job_segments(job)
 
 
 def die_in_all_reduce(ctx, victim: int):

@@ -17,12 +17,14 @@ def shardline(
     timeout: float = 120.0,
     cwd: Path | None = None,
     stdin: str | None = None,
+    wrap=None,
 ):
-    """``shardline ARGS`` with a deadline (``stdin``: text typed in); returns the
-    CompletedProcess (text output)."""
+    """``shardline ARGS`` with a deadline (``stdin``: text typed in; ``wrap``: changes the
+    command, e.g. ``own_shm.wrap``); returns the CompletedProcess (text output)."""
     full_env = {**os.environ, **(env or {})}
+    command = [SHARDLINE, *args]
     return subprocess.run(
-        [SHARDLINE, *args],
+        wrap(command) if wrap else command,
         capture_output=True,
         text=True,
         input=stdin,

@@ -26,7 +26,9 @@ def main(model_path: str) -> None:
     executor = Registry.load().get("executor", "mp").load_available()(config)
     pids = [pid for _, pid in executor.collective_rpc(rank_and_pid)]
     try:
-        print(json.dumps({"workers": pids}), flush=True)
+        host, port = executor.rendezvous_address
+        info = {"workers": pids, "job": executor.job, "store": [host, port]}
+        print(json.dumps(info), flush=True)
         while True:
             time.sleep(0.1)
     except KeyboardInterrupt:

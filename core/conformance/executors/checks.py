@@ -79,9 +79,21 @@ def _step() -> SchedulerOutput:
     )
 
 
-def shm_segments() -> set[str]:
-    root = Path("/dev/shm")
-    return {entry.name for entry in root.iterdir()} if root.is_dir() else set()
+def mapped_segments(pids: list[int]) -> set[Path]:
+    """The /dev/shm files the processes ``pids`` have mapped now: the run's own segments,
+    told apart from other jobs' on the same host without naming rules."""
+    found = set()
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            path = fields[5] if len(fields) == 6 else ""
+            if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
+                found.add(Path(path))
+    return found
 
 
 def alive(pids: list[int]) -> list[int]:
@@ -191,9 +203,10 @@ def check_exception_envelope(subject: Subject) -> None:
 def check_call_deadline(subject: Subject) -> None:
     """A rank that does not answer makes the call raise ``CommTimeoutError`` naming it when
     the call's deadline passes; shutdown afterwards leaves nothing behind."""
-    before = shm_segments()
+    before = mapped_segments([os.getpid()])
     executor = subject.fresh()
     pids = [pid for _, pid in executor.collective_rpc(probe.rank_and_pid)]
+    segments = mapped_segments([os.getpid(), *pids]) - before
     sleeper = subject.last_rank
     try:
         if subject.process_rank == sleeper:
@@ -216,17 +229,18 @@ def check_call_deadline(subject: Subject) -> None:
         assert elapsed < CALL_DEADLINE_S + DEADLINE_SLACK_S, f"raised after {elapsed:.2f} s"
     finally:
         executor.shutdown()
-    _check_nothing_left(executor, pids, before)
+    _check_nothing_left(executor, pids, segments)
 
 
 def check_death_detection(subject: Subject) -> None:
     """A rank killed with SIGKILL fails the pending call within a second with
     ``PeerLostError`` naming the rank and its exit code, and every later call too."""
-    before = shm_segments()
+    before = mapped_segments([os.getpid()])
     executor = subject.fresh()
     victim = subject.last_rank
     try:
         pids = [pid for _, pid in executor.collective_rpc(probe.rank_and_pid)]
+        segments = mapped_segments([os.getpid(), *pids]) - before
         pending = executor.collective_rpc(probe.sleep_on_rank, (victim, 30.0), non_block=True)
         time.sleep(0.2)
         os.kill(pids[victim], signal.SIGKILL)
@@ -248,15 +262,16 @@ def check_death_detection(subject: Subject) -> None:
             raise AssertionError("a call after a rank died did not raise PeerLostError")
     finally:
         executor.shutdown()
-    _check_nothing_left(executor, pids, before)
+    _check_nothing_left(executor, pids, segments)
 
 
 def check_shutdown(subject: Subject) -> None:
     """Shutdown is idempotent; calls after it raise ``PeerLostError``; no rank process and
-    no shared-memory segment is left."""
-    before = shm_segments()
+    shared-memory segment the run mapped is left."""
+    before = mapped_segments([os.getpid()])
     executor = subject.fresh()
     pids = [pid for _, pid in executor.collective_rpc(probe.rank_and_pid)]
+    segments = mapped_segments([os.getpid(), *pids]) - before
     executor.shutdown()
     executor.shutdown()
     for later in (lambda: executor.collective_rpc(probe.echo, (1,)), executor.check_health):
@@ -265,16 +280,18 @@ def check_shutdown(subject: Subject) -> None:
         except PeerLostError:
             continue
         raise AssertionError("a call after shutdown did not raise PeerLostError")
-    _check_nothing_left(executor, pids, before)
+    _check_nothing_left(executor, pids, segments)
 
 
-def _check_nothing_left(executor: Executor, pids: list[int], before: set[str]) -> None:
+def _check_nothing_left(executor: Executor, pids: list[int], segments: set[Path]) -> None:
+    """No rank process is left, nor any segment the run's processes mapped (judged by the
+    suite for a launched world, where the other ranks may still be running)."""
     if executor.owns_processes:
         left = _wait_gone(pids, 5.0)
         assert left == [], f"rank processes still running after shutdown: {left}"
-    if not executor.launched:  # in a launched world the other ranks may still be running
-        left_segments = shm_segments() - before
-        assert not left_segments, f"shared-memory segments left: {sorted(left_segments)}"
+    if not executor.launched:
+        left_segments = sorted(str(path) for path in segments if path.exists())
+        assert not left_segments, f"shared-memory segments left: {left_segments}"
 
 
 #: name -> (check, the trait it needs or None, why it does not apply without that trait)

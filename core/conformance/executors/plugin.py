@@ -10,6 +10,7 @@ world per size with a real launcher (torchrun by default) and every rank runs th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -18,16 +19,17 @@ from typing import Any
 
 import pytest
 
+from shardline.config.capacity import check_rank_processes
 from shardline.conformance.executors.checks import (
     CHECKS,
     Subject,
     not_applicable,
     probe_config,
-    shm_segments,
 )
 from shardline.conformance.reporting import skip_reason, summary
+from shardline.errors import ConfigError
 from shardline.interfaces import Executor
-from shardline.launch import launchers
+from shardline.launch import launchers, private_shm
 from shardline.registry import Registry
 
 _RESULTS = pytest.StashKey[list]()
@@ -82,6 +84,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         raise pytest.UsageError(
             f"--shardline-executor-world-sizes={raw!r}: expected positive sizes, e.g. 1,2,4"
         )
+    try:
+        check_rank_processes(max(sizes), f"--shardline-executor-world-sizes={raw}")
+    except ConfigError as error:
+        raise pytest.UsageError(str(error)) from None
     metafunc.parametrize("world_size", sizes)
 
 
@@ -183,9 +189,14 @@ class ExecutorConformance:
     def _launch(self, world_size: int) -> tuple[dict[str, list[dict]], str]:
         """One world of ``world_size`` ranks under the launcher, running every check: the
         ranks' reports per check, and the launcher's output (for a failure message)."""
-        before = shm_segments()
         results: dict[str, list[dict]] = {}
-        with tempfile.TemporaryDirectory(prefix="shardline-executor-suite-") as reports:
+        with (
+            tempfile.TemporaryDirectory(prefix="shardline-executor-suite-") as reports,
+            contextlib.ExitStack() as stack,
+        ):
+            shm = None
+            if private_shm.unavailable_reason() is None:
+                shm = stack.enter_context(private_shm.PrivateShm())
             run = launchers.run_launched(
                 self.launcher,
                 world_size,
@@ -197,18 +208,19 @@ class ExecutorConformance:
                     f"--reports={reports}",
                 ],
                 timeout_s=120 + 30 * world_size,
+                wrap=shm.wrap if shm is not None else None,
             )
+            left_segments = shm.entries() if shm is not None else []
             for path in sorted(Path(reports).glob("rank-*.jsonl")):
                 for line in path.read_text().splitlines():
                     report = json.loads(line)
                     results.setdefault(report["check"], []).append(report)
-        left_segments = shm_segments() - before
         if run.leftovers or left_segments:
             for report in results.get("shutdown", []):
                 report |= {
                     "outcome": "failed",
                     "message": f"after the world ended: processes {run.leftovers} and "
-                    f"shared-memory segments {sorted(left_segments)} were left",
+                    f"shared-memory segments {left_segments} were left",
                 }
         output = (
             f"{self.launcher} exit code {run.returncode}\n{run.stdout[-3000:]}\n"

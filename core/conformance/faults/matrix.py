@@ -9,6 +9,7 @@ runner and, for start-up faults, with a temporary plugin distribution on ``PYTHO
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardline.conformance.executors.checks import shm_segments
 from shardline.conformance.faults.scenarios import (
     DEADLINE_SLACK_S,
     INJECTION_ENTRY_POINT,
@@ -28,7 +28,7 @@ from shardline.conformance.faults.scenarios import (
     SHUTDOWN_LIMIT_S,
     Scenario,
 )
-from shardline.launch import launchers
+from shardline.launch import launchers, private_shm
 from shardline.registry import Registry
 
 
@@ -125,8 +125,7 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
     startup = settings.startup_timeout_s
     deadline = startup if scenario.deadline == "startup" else settings.timeout_s
     began = time.monotonic()
-    segments_before = shm_segments()
-    with tempfile.TemporaryDirectory(prefix="shardline-faults-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="shardline-faults-") as scratch, _own_shm() as shm:
         reports, markers, dist = (Path(scratch, name) for name in ("reports", "markers", "dist"))
         for folder in (reports, markers):
             folder.mkdir()
@@ -152,6 +151,8 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
             command.append("--launched")
         else:
             command = [sys.executable, *program]
+        if shm is not None:
+            command = shm.wrap(command)
         run = launchers.run_session(command, environ, timeout_s=startup + deadline + 90)
         processes = [json.loads(path.read_text()) for path in sorted(reports.glob("*.json"))]
         imported_by = sorted(markers.glob("imported-by-*"))
@@ -159,6 +160,7 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
             int(path.name.removeprefix("joining-")): float(path.read_text())
             for path in markers.glob("joining-*")
         }
+        left = shm.entries() if shm is not None else []
     result.seconds = round(time.monotonic() - began, 1)
     result.processes = processes
     problems = _judge(scenario, combination, ranks, deadline, processes, run, joined_at)
@@ -166,11 +168,8 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
         problems.append(f"{len(imported_by)} process(es) imported the left-out plugin")
     if scenario.name == "plugin raises on import" and not imported_by:
         problems.append("no process imported the plugin: the injection did not happen")
-    left = sorted(shm_segments() - segments_before)
     if left:
         problems.append(f"/dev/shm entries left: {left}")
-        for name in left:  # reported above; removed so a failed scenario leaks nothing
-            Path("/dev/shm", name).unlink(missing_ok=True)
     if run.leftovers:
         problems.append(f"processes left after the run: {run.leftovers}")
     if run.timed_out:
@@ -180,6 +179,24 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
         tail = (run.stdout[-1500:] + run.stderr[-2500:]).strip()
         result.reason = "; ".join(problems) + (f"\n--- output ---\n{tail}" if tail else "")
     return result
+
+
+@contextlib.contextmanager
+def _own_shm():
+    """A private /dev/shm for one scenario (None where it cannot be made: see
+    :func:`leak_check_unavailable`): what the run leaves there is its own leak, another
+    job's segments are never seen, and everything is removed afterwards."""
+    if private_shm.unavailable_reason() is not None:
+        yield None
+        return
+    with private_shm.PrivateShm() as shm:
+        yield shm
+
+
+def leak_check_unavailable() -> str | None:
+    """Why the matrix cannot judge /dev/shm leaks here (it judges none then), or None."""
+    reason = private_shm.unavailable_reason()
+    return None if reason is None else f"/dev/shm leaks are not judged: {reason}"
 
 
 def _judge(
@@ -291,9 +308,15 @@ def run_matrix(
 
 
 def report(results: Sequence[Result], settings: Settings) -> dict[str, Any]:
-    """The JSON report: settings, pass counts per combination, every result."""
+    """The JSON report: settings, whether leaks were judged, pass counts per combination,
+    every result."""
     counts: dict[str, dict[str, int]] = {}
     for result in results:
         row = counts.setdefault(result.combination, {})
         row[result.outcome] = row.get(result.outcome, 0) + 1
-    return {"settings": asdict(settings), "counts": counts, "results": [asdict(r) for r in results]}
+    return {
+        "settings": asdict(settings),
+        "leak_check": leak_check_unavailable() or "each scenario in a private /dev/shm",
+        "counts": counts,
+        "results": [asdict(r) for r in results],
+    }
