@@ -24,7 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import IO
 
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, echo
 
 MODELS_ENV = "SHARDLINE_MODELS"
 PIP_TIMEOUT_S = 600.0
@@ -190,7 +190,7 @@ def resolve_model_path(
         return value
     if value not in CATALOG:
         raise ConfigError(
-            f"model.path = {value!r}: not an existing file or directory, nor a known model "
+            f"model.path = {echo(value)}: not an existing file or directory, nor a known model "
             f"name (known: {', '.join(known_names())})",
             field="model.path",
         )
@@ -204,7 +204,8 @@ def resolve_model_path(
     else:
         return str(target)
     raise ConfigError(
-        f"model.path = {value!r}: model {state} ({target}); run `shardline models pull {value}`",
+        f"model.path = {echo(value)}: model {state} ({target}); run "
+        f"`shardline models pull {value}`",
         field="model.path",
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, echo
 
 
 def open_checkpoint(path: str | None):
@@ -21,7 +21,9 @@ def open_checkpoint(path: str | None):
         from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 
         return GGUFCheckpoint(location)
-    raise ConfigError(f"model.path = {path!r}: not an HF model directory or an existing .gguf file")
+    raise ConfigError(
+        f"model.path = {echo(path)}: not an HF model directory or an existing .gguf file"
+    )
 
 
 def load_tokenizer(checkpoint: Any):
