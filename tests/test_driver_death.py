@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.conformance.executors.checks import alive
+from shardline.conformance.executors.checks import alive, mapped_segments, wait_gone
 from support.cli import SHARDLINE
 from support.fake_plugins import install_plugin
 from support.smollm2 import smollm2_gguf
@@ -64,21 +64,6 @@ def _children(pid: int, name: str) -> list[int]:
     return found
 
 
-def _mapped_segments(pids: list[int]) -> set[Path]:
-    """The /dev/shm files mapped by ``pids`` (the run's own segments)."""
-    found = set()
-    for pid in pids:
-        try:
-            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
-                found.add(Path(path))
-    return found
-
-
 def _wait_for(condition, seconds: float, what: str):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -87,13 +72,6 @@ def _wait_for(condition, seconds: float, what: str):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _gone_within(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return alive(pids)
 
 
 @pytest.mark.parametrize(
@@ -146,11 +124,11 @@ def test_ranks_end_with_a_killed_driver_in_every_phase(tmp_path, kind, phase):
             assert json.loads(line)["phase"] == phase, (tmp_path / "driver.err").read_text()
         ranks = _children(driver.pid, rank_name)
         assert len(ranks) == 2
-        segments = _mapped_segments([driver.pid, *ranks])
+        segments = mapped_segments([driver.pid, *ranks])
         assert phase == "spawn" or segments or kind == "local_world"
         driver.kill()
         driver.wait(10)
-        assert _gone_within(ranks, 2.0) == [], "ranks alive 2 s after the driver was killed"
+        assert wait_gone(ranks, 2.0) == [], "ranks alive 2 s after the driver was killed"
         _wait_for(lambda: not any(path.exists() for path in segments), 5, f"{segments} removed")
     finally:
         if driver.poll() is None:
@@ -175,12 +153,12 @@ def test_shardline_run_stopped_with_sigterm_while_loading_ends_cleanly():
         _wait_for(lambda: len(_children(run.pid, "shardline-worker")) == 2, 60, "two workers")
         workers = _children(run.pid, "shardline-worker")
         time.sleep(1.0)  # importing or loading
-        segments = _mapped_segments([run.pid, *workers])
+        segments = mapped_segments([run.pid, *workers])
         run.send_signal(signal.SIGTERM)
         _, err = run.communicate(timeout=15)
         assert run.returncode == 143, err
         assert err.strip().splitlines()[-1] == "error: terminated (SIGTERM)", err
-        assert _gone_within(workers, 2.0) == []
+        assert wait_gone(workers, 2.0) == []
         assert not any(path.exists() for path in segments)
     finally:
         if run.poll() is None:

@@ -14,7 +14,7 @@ import pytest
 
 from shardline.config import load_config
 from shardline.conformance.executors import probe
-from shardline.conformance.executors.checks import alive
+from shardline.conformance.executors.checks import alive, wait_gone
 from shardline.errors import ConfigError, PeerLostError, WorkerError
 from shardline.registry import Registry
 from support.greedy_driver import GREEDY_TOKENS, run_script
@@ -137,13 +137,6 @@ def _wait_gone_segments(job, seconds):
     return _segments(job)
 
 
-def _wait_gone(pids, seconds):
-    deadline = time.monotonic() + seconds
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive(pids)
-
-
 def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(tiny_llama_dir):
     driver, info = _start_driver(tiny_llama_dir)
     try:
@@ -155,7 +148,7 @@ def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(tiny_lla
         assert used / 3.0 < 0.05, f"idle engine used {used / 3.0:.1%} of a core"
         driver.kill()
         driver.wait(10)
-        assert _wait_gone(workers, 5.0) == []
+        assert wait_gone(workers, 5.0) == []
         assert _wait_gone_segments(info["job"], 5.0) == []
     finally:
         if driver.poll() is None:
@@ -175,7 +168,7 @@ def test_ctrl_c_on_the_driver_shuts_everything_down(tiny_llama_dir):
                 f"{alive(info['workers'])}; output: {timeout.output!r}; errors: {timeout.stderr!r}"
             ) from None
         assert "shut down" in out, err
-        assert _wait_gone(info["workers"], 5.0) == []
+        assert wait_gone(info["workers"], 5.0) == []
         assert _segments(info["job"]) == []
     finally:
         if driver.poll() is None:

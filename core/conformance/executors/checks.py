@@ -109,7 +109,8 @@ def alive(pids: list[int]) -> list[int]:
     return running
 
 
-def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    """Those of ``pids`` still running after up to ``seconds`` of waiting for them to end."""
     deadline = time.monotonic() + seconds
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -287,7 +288,7 @@ def _check_nothing_left(executor: Executor, pids: list[int], segments: set[Path]
     """No rank process is left, nor any segment the run's processes mapped (judged by the
     suite for a launched world, where the other ranks may still be running)."""
     if executor.owns_processes:
-        left = _wait_gone(pids, 5.0)
+        left = wait_gone(pids, 5.0)
         assert left == [], f"rank processes still running after shutdown: {left}"
     if not executor.launched:
         left_segments = sorted(str(path) for path in segments if path.exists())
