@@ -43,6 +43,7 @@ def test_gloo_passes_the_whole_suite(tmp_path):
         "objects",
         "tensor_dict",
         "tensor_dict async",
+        "unsigned objects",
         "subgroups tp2 x pp2",
         "deadline: rank never joins",
     ):

@@ -98,7 +98,10 @@ def _run_matrix(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_the_suite_fails_a_communicator_that_unpickles_unsigned_bytes(tmp_path):
+def test_a_backend_that_would_unpickle_anything_never_gets_the_chance(tmp_path):
+    """Objects are the control plane's, over any backend's tensor operations: a backend whose
+    own object method unpickles unsigned bytes is never asked to, and the unsigned object of
+    the scenario is refused all the same."""
     report_path = tmp_path / "faults.json"
     result = shardline(
         "faults",
@@ -109,11 +112,9 @@ def test_the_suite_fails_a_communicator_that_unpickles_unsigned_bytes(tmp_path):
         env={"PYTHONPATH": str(ROOT / "tests" / "support")},
         timeout=240,
     )
-    assert result.returncode == 1, result.stdout[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:]
     outcomes = {r["scenario"]: r for r in json.loads(report_path.read_text())["results"]}
-    unsigned = outcomes["ill-formed object"]
-    assert unsigned["outcome"] == "failed"
-    assert "expected a typed error, got completed" in unsigned["reason"]
+    assert outcomes["ill-formed object"]["outcome"] == "passed"
     assert outcomes["ill-formed tensor dict"]["outcome"] == "passed"
 
 

@@ -272,13 +272,13 @@ def test_launched_ranks_take_the_job_secret_from_the_environment():
 
 def test_object_messages_announcing_absurd_sizes_are_refused():
     from shardline.comm.store import serve_store
+    from shardline.distributed.control_plane import ControlPlane
     from shardline_gloo.communicator import GlooBackend
 
     _store, rendezvous = serve_store()
     comm = GlooBackend().init_world(0, 1, rendezvous, 10.0)
-    comm.object_key = rendezvous.secret
     try:
         with pytest.raises(ProtocolError, match="announces -1 bytes"):
-            comm._object_buffer(torch.tensor([-1]), src=0)
+            ControlPlane(comm, rendezvous.secret)._buffer(torch.tensor([-1]), src=0)
     finally:
         comm.close()

@@ -26,8 +26,9 @@ def test_two_ranks_state_in_one_process():
             backend = GlooBackend()
             data = backend.init_world(rank, 2, rendezvous.with_prefix("data"), 30.0)
             control = backend.init_world(rank, 2, rendezvous.with_prefix("control"), 30.0)
-            data.object_key = control.object_key = rendezvous.secret
-            state = ParallelState.create(ParallelLayout(pipeline_parallel_size=2), data, control)
+            state = ParallelState.create(
+                ParallelLayout(pipeline_parallel_size=2), data, control, rendezvous.secret
+            )
             states[rank] = state
             if state.pp.is_first_rank:
                 state.pp.send_tensor_dict({"x": torch.arange(6.0).reshape(2, 3), "note": "hi"})
@@ -71,8 +72,7 @@ def _tp_assisted_hop(ctx) -> dict:
     }
     flags = {"residual": False}
     if pp.is_first_rank:
-        for work in pp.isend_tensor_dict(sent, all_gather_group=tp, all_gather_tensors=flags):
-            work.wait()
+        pp.isend_tensor_dict(sent, all_gather_group=tp, all_gather_tensors=flags).wait()
         return {}
     received = pp.irecv_tensor_dict(all_gather_group=tp, all_gather_tensors=flags).wait()
     return {
@@ -113,4 +113,4 @@ def test_group_coordinator_rejects_mismatched_communicators():
     _store, rendezvous = serve_store()
     world = GlooBackend().init_world(0, 1, rendezvous, 10.0)
     with pytest.raises(ValueError, match="2 ranks but communicators of sizes 1"):
-        GroupCoordinator("tp", [0, 1], world, world)
+        GroupCoordinator("tp", [0, 1], world, world, b"s" * 32)

@@ -10,6 +10,7 @@ import torch
 
 from shardline.comm.store import serve_store
 from shardline.comm.watchdog import SideChannel, WatchedCommunicator
+from shardline.distributed.control_plane import ControlPlane
 from shardline.errors import CollectiveMismatchError, CommTimeoutError
 from shardline_gloo.communicator import GlooBackend
 
@@ -23,7 +24,6 @@ def _run_ranks(body, timeout_s=2.0, check_every=0):
 
     def rank_main(rank):
         comm = GlooBackend().init_world(rank, 2, rendezvous.with_prefix("data"), timeout_s)
-        comm.object_key = rendezvous.secret
         watched = WatchedCommunicator(
             comm, SideChannel(rendezvous.with_prefix("watchdog")), check_every
         )
@@ -48,7 +48,7 @@ def test_wrapped_operations_behave_as_the_bare_communicator():
         total = comm.all_reduce(torch.full((3,), float(comm.rank + 1)))
         gathered = comm.all_gather(torch.tensor([comm.rank]))
         pair = comm.new_group([0, 1])
-        obj = pair.broadcast_object({"from": comm.rank}, src=1)
+        obj = ControlPlane(pair, b"s" * 32).broadcast_object({"from": comm.rank}, src=1)
         return total.tolist(), gathered.tolist(), obj, comm.last.describe(), pair.label
 
     results = _run_ranks(body)

@@ -80,11 +80,9 @@ def demo_step(ctx: ParallelRankContext, rounds: int, hidden: int) -> dict:
     pipeline = "-"
     stage_input = torch.arange(4 * hidden, dtype=torch.float32).reshape(4, hidden)
     if not pp.is_last_rank:
-        works = pp.isend_tensor_dict(
+        pp.isend_tensor_dict(
             {"hidden_states": stage_input + pp.rank_in_group}, all_gather_group=tp
-        )
-        for work in works:
-            work.wait()
+        ).wait()
         pipeline = f"sent to rank {pp.ranks[pp.next_rank]}"
     if not pp.is_first_rank:
         received = pp.irecv_tensor_dict(all_gather_group=tp).wait()

@@ -139,7 +139,6 @@ class MessagePassingCommunicator(Communicator):
         return CompletedWork()
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
-        self._complete_deferred_receives(src)
         seq = self._next_receive(P2P, src)
 
         def fetch(timeout: float | None) -> None:

@@ -64,7 +64,7 @@ def from_tensor(tensor: torch.Tensor, secret: bytes, sender: str = "a peer") -> 
 def _checked(secret: bytes, direction: str) -> bytes:
     if not secret:
         raise ProtocolError(
-            f"cannot {direction} a control-plane object: this communicator has no job secret "
-            "(object_key is empty; communicators made by Shardline get the rendezvous's secret)"
+            f"cannot {direction} a control-plane object: no job secret (a control plane is "
+            "made with the rendezvous's secret)"
         )
     return secret

@@ -208,7 +208,6 @@ class ProcessGroupCommunicator(Communicator):
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
         self._check_peer(src, "recv")
-        self._complete_deferred_receives(src)
         if tensor.numel() == 0:
             return OnceWork(lambda timeout: None, lambda: True, result=tensor)
         buffer = self.stage(tensor)
@@ -227,7 +226,7 @@ class ProcessGroupCommunicator(Communicator):
         self._groups_created += 1
         if self._rank not in ranks:
             return None
-        group = type(self).create(
+        return type(self).create(
             self._store,
             self._transport,
             ranks.index(self._rank),
@@ -235,8 +234,6 @@ class ProcessGroupCommunicator(Communicator):
             self._timeout_s if timeout_s is None else timeout_s,
             f"{self._prefix}g{self._groups_created}/",
         )
-        group.object_key = self.object_key
-        return group
 
     def close(self) -> None:
         self._pg = None

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from shardline.comm.delegating import DelegatingCommunicator
 from shardline.comm.store import connect_store
 from shardline.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
-from shardline.interfaces import Capabilities, Communicator, ReduceOp, Work
+from shardline.interfaces import Communicator, ReduceOp, Work
 from shardline.interfaces.communicator_backend import Rendezvous
 
 #: How long a rank that timed out waits for the others' fingerprints (inside the "deadline
@@ -88,7 +89,7 @@ class SideChannel:
         return self._store
 
 
-class WatchedCommunicator(Communicator):
+class WatchedCommunicator(DelegatingCommunicator):
     """Any communicator, with a fingerprint of every operation and a diagnosis of timeouts.
 
     ``label`` names the group in messages (the world: "world"; subgroups: their ranks).
@@ -103,9 +104,7 @@ class WatchedCommunicator(Communicator):
         label: str = "world",
         global_ranks: list[int] | None = None,
     ) -> None:
-        super().__init__()
-        self.inner = inner
-        self.control_device = inner.control_device
+        super().__init__(inner)
         self.label = label
         self.check_every = check_every
         self.global_ranks = global_ranks or list(range(inner.world_size))
@@ -113,80 +112,45 @@ class WatchedCommunicator(Communicator):
         self._seq = 0
         self.last: Fingerprint | None = None
 
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @property
-    def timeout_s(self) -> float:
-        return self.inner.timeout_s
-
-    @property
-    def object_key(self) -> bytes:
-        return self.inner.object_key
-
-    @object_key.setter
-    def object_key(self, key: bytes) -> None:
-        self.inner.object_key = key
-
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        return self._watch("all_reduce", tensor, None, self.inner.all_reduce, tensor, op)
+        return self._watch("all_reduce", tensor, None, super().all_reduce, tensor, op)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return self._watch("all_gather", tensor, None, self.inner.all_gather, tensor, dim)
+        return self._watch("all_gather", tensor, None, super().all_gather, tensor, dim)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, dim: int = 0, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor:
-        return self._watch(
-            "reduce_scatter", tensor, None, self.inner.reduce_scatter, tensor, dim, op
-        )
+        return self._watch("reduce_scatter", tensor, None, super().reduce_scatter, tensor, dim, op)
 
     def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = 0) -> torch.Tensor | None:
-        return self._watch("gather", tensor, None, self.inner.gather, tensor, dst, dim)
+        return self._watch("gather", tensor, None, super().gather, tensor, dst, dim)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return self._watch("broadcast", tensor, None, self.inner.broadcast, tensor, src)
+        return self._watch("broadcast", tensor, None, super().broadcast, tensor, src)
 
     def barrier(self) -> None:
-        return self._watch("barrier", None, None, self.inner.barrier)
+        return self._watch("barrier", None, None, super().barrier)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        return self._watch("send", tensor, dst, self.inner.send, tensor, dst)
+        return self._watch("send", tensor, dst, super().send, tensor, dst)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self._watch("recv", tensor, src, self.inner.recv, tensor, src)
+        return self._watch("recv", tensor, src, super().recv, tensor, src)
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Work:
-        work = self._watch("isend", tensor, dst, self.inner.isend, tensor, dst)
+        work = self._watch("isend", tensor, dst, super().isend, tensor, dst)
         return _WatchedWork(work, self, self.last)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
-        work = self._watch("irecv", tensor, src, self.inner.irecv, tensor, src)
+        work = self._watch("irecv", tensor, src, super().irecv, tensor, src)
         return _WatchedWork(work, self, self.last)
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self._watch("broadcast_object", None, None, self.inner.broadcast_object, obj, src)
-
-    def new_group(self, ranks: list[int], timeout_s: float | None = None) -> Communicator | None:
-        group = self.inner.new_group(ranks, timeout_s)
-        if group is None:
-            return None
+    def wrap_group(self, group: Communicator, ranks: list[int]) -> WatchedCommunicator:
         members = [self.global_ranks[r] for r in ranks]
         return WatchedCommunicator(
             group, self._channel, self.check_every, f"ranks {members}", members
         )
-
-    def close(self) -> None:
-        self.inner.close()
 
     def _watch(self, op, tensor, peer, call, *args):
         self._seq += 1

@@ -5,13 +5,15 @@ returns a small picklable value (or None). Failures are AssertionErrors naming w
 from __future__ import annotations
 
 import gc
+import pickle
 import time
+from pathlib import Path
 
 import torch
 
 from shardline.conformance.cases import assert_same, make_input, reduce_expected
 from shardline.distributed import ParallelLayout, ParallelState
-from shardline.errors import CommTimeoutError
+from shardline.errors import CommTimeoutError, ProtocolError
 from shardline.interfaces import ReduceOp
 
 
@@ -115,20 +117,21 @@ def isend_irecv(ctx, shape: str, dtype: str) -> None:
 
 
 def p2p_order(ctx) -> None:
-    """Rank 0 sends rank 1 a tensor, an object, a tensor dict and five more tensors; rank 1
-    posts every receive first, then waits in reverse order: each arrives in sending order."""
-    comm = ctx.comm
+    """Rank 0 sends rank 1 a tensor, an object, a tensor dict (through the control plane over
+    the backend) and five more tensors; rank 1 posts every receive first, then waits in
+    reverse order: each arrives in sending order."""
+    comm, control = ctx.comm, ctx.control
     if comm.rank == 0:
         comm.send(torch.full((3,), 7.0), 1)
-        comm.send_object({"step": 1}, 1)
-        comm.send_tensor_dict({"x": torch.arange(4.0), "tag": "first"}, 1)
+        control.send_object({"step": 1}, 1)
+        control.send_tensor_dict({"x": torch.arange(4.0), "tag": "first"}, 1)
         works = [comm.isend(torch.full((i + 1,), float(i)), 1) for i in range(5)]
         for work in works:
             work.wait()
     elif comm.rank == 1:
         first = comm.recv(torch.empty(3), 0)
-        obj = comm.recv_object(0)
-        pending_dict = comm.irecv_tensor_dict(0)
+        obj = control.recv_object(0)
+        pending_dict = control.irecv_tensor_dict(0)
         buffers = [torch.empty(i + 1) for i in range(5)]
         works = [comm.irecv(b, 0) for b in buffers]
         for work in reversed(works):
@@ -157,24 +160,57 @@ def barrier(ctx) -> float:
 
 
 def objects(ctx) -> None:
-    comm = ctx.comm
+    """Signed objects through the control plane over the backend: a broadcast of 1 MiB and
+    more, and a ring of sends."""
+    comm, control = ctx.comm, ctx.control
     n, rank = comm.world_size, comm.rank
     src = n - 1
     payload = {"from": rank, "nested": [1, (2, 3), {"x": None}], "blob": b"\x00" * (1 << 20)}
-    got = comm.broadcast_object(payload if rank == src else None, src)
+    got = control.broadcast_object(payload if rank == src else None, src)
     assert got["from"] == src and got["nested"] == payload["nested"], f"broadcast_object: {got!r}"
     assert len(got["blob"]) == 1 << 20, "broadcast_object lost bytes"
     if n == 1:
         return
     message = {"from": rank, "text": "x" * (rank + 1)}
     if rank % 2 == 0:
-        comm.send_object(message, (rank + 1) % n)
-        got = comm.recv_object((rank - 1) % n)
+        control.send_object(message, (rank + 1) % n)
+        got = control.recv_object((rank - 1) % n)
     else:
-        got = comm.recv_object((rank - 1) % n)
-        comm.send_object(message, (rank + 1) % n)
+        got = control.recv_object((rank - 1) % n)
+        control.send_object(message, (rank + 1) % n)
     prev = (rank - 1) % n
     assert got == {"from": prev, "text": "x" * (prev + 1)}, f"recv_object: {got!r}"
+
+
+class _Planted:
+    """Unpickling this creates the file ``path``: the proof that bytes reached pickle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def unsigned_objects(ctx, marker: str) -> None:
+    """Rank 0 broadcasts, over the backend, a pickle that would create ``marker`` when
+    unpickled, without the job secret's signature (what a process outside the job could
+    send): every other rank's control plane refuses it with ProtocolError, unread."""
+    comm, control = ctx.comm, ctx.control
+    if comm.rank == 0:
+        raw = bytes(32) + pickle.dumps(_Planted(marker))  # a tag that is not the HMAC
+        payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(control.device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=control.device)
+        comm.broadcast(size, 0)
+        comm.broadcast(payload, 0)
+        return
+    try:
+        control.broadcast_object(None, 0)
+    except ProtocolError as error:
+        assert "fails the job-secret check" in str(error), str(error)
+    else:
+        raise AssertionError("unsigned bytes were accepted as an object")
+    assert not Path(marker).exists(), "unsigned bytes reached pickle"
 
 
 def _sample_tensor_dict(rank: int) -> dict:
@@ -207,20 +243,21 @@ def _check_tensor_dict(received: dict, sender: int) -> None:
 
 
 def tensor_dicts(ctx, asynchronous: bool) -> None:
-    comm = ctx.comm
+    """Tensor dicts through the control plane over the backend, in a ring."""
+    comm, control = ctx.comm, ctx.control
     n, rank = comm.world_size, comm.rank
     if asynchronous:
-        send_work = comm.isend_tensor_dict(_sample_tensor_dict(rank), (rank + 1) % n)
-        recv_work = comm.irecv_tensor_dict((rank - 1) % n)
+        send_work = control.isend_tensor_dict(_sample_tensor_dict(rank), (rank + 1) % n)
+        recv_work = control.irecv_tensor_dict((rank - 1) % n)
         received = recv_work.wait()
         send_work.wait()
         assert recv_work.wait() is received, "second wait of irecv_tensor_dict differs"
     elif rank % 2 == 0:
-        comm.send_tensor_dict(_sample_tensor_dict(rank), (rank + 1) % n)
-        received = comm.recv_tensor_dict((rank - 1) % n)
+        control.send_tensor_dict(_sample_tensor_dict(rank), (rank + 1) % n)
+        received = control.recv_tensor_dict((rank - 1) % n)
     else:
-        received = comm.recv_tensor_dict((rank - 1) % n)
-        comm.send_tensor_dict(_sample_tensor_dict(rank), (rank + 1) % n)
+        received = control.recv_tensor_dict((rank - 1) % n)
+        control.send_tensor_dict(_sample_tensor_dict(rank), (rank + 1) % n)
     _check_tensor_dict(received, (rank - 1) % n)
 
 
@@ -230,7 +267,10 @@ def subgroups(ctx, rounds: int) -> None:
     comm = ctx.comm
     control = comm.new_group(list(range(comm.world_size)))
     state = ParallelState.create(
-        ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2), comm, control
+        ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2),
+        comm,
+        control,
+        ctx.secret,
     )
     try:
         tp, pp = state.tp, state.pp

@@ -1,4 +1,6 @@
-"""Objects and tensor dicts (metadata + tensors, empty tensors and plain values)."""
+"""Objects and tensor dicts (metadata + tensors, empty tensors and plain values), through the
+control plane Shardline builds on the backend's tensor operations, and unsigned bytes that
+must never reach pickle."""
 
 import pytest
 
@@ -21,3 +23,9 @@ def test_tensor_dicts(conformance, world_size):
 def test_async_tensor_dicts(conformance, world_size):
     conformance.require(needs_async_p2p=True)
     conformance.run(world_size, checks.tensor_dicts, True)
+
+
+@pytest.mark.shardline_op("unsigned objects")
+@pytest.mark.shardline_world_sizes(2, 3, 4)
+def test_unsigned_bytes_never_reach_pickle(conformance, world_size, tmp_path):
+    conformance.run(world_size, checks.unsigned_objects, str(tmp_path / "unpickled"))

@@ -1,7 +1,8 @@
 """GroupCoordinator: one group of ranks over two channels.
 
 The *data plane* (a Communicator on the tensors' device: gloo, MPI, NCCL, ...) carries tensor
-collectives and point-to-point tensors. The *control plane* (a CPU Communicator) carries
+collectives and point-to-point tensors. The *control plane* (a
+:class:`~shardline.distributed.control_plane.ControlPlane` over a CPU Communicator) carries
 objects, tensor-dict metadata and barriers, so control traffic never queues behind or mixes
 with device tensors. Both communicators span the same ranks in the same order.
 """
@@ -13,8 +14,7 @@ from typing import Any
 
 import torch
 
-from shardline.comm import tensor_dict as td
-from shardline.comm.work import CompositeWork
+from shardline.distributed.control_plane import AllGatherSplit, ControlPlane
 from shardline.interfaces import Communicator, ReduceOp, Work
 
 
@@ -26,7 +26,12 @@ class GroupCoordinator:
     """
 
     def __init__(
-        self, name: str, ranks: Sequence[int], data: Communicator, control: Communicator
+        self,
+        name: str,
+        ranks: Sequence[int],
+        data: Communicator,
+        control: Communicator,
+        secret: bytes,
     ) -> None:
         if data.world_size != len(ranks) or control.world_size != len(ranks):
             raise ValueError(
@@ -39,6 +44,7 @@ class GroupCoordinator:
         self.ranks = list(ranks)
         self.data = data
         self.control = control
+        self.control_plane = ControlPlane(control, secret)
 
     # ---- position -------------------------------------------------------------------------
 
@@ -115,13 +121,13 @@ class GroupCoordinator:
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         if self.world_size == 1:
             return obj
-        return self.control.broadcast_object(obj, src)
+        return self.control_plane.broadcast_object(obj, src)
 
     def send_object(self, obj: Any, dst: int | None = None) -> None:
-        self.control.send_object(obj, self.next_rank if dst is None else dst)
+        self.control_plane.send_object(obj, self.next_rank if dst is None else dst)
 
     def recv_object(self, src: int | None = None) -> Any:
-        return self.control.recv_object(self.prev_rank if src is None else src)
+        return self.control_plane.recv_object(self.prev_rank if src is None else src)
 
     # ---- tensor dicts across pipeline stages ---------------------------------------------------
 
@@ -131,25 +137,22 @@ class GroupCoordinator:
         dst: int | None = None,
         all_gather_group: GroupCoordinator | None = None,
         all_gather_tensors: Mapping[str, bool] | None = None,
-    ) -> list[Work]:
+    ) -> Work:
         """Start sending ``tensor_dict`` to ``dst`` (default: next rank): metadata on the
-        control plane, tensors on the data plane. Returns the handles to wait before the
-        tensors may be reused.
+        control plane, tensors on the data plane. Wait the returned handle before the tensors
+        may be reused.
 
-        TP-assisted transfer: with ``all_gather_group`` (this rank's TP group, size t), every
-        tensor whose element count divides by t (and that ``all_gather_tensors`` does not mark
-        False) is sent as this rank's 1/t slice only; the receiving stage's TP ranks each get
-        their slice and all-gather it. Both stages must pass matching arguments.
+        TP-assisted transfer: with ``all_gather_group`` (this rank's TP group), tensors are
+        sent as this rank's slice and all-gathered by the receiving stage (see
+        :class:`~shardline.distributed.control_plane.AllGatherSplit`); both stages must pass
+        matching arguments.
         """
-        dst = self.next_rank if dst is None else dst
-        metadata, tensors = td.split(tensor_dict)
-        self.control.send_object(metadata, dst)
-        keys = [key for key, value in metadata if isinstance(value, td.TensorMeta) and value.numel]
-        works = []
-        for key, tensor in zip(keys, tensors, strict=True):
-            part = _slice_for_rank(tensor, key, all_gather_group, all_gather_tensors)
-            works.append(self.data.isend(part, dst))
-        return works
+        return self.control_plane.isend_tensor_dict(
+            tensor_dict,
+            self.next_rank if dst is None else dst,
+            self.data,
+            _split(all_gather_group, all_gather_tensors),
+        )
 
     def irecv_tensor_dict(
         self,
@@ -161,25 +164,18 @@ class GroupCoordinator:
         """Start receiving a tensor dict from ``src`` (default: previous rank). The metadata
         is received now; tensors arrive asynchronously. ``wait()`` returns the dict, after the
         TP all-gather of sliced tensors (see :meth:`isend_tensor_dict`)."""
-        src = self.prev_rank if src is None else src
-        metadata = self.control.recv_object(src)
-        result, buffers = td.allocate(metadata, device, f"rank {src}")
-        keys = [key for key, value in metadata if isinstance(value, td.TensorMeta) and value.numel]
-        works = []
-        parts: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        for key, buffer in zip(keys, buffers, strict=True):
-            part = _slice_for_rank(buffer, key, all_gather_group, all_gather_tensors)
-            if part is not buffer:
-                part = torch.empty_like(part)
-            works.append(self.data.irecv(part, src))
-            parts.append((key, buffer, part))
-        return _TensorDictReceive(works, result, parts, all_gather_group)
+        return self.control_plane.irecv_tensor_dict(
+            self.prev_rank if src is None else src,
+            self.data,
+            _split(all_gather_group, all_gather_tensors),
+            device,
+        )
 
     def send_tensor_dict(
         self, tensor_dict: dict[str, Any], dst: int | None = None, **kwargs
     ) -> None:
         """Blocking :meth:`isend_tensor_dict`."""
-        CompositeWork(self.isend_tensor_dict(tensor_dict, dst, **kwargs)).wait()
+        self.isend_tensor_dict(tensor_dict, dst, **kwargs).wait()
 
     def recv_tensor_dict(self, src: int | None = None, **kwargs) -> dict[str, Any]:
         """Blocking :meth:`irecv_tensor_dict`."""
@@ -191,40 +187,7 @@ class GroupCoordinator:
             self.control.close()
 
 
-def _slice_for_rank(
-    tensor: torch.Tensor,
-    key: str,
-    all_gather_group: GroupCoordinator | None,
-    all_gather_tensors: Mapping[str, bool] | None,
-) -> torch.Tensor:
-    """This TP rank's 1/t of ``tensor`` (flattened), or ``tensor`` when not sliced."""
-    if all_gather_group is None or all_gather_group.world_size == 1:
-        return tensor
-    if all_gather_tensors is not None and not all_gather_tensors.get(key, True):
-        return tensor
-    if tensor.numel() % all_gather_group.world_size:
-        return tensor
-    return tensor.reshape(all_gather_group.world_size, -1)[all_gather_group.rank_in_group]
-
-
-class _TensorDictReceive(Work):
-    """Waits the tensor receives, then all-gathers sliced tensors into their full buffers."""
-
-    def __init__(self, works, result, parts, all_gather_group) -> None:
-        self._inner = CompositeWork(works)
-        self._result = result
-        self._parts = parts
-        self._group = all_gather_group
-        self._assembled = False
-
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        self._inner.wait(timeout)
-        if not self._assembled:
-            self._assembled = True
-            for _key, buffer, part in self._parts:
-                if part is not buffer:
-                    buffer.copy_(self._group.all_gather(part, dim=0).reshape(buffer.shape))
-        return self._result
-
-    def is_completed(self) -> bool:
-        return self._assembled
+def _split(
+    group: GroupCoordinator | None, only: Mapping[str, bool] | None
+) -> AllGatherSplit | None:
+    return None if group is None or group.world_size == 1 else AllGatherSplit(group, only)

@@ -31,9 +31,11 @@ class ParallelState:
         layout: ParallelLayout,
         data_world: Communicator,
         control_world: Communicator,
+        secret: bytes,
     ) -> ParallelState:
         """Build every group from the world communicators. Every rank of the world calls this
-        (group creation is collective over the world): all TP groups, then PP, then DP."""
+        (group creation is collective over the world): all TP groups, then PP, then DP.
+        ``secret`` is the job's: every group's control plane signs objects with it."""
         if data_world.world_size != layout.world_size:
             raise ValueError(
                 f"the layout needs {layout.world_size} ranks "
@@ -43,7 +45,9 @@ class ParallelState:
                 f"but the world has {data_world.world_size}"
             )
         rank = data_world.rank
-        world = GroupCoordinator("world", list(range(layout.world_size)), data_world, control_world)
+        world = GroupCoordinator(
+            "world", list(range(layout.world_size)), data_world, control_world, secret
+        )
         mine: dict[str, GroupCoordinator] = {}
         for axis, groups in (
             ("tp", layout.tp_groups()),
@@ -56,7 +60,7 @@ class ParallelState:
                 if rank in ranks:
                     if isinstance(data, WatchedCommunicator):
                         data.label = f"{axis} {data.label}"  # "tp ranks [0, 1]" in diagnoses
-                    mine[axis] = GroupCoordinator(axis, ranks, data, control)
+                    mine[axis] = GroupCoordinator(axis, ranks, data, control, secret)
         return cls(layout, rank, world, mine["tp"], mine["pp"], mine["dp"])
 
     @property

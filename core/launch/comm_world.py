@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from shardline.comm.watchdog import SideChannel, WatchedCommunicator
 from shardline.config.schema import EngineConfig
 from shardline.distributed import ParallelState
+from shardline.distributed.control_plane import ControlPlane
 from shardline.interfaces import Communicator
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.registry import Registry
@@ -15,11 +16,14 @@ from shardline.registry import Registry
 
 @dataclass
 class RankContext:
-    """What a rank of a communicator world holds: its rank and the world communicator."""
+    """What a rank of a communicator world holds: its rank, the world communicator and a
+    control plane over it (objects and tensor dicts signed with the job secret)."""
 
     rank: int
     world_size: int
     comm: Communicator
+    control: ControlPlane
+    secret: bytes
 
     def close(self) -> None:
         self.comm.close()
@@ -39,8 +43,10 @@ class CommunicatorSetup:
         registry = Registry.load(allow=self.allow_plugins)
         backend = registry.get("communicator", self.backend).load_available()()
         comm = backend.init_world(rank, world_size, rendezvous, self.timeout_s)
-        comm.object_key = rendezvous.secret
-        return RankContext(rank, world_size, comm)
+        # Object bytes travel on the CPU unless the backend moves device tensors only.
+        device = "cpu" if "cpu" in comm.capabilities.devices else "cuda"
+        control = ControlPlane(comm, rendezvous.secret, device)
+        return RankContext(rank, world_size, comm, control, rendezvous.secret)
 
 
 @dataclass
@@ -85,13 +91,11 @@ def join_parallel_worlds(
     data = data_backend.init_world(
         rank, world_size, rendezvous.with_prefix("data"), parallel.timeout_s
     )
-    data.object_key = rendezvous.secret
     if parallel.watchdog:
         channel = SideChannel(rendezvous.with_prefix("watchdog"))
         data = WatchedCommunicator(data, channel, parallel.watchdog_check_every)
     control = control_backend.init_world(
         rank, world_size, rendezvous.with_prefix("control"), parallel.timeout_s
     )
-    control.object_key = rendezvous.secret
-    state = ParallelState.create(parallel.layout, data, control)
+    state = ParallelState.create(parallel.layout, data, control, rendezvous.secret)
     return ParallelRankContext(state, data, control)

@@ -29,6 +29,8 @@ class Component:
     - ``target``: ``"package.module:Attribute"``, imported only when the part is used.
     - ``summary``: one line for ``shardline plugins``.
     - ``capabilities``: for communicators, what the backend supports (checked at validation).
+    - ``capabilities_of``: for a communicator that wraps another registered one (its
+      name): the registry gives it that one's capabilities, instead of ``capabilities``.
     - ``kind`` and ``plugin`` are filled in by the registry.
     """
 
@@ -36,6 +38,7 @@ class Component:
     target: str
     summary: str = ""
     capabilities: Capabilities | None = None
+    capabilities_of: str = ""
     kind: str = ""
     plugin: str = ""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.metadata
 from collections.abc import Iterable, Sequence
@@ -64,10 +65,22 @@ class Registry:
                     f"({component.target}); uninstall one, or leave one out of SHARDLINE_PLUGINS"
                 )
             self._by_kind[component.kind][component.name] = component
+        self._by_kind["communicator"] = {
+            name: self._with_base_capabilities(component)
+            for name, component in self._by_kind["communicator"].items()
+        }
         self.plugins = list(plugins)
         self.failures = list(failures)
         self.skipped = list(skipped)
         self._hooks = hooks
+
+    def _with_base_capabilities(self, component: Component) -> Component:
+        """A wrapping communicator (``capabilities_of``) with its base's capabilities (None
+        when no loaded plugin provides the base)."""
+        if not component.capabilities_of:
+            return component
+        base = self._by_kind["communicator"].get(component.capabilities_of)
+        return dataclasses.replace(component, capabilities=base.capabilities if base else None)
 
     @classmethod
     def load(cls, allow: Sequence[str] | None = None, strict: bool = False) -> Registry:
@@ -160,13 +173,16 @@ class Registry:
                     "'package.module:Class' path to such a subclass",
                     field=field,
                 ) from None
-            return Component(
-                name=name,
-                target=name,
-                summary=(target.__doc__ or "").strip().split("\n")[0],
-                capabilities=getattr(target, "capabilities", None),
-                kind=kind,
-                plugin="(import path)",
+            return self._with_base_capabilities(
+                Component(
+                    name=name,
+                    target=name,
+                    summary=(target.__doc__ or "").strip().split("\n")[0],
+                    capabilities=getattr(target, "capabilities", None),
+                    capabilities_of=getattr(target, "base", "") if kind == "communicator" else "",
+                    kind=kind,
+                    plugin="(import path)",
+                )
             )
         known = self.names(kind)
         close = difflib.get_close_matches(name, known, n=1)

@@ -30,7 +30,7 @@ class Worker:
         self.state = state
         self.model_runner = model_runner
         self.tp_assisted_transfer = tp_assisted_transfer
-        self._pp_send_work: list[Work] = []
+        self._pp_send_work: Work | None = None
 
     @property
     def rank(self) -> int:
@@ -52,9 +52,9 @@ class Worker:
            None is returned; otherwise only the output rank returns the output.
         """
         pp = self.state.pp
-        for work in self._pp_send_work:
-            work.wait()
-        self._pp_send_work = []
+        if self._pp_send_work is not None:
+            self._pp_send_work.wait()
+        self._pp_send_work = None
         forward_pass = scheduler_output.total_num_scheduled_tokens > 0
         gather_group = self.state.tp if self.tp_assisted_transfer else None
         intermediate = None
@@ -73,6 +73,6 @@ class Worker:
         return output if self.state.is_output_rank else None
 
     def close(self) -> None:
-        for work in self._pp_send_work:
-            work.wait()
-        self._pp_send_work = []
+        if self._pp_send_work is not None:
+            self._pp_send_work.wait()
+        self._pp_send_work = None

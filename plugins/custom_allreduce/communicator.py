@@ -43,11 +43,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from shardline_custom_allreduce.plugin import CUSTOM_AR_CAPABILITIES, CUSTOM_AR_MPI_CAPABILITIES
 
+from shardline.comm.delegating import DelegatingCommunicator
 from shardline.comm.waiting import Polling, wait_until
+from shardline.distributed.control_plane import ControlPlane
 from shardline.errors import CommTimeoutError, CommunicationError
-from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
+from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous
 from shardline.registry import Registry
 
 #: Inputs up to this size take the one-shot path; larger ones are split over the ranks.
@@ -81,10 +82,9 @@ class CustomAllReduceBackend(CommunicatorBackend):
     """Builds the base communicator's world (``base``, a registered name, provided by the
     plugin whose entry point is ``base_plugin``) and layers the shared-memory all-reduce over
     it. Only that plugin is loaded for it: no other installed plugin's code runs. Subclass and
-    set both for another base."""
+    set both for another base. Its capabilities are the base's (the registry copies them)."""
 
     name = "custom_ar"
-    capabilities = CUSTOM_AR_CAPABILITIES
     base = "gloo"
     base_plugin = "gloo"
 
@@ -94,46 +94,51 @@ class CustomAllReduceBackend(CommunicatorBackend):
         registry = Registry.load(allow=(self.base_plugin,))
         base_backend = registry.get("communicator", self.base).load_available()()
         base = base_backend.init_world(rank, world_size, rendezvous.with_prefix("base"), timeout_s)
-        base.object_key = rendezvous.secret  # host identities travel as objects
         # A shared world has all its ranks on this host.
-        return CustomAllReduceCommunicator.create(
-            base, Polling.for_ranks_on_host(world_size), rendezvous.job
-        )
+        world = _World(Polling.for_ranks_on_host(world_size), rendezvous.job, rendezvous.secret)
+        return CustomAllReduceCommunicator.create(base, world)
 
 
-class CustomAllReduceCommunicator(Communicator):
-    """The shared-memory all-reduce over ``base`` (see the module docstring)."""
+@dataclass(frozen=True)
+class _World:
+    """What every group of one custom_ar world shares: how waits use the CPU, the job's name
+    (segments are ``shardline-<job>-ar-...``) and its secret (host identities travel as
+    signed objects)."""
 
-    def __init__(
-        self, base: Communicator, segment: _Segment | None, polling: Polling, job: str
-    ) -> None:
-        super().__init__()
-        self.base = base
+    polling: Polling
+    job: str
+    secret: bytes
+
+
+class CustomAllReduceCommunicator(DelegatingCommunicator):
+    """The shared-memory all-reduce over the base communicator ``inner``, which does
+    everything else (see the module docstring)."""
+
+    def __init__(self, base: Communicator, segment: _Segment | None, world: _World) -> None:
+        super().__init__(base)
         self._segment = segment
-        self._polling = polling
-        self._job = job
+        self._world = world
+        self._polling = world.polling
         self._rank = base.rank
         self._calls = 0
         self._plans: dict[tuple, _OneShot | str] = {}
 
     @classmethod
-    def create(cls, base: Communicator, polling: Polling, job: str) -> CustomAllReduceCommunicator:
-        """Collective over ``base``: exchange host identities; on one host, map a segment
-        (named ``shardline-<job>-ar-...``). ``polling``: how waits use the CPU (from the
-        number of ranks on this host)."""
-        hosts = [base.broadcast_object(host_identity(), src) for src in range(base.world_size)]
+    def create(cls, base: Communicator, world: _World) -> CustomAllReduceCommunicator:
+        """Collective over ``base``: exchange host identities; on one host, map a segment."""
+        control = ControlPlane(base, world.secret)
+        hosts = [control.broadcast_object(host_identity(), src) for src in range(base.world_size)]
         if base.world_size == 1 or len(set(hosts)) > 1:
-            return cls(base, None, polling, job)
+            return cls(base, None, world)
         segment, announced = None, None
         if base.rank == 0:  # create (full size) before anyone may map it
             try:
-                segment = _Segment.open(
-                    f"shardline-{job}-ar-{secrets.token_hex(8)}", 0, base.world_size, create=True
-                )
+                name = f"shardline-{world.job}-ar-{secrets.token_hex(8)}"
+                segment = _Segment.open(name, 0, base.world_size, create=True)
                 announced = segment.name
             except OSError as error:
                 announced = error
-        announced = base.broadcast_object(announced, 0)
+        announced = control.broadcast_object(announced, 0)
         if isinstance(announced, BaseException):
             raise CommunicationError(
                 f"custom_ar: rank 0 could not create the shared segment: {announced}",
@@ -146,33 +151,7 @@ class CustomAllReduceCommunicator(Communicator):
             base.barrier()  # everyone has mapped it: the name can go
         finally:
             segment.unlink()
-        return cls(base, segment, polling, job)
-
-    # ---- identity ----------------------------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        return self.base.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.base.world_size
-
-    @property
-    def capabilities(self):
-        return CUSTOM_AR_CAPABILITIES
-
-    @property
-    def timeout_s(self) -> float:
-        return self.base.timeout_s
-
-    @property
-    def object_key(self) -> bytes:
-        return self.base.object_key
-
-    @object_key.setter
-    def object_key(self, key: bytes) -> None:
-        self.base.object_key = key
+        return cls(base, segment, world)
 
     @property
     def shared(self) -> bool:
@@ -184,7 +163,7 @@ class CustomAllReduceCommunicator(Communicator):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         segment = self._segment
         if segment is None or not tensor.is_cpu:
-            return self.base.all_reduce(tensor, op)
+            return self.inner.all_reduce(tensor, op)
         key = (tensor.shape, tensor.dtype, op)
         plan = self._plans.get(key)
         if plan is None:
@@ -193,7 +172,7 @@ class CustomAllReduceCommunicator(Communicator):
                 self._plans.clear()
             self._plans[key] = plan
         if plan is _BASE:
-            return self.base.all_reduce(tensor, op)
+            return self.inner.all_reduce(tensor, op)
         self._calls = call = self._calls + 1
         if plan is _TWO_SHOT:
             return self._two_shot(tensor, ReduceOp(op), call)
@@ -267,71 +246,16 @@ class CustomAllReduceCommunicator(Communicator):
                 rank=self.rank,
             ) from error
 
-    # ---- everything else: the base communicator ---------------------------------------------
+    # ---- groups and lifetime ---------------------------------------------------------------
 
-    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return self.base.all_gather(tensor, dim)
-
-    def reduce_scatter(
-        self, tensor: torch.Tensor, dim: int = 0, op: ReduceOp = ReduceOp.SUM
-    ) -> torch.Tensor:
-        return self.base.reduce_scatter(tensor, dim, op)
-
-    def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = 0) -> torch.Tensor | None:
-        return self.base.gather(tensor, dst, dim)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return self.base.broadcast(tensor, src)
-
-    def barrier(self) -> None:
-        self.base.barrier()
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.base.send(tensor, dst)
-
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self.base.recv(tensor, src)
-
-    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
-        return self.base.isend(tensor, dst)
-
-    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
-        return self.base.irecv(tensor, src)
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.base.broadcast_object(obj, src)
-
-    def send_object(self, obj: Any, dst: int) -> None:
-        self.base.send_object(obj, dst)
-
-    def recv_object(self, src: int) -> Any:
-        return self.base.recv_object(src)
-
-    def send_tensor_dict(self, tensor_dict: dict[str, Any], dst: int) -> None:
-        self.base.send_tensor_dict(tensor_dict, dst)
-
-    def recv_tensor_dict(self, src: int, device: str | None = None) -> dict[str, Any]:
-        return self.base.recv_tensor_dict(src, device)
-
-    def isend_tensor_dict(self, tensor_dict: dict[str, Any], dst: int) -> Work:
-        return self.base.isend_tensor_dict(tensor_dict, dst)
-
-    def irecv_tensor_dict(self, src: int, device: str | None = None) -> Work:
-        return self.base.irecv_tensor_dict(src, device)
-
-    def new_group(
-        self, ranks: list[int], timeout_s: float | None = None
-    ) -> CustomAllReduceCommunicator | None:
-        group = self.base.new_group(ranks, timeout_s)
-        if group is None:
-            return None
-        return CustomAllReduceCommunicator.create(group, self._polling, self._job)
+    def wrap_group(self, group: Communicator, ranks: list[int]) -> CustomAllReduceCommunicator:
+        return CustomAllReduceCommunicator.create(group, self._world)
 
     def close(self) -> None:
         segment, self._segment = self._segment, None
         if segment is not None:
             segment.close()
-        self.base.close()
+        self.inner.close()
 
 
 def _chunk(count: int, parts: int, index: int) -> tuple[int, int]:
@@ -481,6 +405,5 @@ class CustomAllReduceOverMpi(CustomAllReduceBackend):
     """The shared-memory all-reduce over the MPI communicator (ranks started by mpiexec)."""
 
     name = "custom_ar_mpi"
-    capabilities = CUSTOM_AR_MPI_CAPABILITIES
     base = "mpi"
     base_plugin = "mpi"

@@ -284,7 +284,6 @@ class MpiCommunicator(Communicator):
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
         self._check_peer(src, "recv")
-        self._complete_deferred_receives(src)
         if tensor.numel() == 0:
             return OnceWork(lambda timeout: None, lambda: True, result=tensor)
         buffer = (
@@ -311,11 +310,9 @@ class MpiCommunicator(Communicator):
         if not member:
             return None
         sub.Set_errhandler(self._mpi.ERRORS_RETURN)
-        group = MpiCommunicator(
+        return MpiCommunicator(
             sub, self._timeout_s if timeout_s is None else timeout_s, self._user_ops, self._polling
         )
-        group.object_key = self.object_key
-        return group
 
     def close(self) -> None:
         comm, self._comm = self._comm, None

@@ -1,5 +1,6 @@
-"""A careless communicator, selected by import path, to prove the fault suite fails a backend
-that unpickles control-plane bytes without checking the job secret."""
+"""A careless communicator, selected by import path: its own ``broadcast_object`` unpickles
+whatever arrives. Objects are Shardline's control plane, built on tensor operations, so this
+method is never called (what the fault suite's test shows)."""
 
 import pickle
 

@@ -57,15 +57,13 @@ class StoreCommunicator(MessagePassingCommunicator):
         self._groups += 1
         if self._rank not in ranks:
             return None
-        group = StoreCommunicator(
+        return StoreCommunicator(
             self._store,
             [self._members[r] for r in ranks],
             ranks.index(self._rank),
             self._timeout_s if timeout_s is None else timeout_s,
             f"{self._name}.g{self._groups}",
         )
-        group.object_key = self.object_key  # objects in the subgroup are signed alike
-        return group
 
     def close(self):
         pass
