@@ -49,6 +49,18 @@ def test_explain_names_the_rejected_combination():
     assert "device cuda not supported (supported: cpu)" in result.stdout
 
 
+def test_explain_and_validate_refuse_data_parallel_replicas():
+    dp2 = ("--set", "parallel.data_parallel_size=2")
+    explained = shardline("explain", *dp2)
+    assert explained.returncode == 2
+    assert "problem: parallel.data_parallel_size = 2:" in explained.stdout
+    validated = shardline("config", "validate", *dp2)
+    assert validated.returncode == 2
+    assert "parallel.data_parallel_size = 2:" in validated.stderr
+    assert validated.stderr.rstrip().endswith("allowed: 1")
+    _no_traceback(validated)
+
+
 def test_config_show_on_a_typo_is_one_clear_message(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("parallel:\n  tensor_paralel_size: 2\n")
@@ -83,6 +95,24 @@ def test_config_validate_and_schema():
     _no_traceback(unknown)
     schema = shardline("config", "schema")
     assert json.loads(schema.stdout)["title"] == "EngineConfig"
+
+
+def test_config_validate_and_show_take_the_file_positionally():
+    valid = shardline("config", "validate", EXAMPLE)
+    assert valid.returncode == 0, valid.stderr
+    assert f"{EXAMPLE}: valid (world size 4)" in valid.stdout
+    shown = shardline("config", "show", EXAMPLE)
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[2:]}
+    assert rows["parallel.tensor_parallel_size"][1:] == ["2", EXAMPLE]
+
+
+def test_config_file_given_positionally_and_by_option_is_one_error():
+    result = shardline("config", "validate", EXAMPLE, "--config", EXAMPLE)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "give FILE or --config FILE, not both" in result.stderr
+    _no_traceback(result)
 
 
 def test_malformed_set_is_a_clear_error():

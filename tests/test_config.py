@@ -67,6 +67,25 @@ def test_unknown_key_names_file_field_value_and_suggestion(tmp_path):
     assert "Allowed in [parallel]:" in message
 
 
+def test_a_section_key_at_the_top_level_suggests_its_section(tmp_path):
+    path = tmp_path / "flat.yaml"
+    path.write_text("distributed_executor_backend: mp\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["timeout_s=3"], environ={})
+    message = str(error.value)
+    assert f"{path}: distributed_executor_backend = 'mp': unknown key." in message
+    assert "Did you mean 'parallel.distributed_executor_backend'?" in message
+    assert "--set timeout_s=3: timeout_s = 3: unknown key. Did you mean 'parallel.timeout_s'?" in (
+        message
+    )
+
+
+def test_a_key_in_the_wrong_section_suggests_the_right_one():
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=["parallel.seed=3"], environ={})
+    assert "parallel.seed = 3: unknown key. Did you mean 'sampling.seed'?" in str(error.value)
+
+
 def test_bad_value_names_what_is_allowed():
     with pytest.raises(
         ConfigError,
@@ -116,11 +135,47 @@ def test_unsupported_extension_and_malformed_file(tmp_path):
 def test_capability_mismatch_is_refused_with_the_alternatives():
     registry = Registry.load()
     loaded = load_config(overrides=["parallel.device=cuda"], environ={})
-    with pytest.raises(
-        ConfigError,
-        match=r"parallel.communicator = 'gloo': device cuda not supported \(supported: cpu\)",
-    ):
+    with pytest.raises(ConfigError) as error:
         check_config(loaded, registry, {})
+    # Both problems in one message: the device refusal and the communicator's capability.
+    message = str(error.value)
+    assert "--set parallel.device=cuda: parallel.device = 'cuda':" in message
+    assert (
+        "default: parallel.communicator = 'gloo': device cuda not supported (supported: cpu)"
+        in (message)
+    )
+
+
+@pytest.mark.parametrize(
+    ("assignment", "expected"),
+    [
+        (
+            "parallel.device=cuda",
+            "--set parallel.device=cuda: parallel.device = 'cuda': the model, KV cache and "
+            "sampler still run on the CPU (GPU execution is not implemented yet); allowed: cpu",
+        ),
+        (
+            "parallel.data_parallel_size=2",
+            "--set parallel.data_parallel_size=2: parallel.data_parallel_size = 2: the "
+            "data-parallel groups would be built but nothing uses them: every rank runs the same "
+            "step (data-parallel replicas are not implemented yet); allowed: 1",
+        ),
+    ],
+)
+def test_settings_that_run_nothing_yet_are_refused_with_the_reason(assignment, expected):
+    loaded = load_config(overrides=[assignment], environ={})
+    with pytest.raises(ConfigError) as error:
+        check_config(loaded, Registry.load(), {})
+    assert expected in str(error.value)
+
+
+def test_the_settings_that_run_are_accepted():
+    checked = check_config(load_config(environ={}), Registry.load(), {})
+    decisions = {d.field: d for d in checked.decisions}
+    assert decisions["parallel.device"].chosen == "cpu"
+    assert decisions["parallel.data_parallel_size"].chosen == "1"
+    assert decisions["parallel.device"].problem is None
+    assert decisions["parallel.data_parallel_size"].problem is None
 
 
 def test_uni_executor_with_several_ranks_is_refused():

@@ -14,11 +14,13 @@ from shardline.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from shardline.layers.sharding import head_shard
+from shardline.layers.sharding import ShardSlice, head_shard
 
 pytestmark = pytest.mark.timeout(180)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 8, 2, 4, 100
+# SmolLM2's head counts: the query heads split unevenly (4, 5 over 2 ranks; 2, 2, 2, 3 over 4).
+UNEVEN_HEADS, UNEVEN_KV_HEADS = 9, 3
 
 
 def _full_weights() -> dict[str, torch.Tensor]:
@@ -39,6 +41,8 @@ def _full_weights() -> dict[str, torch.Tensor]:
         "row_w": randn(HIDDEN, 64),
         "row_b": randn(HIDDEN),
         "row_x": randn(5, 64),
+        "o_w": randn(HIDDEN, UNEVEN_HEADS * HEAD_DIM),
+        "o_x": randn(5, UNEVEN_HEADS * HEAD_DIM),
         "embedding": randn(VOCAB, HIDDEN),
         "ids": torch.tensor([0, 1, 63, 64, 99, 50, 7]),
     }
@@ -48,11 +52,9 @@ def _run_layers(ctx) -> dict:
     tp = ctx.state.tp
     w = _full_weights()
     out = {}
-    column = ColumnParallelLinear(HIDDEN, 48, tp, bias=True, gather_output=True)
+    column = ColumnParallelLinear(HIDDEN, 48, tp, bias=True)
     column.load_full(w["w"], w["b"])
-    out["column_gathered"] = column(w["x"])
-    column.gather_output = False
-    out["column_local"] = column(w["x"])
+    out["column"] = column(w["x"])
     merged = MergedColumnParallelLinear(HIDDEN, [64, 64], tp)
     merged.load_part(0, w["gate"])
     merged.load_part(1, w["up"])
@@ -65,8 +67,12 @@ def _run_layers(ctx) -> dict:
     row.load_full(w["row_w"], w["row_b"])
     shard = 64 // tp.world_size
     out["row"] = row(w["row_x"][:, tp.rank_in_group * shard : (tp.rank_in_group + 1) * shard])
-    row.input_is_parallel = False
-    out["row_full_input"] = row(w["row_x"])
+    # The attention output projection: each rank's input is its (uneven) query heads' range.
+    heads = head_shard(UNEVEN_HEADS, UNEVEN_KV_HEADS, tp.world_size, tp.rank_in_group)
+    columns = ShardSlice(1, heads.q_start * HEAD_DIM, heads.num_heads * HEAD_DIM)
+    o_proj = RowParallelLinear(UNEVEN_HEADS * HEAD_DIM, HIDDEN, tp, input_shard=columns)
+    o_proj.load_full(w["o_w"])
+    out["row_uneven"] = o_proj(columns.apply(w["o_x"]))
     embedding = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
     embedding.load_full(w["embedding"])
     out["embedding"] = embedding(w["ids"])
@@ -91,8 +97,7 @@ def test_layers_match_the_unsharded_computation(tp_world):
 
     for rank, out in enumerate(results):
         close = {"atol": 1e-5, "rtol": 1e-5}
-        torch.testing.assert_close(out["column_gathered"], full_column, **close)
-        torch.testing.assert_close(out["column_local"], full_column.chunk(tp, -1)[rank], **close)
+        torch.testing.assert_close(out["column"], full_column.chunk(tp, -1)[rank], **close)
         gate_up = torch.cat(
             [
                 F.linear(w["x"], w["gate"]).chunk(tp, -1)[rank],
@@ -108,6 +113,6 @@ def test_layers_match_the_unsharded_computation(tp_world):
         v = F.linear(w["x"], w["v"])[:, kv_cols]
         torch.testing.assert_close(out["qkv"], torch.cat([q, k, v], -1), **close)
         torch.testing.assert_close(out["row"], full_row, **close)
-        torch.testing.assert_close(out["row_full_input"], full_row, **close)
+        torch.testing.assert_close(out["row_uneven"], F.linear(w["o_x"], w["o_w"]), **close)
         assert torch.equal(out["embedding"], F.embedding(w["ids"], w["embedding"]))
         torch.testing.assert_close(out["logits"], F.linear(w["x"], w["embedding"]), **close)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from shardline.layers.sharding import (
+    VOCAB_PADDING,
     column_slice,
     divide,
     head_shard,
@@ -96,16 +97,23 @@ def test_uneven_heads_split_in_balanced_ranges():
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("vocab", [49152, 32000, 100, 1])
 def test_vocab_shards_cover_the_vocabulary_once(tp, vocab):
-    shards = [vocab_shard(vocab, tp, r, pad_to=64) for r in range(tp)]
+    shards = [vocab_shard(vocab, tp, r) for r in range(tp)]
     assert len({s.padded_per_rank for s in shards}) == 1
     padded = shards[0].padded_per_rank * tp
-    assert padded % (64 * tp) == 0 and padded >= vocab
+    assert padded % (VOCAB_PADDING * tp) == 0 and padded >= vocab
     covered = [i for s in shards for i in range(s.start, s.end)]
     assert covered == list(range(vocab))
     assert all(s.end - s.start <= s.padded_per_rank for s in shards)
 
 
-def test_divide():
+def test_divide_names_both_quantities():
     assert divide(12, 4, "x") == 3
-    with pytest.raises(ValueError, match=r"attention heads \(9\) is not divisible"):
-        divide(9, 2, "attention heads")
+    with pytest.raises(
+        ValueError,
+        match=r"^output features \(9\) is not divisible by the tensor-parallel size \(2\)$",
+    ):
+        divide(9, 2, "output features")
+    with pytest.raises(
+        ValueError, match=r"^attention heads \(9\) is not divisible by key/value heads \(2\)$"
+    ):
+        divide(9, 2, "attention heads", "key/value heads")

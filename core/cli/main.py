@@ -23,38 +23,53 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shardline {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def with_config(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sub.add_argument(
-            "--config", "-c", metavar="FILE", help="config file (.yaml, .yml, .toml, .json)"
-        )
-        sub.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="SECTION.KEY=VALUE",
-            help="override one value (repeatable), e.g. parallel.tensor_parallel_size=2",
-        )
-        return sub
-
-    with_config(
+    _with_config(
         commands.add_parser(
             "plugins", help="list plugins, what they provide, and whether it runs here"
         )
     )
-    with_config(commands.add_parser("explain", help="which backend a config selects and why"))
+    _with_config(commands.add_parser("explain", help="which backend a config selects and why"))
+    _add_config_commands(commands)
+    _add_conformance_command(commands)
+    _add_faults_command(commands)
+    _add_bench_commands(commands)
+    _add_run_command(commands)
+    _add_demo_command(commands)
+    _add_models_commands(commands)
+    return parser
 
+
+def _with_config(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``sub`` with ``--config FILE`` and repeatable ``--set SECTION.KEY=VALUE``."""
+    sub.add_argument(
+        "--config", "-c", metavar="FILE", help="config file (.yaml, .yml, .toml, .json)"
+    )
+    sub.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one value (repeatable), e.g. parallel.tensor_parallel_size=2",
+    )
+    return sub
+
+
+def _add_config_commands(commands: argparse._SubParsersAction) -> None:
     config = commands.add_parser("config", help="show, validate or describe configuration")
-    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    with_config(
-        config_commands.add_parser("show", help="the effective config and each value's source")
-    )
-    with_config(
-        config_commands.add_parser("validate", help="check a config against the installed plugins")
-    )
-    config_commands.add_parser("schema", help="the JSON schema of the config")
+    actions = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    for name, help_text in (
+        ("show", "the effective config and each value's source"),
+        ("validate", "check a config against the installed plugins"),
+    ):
+        action = _with_config(actions.add_parser(name, help=help_text))
+        action.add_argument(
+            "file", nargs="?", metavar="FILE", help="config file (the same as --config FILE)"
+        )
+    actions.add_parser("schema", help="the JSON schema of the config")
 
+
+def _add_conformance_command(commands: argparse._SubParsersAction) -> None:
     conformance = commands.add_parser(
         "conformance",
         help="run the conformance suite on a communicator or an executor",
@@ -84,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conformance.add_argument("--report", help="JSON report path")
 
+
+def _add_faults_command(commands: argparse._SubParsersAction) -> None:
     faults = commands.add_parser(
         "faults",
         help="plant faults in real worlds: every scenario on every executor x communicator",
@@ -101,9 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     faults.add_argument("--json", help="write the report here")
 
+
+def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True
     )
+    _add_bench_comm(bench)
+    _add_bench_decode(bench)
+
+
+def _add_bench_comm(bench: argparse._SubParsersAction) -> None:
     comm = bench.add_parser(
         "comm",
         help="time collectives and p2p of several communicators side by side",
@@ -128,21 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--timeout", type=float, default=60.0, help="per-operation deadline (s)")
     comm.add_argument("--json", help="write the results here")
 
-    run = with_config(
-        commands.add_parser(
-            "run",
-            help="ask the model (default: SmolLM2-135M-Instruct on 2 ranks) and print the answer",
-            description="Answer a question with the model the config names. --config and --set "
-            "apply over the built-in run config (model smollm2-135m, pulled on first use; "
-            "tensor_parallel_size 2; executor auto: mp, or external_launcher under torchrun or "
-            "mpiexec; communicator auto).",
-        )
-    )
-    run.add_argument("question", nargs="?", help="what to ask (default: a sample question)")
-    run.add_argument(
-        "--interactive", "-i", action="store_true", help="chat: read questions until Ctrl-D"
-    )
 
+def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
     decode = bench.add_parser(
         "decode",
         help="tokens/s of greedy decode per layout x communicator, beside HF transformers",
@@ -163,7 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--timeout", type=float, default=600.0, help="per case (s)")
     decode.add_argument("--json", help="write the results here")
 
-    demo = with_config(
+
+def _add_run_command(commands: argparse._SubParsersAction) -> None:
+    run = _with_config(
+        commands.add_parser(
+            "run",
+            help="ask the model (default: SmolLM2-135M-Instruct on 2 ranks) and print the answer",
+            description="Answer a question with the model the config names. --config and --set "
+            "apply over the built-in run config (model smollm2-135m, pulled on first use; "
+            "tensor_parallel_size 2; executor auto: mp, or external_launcher under torchrun or "
+            "mpiexec; communicator auto).",
+        )
+    )
+    run.add_argument("question", nargs="?", help="what to ask (default: a sample question)")
+    run.add_argument(
+        "--interactive", "-i", action="store_true", help="chat: read questions until Ctrl-D"
+    )
+
+
+def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    demo = _with_config(
         commands.add_parser(
             "demo", help="start a world on this host and run checked, timed collectives"
         )
@@ -171,27 +201,38 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=200, help="timed all-reduces per rank")
     demo.add_argument("--hidden", type=int, default=576, help="elements per all-reduce")
 
+
+def _add_models_commands(commands: argparse._SubParsersAction) -> None:
     models = commands.add_parser("models", help="known models: list them, fetch one by name")
-    models_commands = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    models_pull = models_commands.add_parser(
+    actions = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    pull = actions.add_parser(
         "pull", help="download a known model into the cache and print its path"
     )
-    models_pull.add_argument("name", help="model name, as `shardline models list` shows it")
-    models_list = models_commands.add_parser(
+    pull.add_argument("name", help="model name, as `shardline models list` shows it")
+    listing = actions.add_parser(
         "list", help="known models, whether each is cached, its size and path"
     )
-    for sub in (models_pull, models_list):
+    for sub in (pull, listing):
         sub.add_argument(
             "--cache-dir",
             type=Path,
             metavar="DIR",
             help="model cache (default: $SHARDLINE_MODELS, else ~/.cache/shardline/models)",
         )
-    return parser
 
 
 def _load(args: argparse.Namespace) -> LoadedConfig:
     return _warned(load_config(args.config, args.overrides))
+
+
+def _config_file_argument(args: argparse.Namespace) -> str | None:
+    """The config file of ``config show|validate``: positional ``FILE`` or ``--config``."""
+    if args.file is not None and args.config is not None:
+        raise ConfigError(
+            f"config file given twice ({args.file!r} and --config {args.config!r}): "
+            "give FILE or --config FILE, not both"
+        )
+    return args.file if args.file is not None else args.config
 
 
 def _warned(loaded: LoadedConfig) -> LoadedConfig:
@@ -221,7 +262,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
     if args.command == "config":
         if args.config_command == "schema":
             return config_cmd.schema()
-        loaded = _load(args)
+        loaded = _warned(load_config(_config_file_argument(args), args.overrides))
         return (
             config_cmd.show(loaded)
             if args.config_command == "show"

@@ -336,8 +336,8 @@ def _describe(error: ValidationError, sources: Mapping[str, str], data: Mapping)
         value = _lookup(data, loc)
         if item["type"] == "extra_forbidden":
             allowed = _allowed_keys(loc[:-1])
-            close = difflib.get_close_matches(loc[-1], allowed, n=1)
-            hint = f" Did you mean {'.'.join([*loc[:-1], close[0]])!r}?" if close else ""
+            meant = _meant_keys(loc)
+            hint = f" Did you mean {' or '.join(map(repr, meant))}?" if meant else ""
             where = f"[{'.'.join(loc[:-1])}]" if loc[:-1] else "the top level"
             message = f"unknown key.{hint} Allowed in {where}: {', '.join(allowed)}"
         else:
@@ -347,6 +347,31 @@ def _describe(error: ValidationError, sources: Mapping[str, str], data: Mapping)
         lines.append(f"... and {len(items) - MAX_PROBLEMS} more problems")
     header = "invalid configuration:" if len(lines) > 1 else "invalid configuration"
     return header + ("\n  " + "\n  ".join(lines) if len(lines) > 1 else ": " + lines[0])
+
+
+def _meant_keys(loc: Sequence[str]) -> list[str]:
+    """The dotted keys an unknown key at ``loc`` most likely meant: the same name in another
+    section (``timeout_s`` at the top level: ``parallel.timeout_s``), else a close name at the
+    same level, else a close name anywhere."""
+    name, parent = loc[-1], list(loc[:-1])
+    every_key = list(_schema_keys(EngineConfig, ()))
+    same_name = [key for key in every_key if key[-1] == name]
+    if same_name:
+        return [".".join(key) for key in same_name]
+    close = difflib.get_close_matches(name, _allowed_keys(parent), n=1)
+    if close:
+        return [".".join([*parent, close[0]])]
+    close = difflib.get_close_matches(name, [key[-1] for key in every_key], n=1)
+    return [".".join(key) for key in every_key if close and key[-1] == close[0]]
+
+
+def _schema_keys(model: type[BaseModel], prefix: tuple[str, ...]):
+    """Every key of ``model`` and of the sections inside it, as a tuple of names."""
+    for name, info in model.model_fields.items():
+        key = (*prefix, name)
+        yield key
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            yield from _schema_keys(info.annotation, key)
 
 
 def _allowed_keys(loc: Sequence[str]) -> list[str]:

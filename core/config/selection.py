@@ -22,7 +22,8 @@ from shardline.registry import Component, Registry
 
 @dataclass(frozen=True)
 class Decision:
-    """The component chosen for ``field``, the reason, and a verdict for every alternative.
+    """The component or setting chosen for ``field``, the reason, and a verdict for every
+    alternative.
 
     ``problem`` is set when the choice cannot run (the message names field, value and the
     allowed alternatives); ``chosen`` is then still the name that was asked for.
@@ -129,6 +130,8 @@ def _fit(component: Component, config: EngineConfig, control: bool) -> str | Non
     if unavailable is not None:
         return f"unavailable: {unavailable}"
     capabilities = component.capabilities
+    if capabilities is None and component.capabilities_of:
+        return f"wraps communicator {component.capabilities_of!r}, which no loaded plugin provides"
     if capabilities is None:
         return "declares no capabilities"
     parallel = config.parallel
@@ -157,8 +160,8 @@ AUTO_COMMUNICATOR_PREFERENCE = ("custom_ar_mpi", "custom_ar", "nccl", "mpi", "gl
 
 
 def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
-    """The data-plane communicator, control-plane communicator, executor and model runner
-    decisions."""
+    """The device, data-parallel size, data-plane communicator, control-plane communicator,
+    executor and model runner decisions."""
     executor = choose_executor(config, registry, environ)
     communicators = []
     for field_name in ("parallel.communicator", "parallel.control_communicator"):
@@ -167,7 +170,48 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
             continue
         decision = choose_communicator(config, registry, field_name)
         communicators.append(_check_launcher(decision, executor, registry, environ))
-    return [*communicators, executor, choose_model_runner(config, registry)]
+    return [
+        choose_device(config),
+        choose_data_parallel_size(config),
+        *communicators,
+        executor,
+        choose_model_runner(config, registry),
+    ]
+
+
+#: Why the settings that run nothing yet are refused (verdicts shared by the problem and the
+#: alternatives ``shardline explain`` lists).
+GPU_NOT_IMPLEMENTED = (
+    "the model, KV cache and sampler still run on the CPU (GPU execution is not implemented yet)"
+)
+DATA_PARALLEL_NOT_IMPLEMENTED = (
+    "the data-parallel groups would be built but nothing uses them: every rank runs the same "
+    "step (data-parallel replicas are not implemented yet)"
+)
+
+
+def choose_device(config: EngineConfig) -> Decision:
+    """``parallel.device``: only ``cpu`` runs; ``cuda`` is refused until the model, KV cache
+    and sampler move to the device."""
+    return _only_implemented("parallel.device", config.parallel.device, "cpu", GPU_NOT_IMPLEMENTED)
+
+
+def choose_data_parallel_size(config: EngineConfig) -> Decision:
+    """``parallel.data_parallel_size``: only 1 runs; more replicas are refused until each
+    replica serves requests of its own."""
+    size = config.parallel.data_parallel_size
+    return _only_implemented("parallel.data_parallel_size", size, 1, DATA_PARALLEL_NOT_IMPLEMENTED)
+
+
+def _only_implemented(field_name: str, value: object, runs: object, why_not: str) -> Decision:
+    """The decision on a setting of which only the value ``runs`` is implemented yet; any
+    other value is a problem naming ``why_not`` and ``runs`` as what is allowed."""
+    if value == runs:
+        alternatives = [(str(runs), "chosen"), ("others", f"not implemented: {why_not}")]
+        return Decision(field_name, str(value), "configured", alternatives)
+    alternatives = [(str(runs), "runs; not selected"), (str(value), "chosen")]
+    problem = f"{field_name} = {echo(value)}: {why_not}; allowed: {runs}"
+    return Decision(field_name, str(value), "configured", alternatives, problem)
 
 
 def _choose_auto_communicator(

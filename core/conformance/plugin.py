@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from shardline.config.capacity import check_rank_processes
-from shardline.conformance.reporting import skip_reason, summary
+from shardline.conformance.reporting import case_reason, summary
 from shardline.errors import CommTimeoutError, ConfigError, PeerLostError, WorkerError
 from shardline.interfaces import Capabilities
 from shardline.launch.comm_world import CommunicatorSetup
@@ -176,7 +176,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         operation = marker.args[0] if marker else item.originalname
         if "op" in params:
             operation = f"{operation}[{params['op']}]"
-        reason = skip_reason(report)
+        reason = case_reason(report)
         item.config.stash.setdefault(_RESULTS, []).append(
             {
                 "test": item.nodeid,

@@ -89,6 +89,29 @@ class BlockPool:
         self._free.extend(block_ids)
 
 
+@dataclass
+class _Step:
+    """The step being built: what is left of its token budget, the requests it holds so far,
+    and whether a request was preempted while building it."""
+
+    limit: int
+    budget: int
+    scheduled: dict[str, int] = field(default_factory=dict)
+    cached: list[CachedRequest] = field(default_factory=list)
+    new: list[NewRequest] = field(default_factory=list)
+    #: Whether the step embeds (True) or generates (False); set by its first request.
+    task: bool | None = None
+    preempted: bool = False
+
+    def is_full(self) -> bool:
+        """No token budget or no request slot is left."""
+        return self.budget == 0 or len(self.scheduled) == self.limit
+
+    def takes_kind_of(self, request: Request) -> bool:
+        """Whether ``request`` is of the step's kind (any kind while the step is empty)."""
+        return self.task is None or (request.pooling is not None) == self.task
+
+
 class Scheduler:
     """Builds one :class:`SchedulerOutput` per step and folds each step's output back in."""
 
@@ -149,28 +172,36 @@ class Scheduler:
         (the engine spreads requests over pipeline stages with it). One step holds either
         generating or embedding requests, never both."""
         limit = min(self.config.max_num_seqs, max_num_seqs or self.config.max_num_seqs)
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        cached: list[CachedRequest] = []
-        new: list[NewRequest] = []
-        task: bool | None = None  # is_pooling of the step, set by its first request
-        preempted = False
+        step = _Step(limit=limit, budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        released, self._released_ids = self._released_ids, set()
+        return SchedulerOutput(
+            new_requests=step.new,
+            cached_requests=step.cached,
+            num_scheduled_tokens=step.scheduled,
+            finished_req_ids=released,
+        )
 
+    def _schedule_running(self, step: _Step) -> None:
+        """Put the running requests not in flight into ``step``, oldest first: the rest of a
+        chunked prompt, or the next token. Sets ``step.preempted`` when a request could not
+        get its cache blocks."""
         for request in list(self.running):
-            if budget == 0 or len(scheduled) == limit:
+            if step.is_full():
                 break
             if request.in_flight or request.status is not RequestStatus.RUNNING:
                 continue  # in a step in flight, or preempted earlier in this loop
-            if task is not None and (request.pooling is not None) != task:
+            if not step.takes_kind_of(request):
                 continue
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            count = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if count <= 0:
                 continue
-            if not self._grow(request, request.num_computed_tokens + count, scheduled):
-                preempted = True
+            if not self._grow(request, request.num_computed_tokens + count, step.scheduled):
+                step.preempted = True
                 continue
-            task = request.pooling is not None
-            cached.append(
+            step.cached.append(
                 CachedRequest(
                     request.req_id,
                     request.all_token_ids[request.num_tokens_sent :],
@@ -178,14 +209,16 @@ class Scheduler:
                     request.num_computed_tokens,
                 )
             )
-            self._mark_scheduled(request, count, scheduled)
-            budget -= count
+            self._mark_scheduled(step, request, count)
 
-        while self.waiting and not preempted and budget > 0 and len(scheduled) < limit:
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit waiting requests into ``step`` in arrival order while its budget, its request
+        limit and the free cache blocks allow; the first that does not fit stops admission."""
+        while self.waiting and not step.is_full():
             request = self.waiting[0]
-            if task is not None and (request.pooling is not None) != task:
+            if not step.takes_kind_of(request):
                 break
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            count = min(request.num_tokens - request.num_computed_tokens, step.budget)
             needed = self._blocks_for(request.num_computed_tokens + count) - len(request.block_ids)
             if needed > self.blocks.num_free:
                 break
@@ -193,8 +226,7 @@ class Scheduler:
             request.block_ids += self.blocks.allocate(needed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            task = request.pooling is not None
-            new.append(
+            step.new.append(
                 NewRequest(
                     request.req_id,
                     request.all_token_ids,
@@ -203,16 +235,7 @@ class Scheduler:
                     request.pooling,
                 )
             )
-            self._mark_scheduled(request, count, scheduled)
-            budget -= count
-
-        released, self._released_ids = self._released_ids, set()
-        return SchedulerOutput(
-            new_requests=new,
-            cached_requests=cached,
-            num_scheduled_tokens=scheduled,
-            finished_req_ids=released,
-        )
+            self._mark_scheduled(step, request, count)
 
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None
@@ -305,8 +328,11 @@ class Scheduler:
         request.num_tokens_sent = 0
         request.num_blocks_sent = 0
 
-    def _mark_scheduled(self, request: Request, count: int, scheduled: dict[str, int]) -> None:
-        scheduled[request.req_id] = count
+    def _mark_scheduled(self, step: _Step, request: Request, count: int) -> None:
+        """``count`` tokens of ``request`` are in ``step``, which now holds its kind."""
+        step.scheduled[request.req_id] = count
+        step.budget -= count
+        step.task = request.pooling is not None
         request.num_computed_tokens += count
         request.num_tokens_sent = request.num_tokens
         request.num_blocks_sent = len(request.block_ids)

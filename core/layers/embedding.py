@@ -1,6 +1,6 @@
 """Vocabulary-parallel embedding and LM head.
 
-The vocabulary is padded to a multiple of ``pad_to * tp`` and split in equal ranges
+The vocabulary is padded to a multiple of ``VOCAB_PADDING * tp`` and split in equal ranges
 (:func:`~shardline.layers.sharding.vocab_shard`). The embedding looks up the tokens in its
 range, zeroes the others, and all-reduces; the head computes logits for its range and
 all-gathers them, dropping the padding.
@@ -25,14 +25,13 @@ class VocabParallelEmbedding(nn.Module):
         hidden_size: int,
         tp: GroupCoordinator,
         *,
-        pad_to: int = 64,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.shard = vocab_shard(vocab_size, tp.world_size, tp.rank_in_group, pad_to)
+        self.shard = vocab_shard(vocab_size, tp.world_size, tp.rank_in_group)
         self.weight = nn.Parameter(
             torch.zeros(self.shard.padded_per_rank, hidden_size, dtype=dtype), requires_grad=False
         )
@@ -68,10 +67,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         tp: GroupCoordinator,
         *,
         tied_to: VocabParallelEmbedding | None = None,
-        pad_to: int = 64,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__(vocab_size, hidden_size, tp, pad_to=pad_to, dtype=dtype)
+        super().__init__(vocab_size, hidden_size, tp, dtype=dtype)
         if tied_to is not None:
             self.weight = tied_to.weight
 

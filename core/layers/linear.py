@@ -29,7 +29,7 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 class ColumnParallelLinear(nn.Module):
     """``Y = X W^T``, W split along its output dim: input replicated, output sharded
-    (``[..., out / tp]``), no communication unless ``gather_output``."""
+    (``[..., out / tp]``), no communication."""
 
     def __init__(
         self,
@@ -38,14 +38,12 @@ class ColumnParallelLinear(nn.Module):
         tp: GroupCoordinator,
         *,
         bias: bool = False,
-        gather_output: bool = False,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.in_features = in_features
         self.out_features = out_features
-        self.gather_output = gather_output
         self.out_per_rank = divide(out_features, tp.world_size, "output features")
         self.weight = _parameter(self.out_per_rank, in_features, dtype=dtype)
         self.bias = _parameter(self.out_per_rank, dtype=dtype) if bias else None
@@ -58,8 +56,7 @@ class ColumnParallelLinear(nn.Module):
             copy_into(self.bias, part.apply(bias), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return self.tp.all_gather(y, dim=-1) if self.gather_output else y
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -147,9 +144,9 @@ class QKVParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``Y = X W^T``, W split along its input dim: each rank multiplies its slice of X and
-    the partial results are all-reduced (``reduce_results``). The bias is added once, after
-    the reduction."""
+    """``Y = X W^T``, W split along its input dim: each rank multiplies its slice of X
+    (``[..., input_shard.length]``, e.g. a column-parallel layer's output) and the partial
+    results are all-reduced. The bias is added once, after the reduction."""
 
     def __init__(
         self,
@@ -158,8 +155,6 @@ class RowParallelLinear(nn.Module):
         tp: GroupCoordinator,
         *,
         bias: bool = False,
-        input_is_parallel: bool = True,
-        reduce_results: bool = True,
         input_shard: ShardSlice | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -167,8 +162,6 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_features = in_features
         self.out_features = out_features
-        self.input_is_parallel = input_is_parallel
-        self.reduce_results = reduce_results
         # Even split by default; attention passes its heads' range, which may be uneven.
         self.input_shard = input_shard or row_slice(in_features, tp.world_size, tp.rank_in_group)
         self.weight = _parameter(out_features, self.input_shard.length, dtype=dtype)
@@ -180,11 +173,7 @@ class RowParallelLinear(nn.Module):
             copy_into(self.bias, bias[:], "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = x.narrow(-1, self.input_shard.start, self.input_shard.length)
-        y = F.linear(x, self.weight)
-        if self.reduce_results:
-            y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
         return y

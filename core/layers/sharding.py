@@ -48,12 +48,13 @@ class ShardSlice:
         return full[(slice(None),) * self.dim + (slice(self.start, self.start + self.length),)]
 
 
-def divide(numerator: int, denominator: int, what: str) -> int:
-    """``numerator / denominator``, or ValueError naming ``what`` when it does not divide."""
+def divide(
+    numerator: int, denominator: int, what: str, by: str = "the tensor-parallel size"
+) -> int:
+    """``numerator / denominator``, or ValueError naming both quantities (``what`` and
+    ``by``) when it does not divide."""
     if numerator % denominator:
-        raise ValueError(
-            f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})"
-        )
+        raise ValueError(f"{what} ({numerator}) is not divisible by {by} ({denominator})")
     return numerator // denominator
 
 
@@ -102,7 +103,7 @@ class HeadShard:
 
 def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
     """The heads rank ``tp_rank`` of ``tp_size`` keeps (see :class:`HeadShard`)."""
-    group = divide_by(num_heads, num_kv_heads, "attention heads", "key/value heads")
+    group = divide(num_heads, num_kv_heads, "attention heads", "key/value heads")
     if num_heads < tp_size:
         raise ValueError(
             f"attention heads ({num_heads}) are fewer than the tensor-parallel size ({tp_size})"
@@ -110,13 +111,6 @@ def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) ->
     q_start = tp_rank * num_heads // tp_size
     q_end = (tp_rank + 1) * num_heads // tp_size
     return HeadShard(q_start, q_end, q_start // group, (q_end - 1) // group + 1, group)
-
-
-def divide_by(numerator: int, denominator: int, what: str, by: str) -> int:
-    """``numerator / denominator`` or ValueError naming both quantities."""
-    if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by {by} ({denominator})")
-    return numerator // denominator
 
 
 def qkv_slices(
@@ -132,6 +126,11 @@ def qkv_slices(
     }
 
 
+#: Each rank's vocabulary range is a multiple of this many rows (the embedding, the LM head and
+#: the memory plan all shard through :func:`vocab_shard`, so they agree).
+VOCAB_PADDING = 64
+
+
 @dataclass(frozen=True)
 class VocabShard:
     """Rank's vocabulary range ``[start, end)`` of real tokens, within a padded part of
@@ -142,10 +141,10 @@ class VocabShard:
     padded_per_rank: int
 
 
-def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int, pad_to: int = 64) -> VocabShard:
-    """Pad the vocabulary to a multiple of ``pad_to * tp_size`` and give each rank an equal
-    range; the last ranks may hold fewer (or no) real tokens."""
-    multiple = pad_to * tp_size
+def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int) -> VocabShard:
+    """Pad the vocabulary to a multiple of :data:`VOCAB_PADDING` ``* tp_size`` and give each
+    rank an equal range; the last ranks may hold fewer (or no) real tokens."""
+    multiple = VOCAB_PADDING * tp_size
     padded = -(-vocab_size // multiple) * multiple
     per_rank = padded // tp_size
     start = min(tp_rank * per_rank, vocab_size)

@@ -266,44 +266,7 @@ class MultiprocExecutor(Executor):
         came from another rank, fails this call.
         """
         try:
-            waiting = [r for r in call.ranks if r not in call.replies]
-            while waiting:
-                progressed = False
-                for rank in range(self.world_size):
-                    message = self._peek(rank)
-                    if message is None:
-                        continue
-                    if message.call_id is not None and message.call_id < call.call_id:
-                        # Left over from an earlier call that already ended: a reply, or a
-                        # failure already reported, is dropped; a failure of a rank that was
-                        # not asked to reply (its call succeeded elsewhere) fails this call.
-                        self._inboxes[rank].popleft()
-                        if (
-                            isinstance(message, Failure)
-                            and message.call_id not in self._failed_calls
-                        ):
-                            self._raise_failure(rank, message, call)
-                        continue
-                    if isinstance(message, Failure):
-                        self._inboxes[rank].popleft()
-                        self._raise_failure(rank, message, call)
-                    if isinstance(message, Reply) and rank in waiting:
-                        self._inboxes[rank].popleft()
-                        call.replies[rank] = message.value
-                        progressed = True
-                waiting = [r for r in call.ranks if r not in call.replies]
-                if waiting and not progressed:
-                    watched = [r for r in range(self.world_size) if not self._inboxes[r]]
-                    wait_until(
-                        lambda watched=watched: (
-                            self._failure is not None
-                            or any(self._replies[r].ready(0) for r in watched)
-                        ),
-                        call.deadline,
-                        f"replies to {call.name!r}",
-                        self.check_health,
-                    )
-                    self.check_health()
+            self._gather_replies(call)
             _settle(call.future, value=[call.replies[r] for r in call.ranks])
         except WorkerError as error:
             self._failed_calls.add(call.call_id)
@@ -319,6 +282,55 @@ class MultiprocExecutor(Executor):
         finally:
             if self._pending and self._pending[0] is call and call.future.done():
                 self._pending.popleft()
+
+    def _gather_replies(self, call: _PendingCall) -> None:
+        """Take the ranks' messages until every rank asked has replied to ``call``. Raises
+        WorkerError for a rank's failure (PeerLostError when a rank died), CommTimeoutError at
+        the call's deadline."""
+        waiting = [r for r in call.ranks if r not in call.replies]
+        while waiting:
+            progressed = False
+            for rank in range(self.world_size):
+                progressed |= self._take_message(rank, call, waiting)
+            waiting = [r for r in call.ranks if r not in call.replies]
+            if waiting and not progressed:
+                self._wait_for_messages(call)
+
+    def _take_message(self, rank: int, call: _PendingCall, waiting: list[int]) -> bool:
+        """Consume the oldest message of ``rank`` if it concerns ``call`` or an earlier call:
+        a leftover is dropped, a failure raised, a reply of a rank in ``waiting`` stored.
+        True when a reply was stored."""
+        message = self._peek(rank)
+        if message is None:
+            return False
+        if message.call_id is not None and message.call_id < call.call_id:
+            # Left over from an earlier call that already ended: a reply, or a failure
+            # already reported, is dropped; a failure of a rank that was not asked to reply
+            # (its call succeeded elsewhere) fails this call.
+            self._inboxes[rank].popleft()
+            if isinstance(message, Failure) and message.call_id not in self._failed_calls:
+                self._raise_failure(rank, message, call)
+            return False
+        if isinstance(message, Failure):
+            self._inboxes[rank].popleft()
+            self._raise_failure(rank, message, call)
+        if isinstance(message, Reply) and rank in waiting:
+            self._inboxes[rank].popleft()
+            call.replies[rank] = message.value
+            return True
+        return False
+
+    def _wait_for_messages(self, call: _PendingCall) -> None:
+        """Wait until a rank whose inbox is empty sends something. Raises CommTimeoutError at
+        the call's deadline, and the executor's failure (:meth:`check_health`) once it has one."""
+        watched = [r for r in range(self.world_size) if not self._inboxes[r]]
+        wait_until(
+            lambda: self._failure is not None or any(self._replies[r].ready(0) for r in watched),
+            call.deadline,
+            f"replies to {call.name!r}",
+            self.check_health,
+        )
+        self.check_health()
 
     def _deadline_error(self, call: _PendingCall) -> CommTimeoutError:
         """The error of a call past its deadline. A rank whose heartbeat stopped is the

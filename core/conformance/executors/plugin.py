@@ -26,7 +26,7 @@ from shardline.conformance.executors.checks import (
     not_applicable,
     probe_config,
 )
-from shardline.conformance.reporting import skip_reason, summary
+from shardline.conformance.reporting import case_reason, summary
 from shardline.errors import ConfigError
 from shardline.interfaces import Executor
 from shardline.launch import launchers, private_shm
@@ -248,7 +248,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return report
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        reason = skip_reason(report)
+        reason = case_reason(report)
         item.config.stash.setdefault(_RESULTS, []).append(
             {
                 "check": params.get("check"),
