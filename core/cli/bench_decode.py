@@ -39,10 +39,8 @@ class Case:
     communicator: str = "-"
     threads: int = 0
     timeout_s: float = 120.0
-
-    @property
-    def launcher(self) -> str | None:
-        return "mpiexec" if self.communicator in ("mpi", "custom_ar_mpi") else None
+    #: The launcher the communicator's ranks need (its declared capability), or None.
+    launcher: str | None = None
 
 
 def plan(
@@ -50,19 +48,31 @@ def plan(
     tokens: int,
     concurrent: int,
     layouts: list[str],
-    communicators: list[str],
+    communicators: dict[str, str | None],
     hf_threads: list[int],
     timeout_s: float,
 ) -> list[Case]:
-    """The cases of one run; TP=1 has nothing to communicate and is one row."""
+    """The cases of one run (``communicators``: name -> the launcher its ranks need); TP=1
+    has nothing to communicate and is one row."""
     for name in layouts:
         if name not in LAYOUTS:
             raise ConfigError(f"--layouts: {name!r} is not a layout; allowed: {', '.join(LAYOUTS)}")
     cases = []
     for layout in layouts:
         for communicator in ["-"] if LAYOUTS[layout] == (1, 1) else communicators:
+            launcher = communicators.get(communicator)
             cases.append(
-                Case("shardline", model, tokens, concurrent, layout, communicator, 0, timeout_s)
+                Case(
+                    "shardline",
+                    model,
+                    tokens,
+                    concurrent,
+                    layout,
+                    communicator,
+                    0,
+                    timeout_s,
+                    launcher,
+                )
             )
     cases += [
         Case("transformers", model, tokens, concurrent, threads=t, timeout_s=timeout_s)
@@ -71,12 +81,16 @@ def plan(
     return cases
 
 
-def available_communicators(names: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """The names that can run here, and (name, reason) for the others."""
+def available_communicators(
+    names: list[str],
+) -> tuple[dict[str, str | None], list[tuple[str, str]]]:
+    """The names that can run here with the launcher each needs, and (name, reason) for the
+    others."""
     from shardline.registry import Registry
 
     registry = Registry.load()
-    usable, skipped = [], []
+    usable: dict[str, str | None] = {}
+    skipped = []
     for name in names:
         try:
             component = registry.get("communicator", name, "--communicators")
@@ -85,7 +99,8 @@ def available_communicators(names: list[str]) -> tuple[list[str], list[tuple[str
             continue
         reason = component.unavailable_reason()
         if reason is None:
-            usable.append(name)
+            capabilities = component.capabilities
+            usable[name] = capabilities.launcher if capabilities is not None else None
         else:
             skipped.append((name, reason))
     return usable, skipped

@@ -120,7 +120,8 @@ class ParallelConfig(Section):
     communicator: Name = Field(
         default="gloo",
         description="data-plane communicator: a registered name, package.module:Class, or "
-        "auto (the fastest installed one that fits: custom_ar_mpi, custom_ar, nccl, mpi, gloo)",
+        "auto (the installed one that fits with the highest preference its plugin declares: "
+        "the fastest; `shardline explain` lists the order)",
     )
     control_communicator: Name = Field(
         default="gloo",

@@ -154,11 +154,6 @@ def _fit(component: Component, config: EngineConfig, control: bool) -> str | Non
     )
 
 
-#: What ``parallel.communicator = auto`` tries first, fastest first; any other installed
-#: communicator that fits comes after these, in registry order.
-AUTO_COMMUNICATOR_PREFERENCE = ("custom_ar_mpi", "custom_ar", "nccl", "mpi", "gloo")
-
-
 def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
     """The device, data-parallel size, data-plane communicator, control-plane communicator,
     executor and model runner decisions."""
@@ -217,12 +212,11 @@ def _only_implemented(field_name: str, value: object, runs: object, why_not: str
 def _choose_auto_communicator(
     config: EngineConfig, registry: Registry, executor: Decision, environ: Mapping[str, str]
 ) -> Decision:
-    """The first communicator in :data:`AUTO_COMMUNICATOR_PREFERENCE` (then any other) that
-    fits the config and the way ranks are started."""
+    """The installed communicator with the highest ``auto_preference`` (its plugin declares
+    it; ties by name) that fits the config and the way ranks are started."""
     field_name = "parallel.communicator"
-    installed = [c.name for c in registry.components("communicator")]
-    order = [n for n in AUTO_COMMUNICATOR_PREFERENCE if n in installed]
-    order += [n for n in installed if n not in order]
+    ranked = sorted(registry.components("communicator"), key=lambda c: (-c.auto_preference, c.name))
+    order = [component.name for component in ranked]
     alternatives = []
     chosen = None
     for name in order:

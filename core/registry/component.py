@@ -31,6 +31,8 @@ class Component:
     - ``capabilities``: for communicators, what the backend supports (checked at validation).
     - ``capabilities_of``: for a communicator that wraps another registered one (its
       name): the registry gives it that one's capabilities, instead of ``capabilities``.
+    - ``auto_preference``: for communicators, how strongly ``communicator: auto`` prefers it
+      among those that fit (higher first; the fastest should declare the highest).
     - ``kind`` and ``plugin`` are filled in by the registry.
     """
 
@@ -39,6 +41,7 @@ class Component:
     summary: str = ""
     capabilities: Capabilities | None = None
     capabilities_of: str = ""
+    auto_preference: int = 0
     kind: str = ""
     plugin: str = ""
 

@@ -44,12 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardline.comm.delegating import DelegatingCommunicator
-from shardline.comm.waiting import Polling, wait_until
-from shardline.distributed.control_plane import ControlPlane
 from shardline.errors import CommTimeoutError, CommunicationError
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous
 from shardline.registry import Registry
+from shardline.sdk import ControlPlane, DelegatingCommunicator, Polling, wait_until
 
 #: Inputs up to this size take the one-shot path; larger ones are split over the ranks.
 ONE_SHOT_MAX_BYTES = 256 << 10

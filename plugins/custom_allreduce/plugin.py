@@ -14,11 +14,13 @@ def shardline_communicators() -> list[Component]:
             target="shardline_custom_allreduce.communicator:CustomAllReduceBackend",
             summary="shared-memory all-reduce on one host, over gloo for everything else",
             capabilities_of="gloo",
+            auto_preference=40,
         ),
         Component(
             name="custom_ar_mpi",
             target="shardline_custom_allreduce.communicator:CustomAllReduceOverMpi",
             summary="shared-memory all-reduce on one host, over MPI for everything else",
             capabilities_of="mpi",
+            auto_preference=50,
         ),
     ]

@@ -26,9 +26,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardline.comm import objects
-from shardline.comm.store import connect_store
-from shardline.config.schema import EngineConfig
 from shardline.errors import (
     CommTimeoutError,
     ConfigError,
@@ -37,10 +34,17 @@ from shardline.errors import (
     WorkerError,
 )
 from shardline.interfaces import Executor
-from shardline.launch.launcher_env import LaunchedRank
-from shardline.launch.mpi_job import abort_job_at_exit
-from shardline.launch.threads import share_cores
-from shardline.worker.setup import WorkerContext, WorkerSetup
+from shardline.sdk import (
+    EngineConfig,
+    LaunchedRank,
+    WorkerContext,
+    WorkerSetup,
+    abort_job_at_exit,
+    connect_store,
+    seal,
+    share_cores,
+    unseal,
+)
 from shardline_executors.launch_env import Meeting, describe_meeting, meet
 
 #: How long the process serving the store waits at shutdown for the others to finish reading.
@@ -157,7 +161,7 @@ class ExternalLauncherExecutor(Executor):
         seconds = self._call_timeout_s if timeout is None else timeout
         store = self._store
         try:
-            store.set(keys[self.rank], objects.seal(envelope, self._secret))
+            store.set(keys[self.rank], seal(envelope, self._secret))
             try:
                 store.wait(keys, datetime.timedelta(seconds=seconds))
             except (RuntimeError, dist.DistError) as error:
@@ -173,7 +177,7 @@ class ExternalLauncherExecutor(Executor):
                     )
                 ) from error
             envelopes = [
-                objects.unseal(store.get(key), self._secret, f"rank {rank}")
+                unseal(store.get(key), self._secret, f"rank {rank}")
                 for rank, key in enumerate(keys)
             ]
             if store.add(f"{call_id}/read", 1) == self.world_size:

@@ -9,10 +9,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.comm.store import connect_store, serve_store
 from shardline.errors import CommTimeoutError, ConfigError
-from shardline.interfaces.communicator_backend import Rendezvous
-from shardline.launch.launcher_env import LaunchedRank
+from shardline.interfaces import Rendezvous
+from shardline.sdk import LaunchedRank, connect_store, serve_store
 
 
 @dataclass

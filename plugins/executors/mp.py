@@ -29,10 +29,6 @@ from typing import Any
 
 import cloudpickle
 
-from shardline.comm.store import serve_store
-from shardline.comm.waiting import wait_until
-from shardline.comm.watchdog import REPORT_GRACE_S
-from shardline.config.schema import EngineConfig
 from shardline.errors import (
     CommTimeoutError,
     CommunicationError,
@@ -41,7 +37,14 @@ from shardline.errors import (
     WorkerError,
 )
 from shardline.interfaces import Executor
-from shardline.launch.tether import ChildProcess, Spawner
+from shardline.sdk import (
+    WATCHDOG_REPORT_S,
+    ChildProcess,
+    EngineConfig,
+    Spawner,
+    serve_store,
+    wait_until,
+)
 from shardline_executors.heartbeat import Heartbeats
 from shardline_executors.mp_protocol import PHASES, Call, Failure, Phase, Reply
 from shardline_executors.mp_worker import worker_main
@@ -81,7 +84,7 @@ class MultiprocExecutor(Executor):
         # A call's default deadline lets a worker's own deadline (timeout_s) and its watchdog
         # report pass first, so the error names the rank at fault rather than the rank the
         # driver happened to wait on.
-        self._call_timeout_s = config.parallel.timeout_s + REPORT_GRACE_S + 0.25
+        self._call_timeout_s = config.parallel.timeout_s + WATCHDOG_REPORT_S + 0.25
         self._failure: ShardlineError | None = None
         self._closed = False
         self._next_call = 0

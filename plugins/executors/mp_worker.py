@@ -18,10 +18,8 @@ from typing import Any
 
 import cloudpickle
 
-from shardline.config.schema import EngineConfig
-from shardline.interfaces.communicator_backend import Rendezvous
-from shardline.launch.threads import share_cores
-from shardline.worker.setup import WorkerSetup
+from shardline.interfaces import Rendezvous
+from shardline.sdk import EngineConfig, WorkerSetup, share_cores
 from shardline_executors.heartbeat import start_beating
 from shardline_executors.mp_protocol import Call, Failure, Phase, Reply
 from shardline_executors.shm_ring import RingHandle, ShmRing

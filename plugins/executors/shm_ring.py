@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
-from shardline.comm.waiting import wait_until
+from shardline.sdk import wait_until
 
 _WORDS_PER_SLOT = 3  # sequence, length, more-follows
 

@@ -7,11 +7,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from shardline.comm.store import serve_store
-from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError, PeerLostError, WorkerError
 from shardline.interfaces import Executor
-from shardline.worker.setup import WorkerContext, WorkerSetup
+from shardline.sdk import EngineConfig, WorkerContext, WorkerSetup, serve_store
 
 
 class UniProcExecutor(Executor):

@@ -9,9 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardline.comm.process_group import ProcessGroupCommunicator
-from shardline.comm.store import connect_store
 from shardline.interfaces import CommunicatorBackend, Rendezvous
+from shardline.sdk import ProcessGroupCommunicator, connect_store
 from shardline_gloo.plugin import GLOO_CAPABILITIES
 
 

@@ -3,7 +3,7 @@
 Kept free of heavy imports: the registry reads the component list without importing torch.
 """
 
-from shardline.interfaces.capabilities import Capabilities
+from shardline.interfaces import Capabilities
 from shardline.registry import Component, hookimpl
 
 GLOO_CAPABILITIES = Capabilities(
@@ -23,5 +23,6 @@ def shardline_communicators() -> list[Component]:
             target="shardline_gloo.communicator:GlooBackend",
             summary="torch.distributed gloo over TCP; CPU tensors, any number of hosts",
             capabilities=GLOO_CAPABILITIES,
+            auto_preference=10,
         )
     ]

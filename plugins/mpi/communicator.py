@@ -27,10 +27,6 @@ from typing import Any
 import torch
 from shardline_mpi.plugin import MPI_CAPABILITIES
 
-from shardline.comm.arguments import check_peer, group_ranks
-from shardline.comm.store import announce_arrival, connect_store, never_arrived
-from shardline.comm.waiting import Polling, wait_until
-from shardline.comm.work import OnceWork
 from shardline.errors import (
     BackendUnavailableError,
     CommTimeoutError,
@@ -39,8 +35,19 @@ from shardline.errors import (
     PeerLostError,
 )
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
-from shardline.launch.launcher_env import LaunchedRank, detect_launcher
-from shardline.launch.mpi_job import abort_job_at_exit
+from shardline.sdk import (
+    LaunchedRank,
+    OnceWork,
+    Polling,
+    abort_job_at_exit,
+    announce_arrival,
+    check_peer,
+    connect_store,
+    detect_launcher,
+    group_ranks,
+    never_arrived,
+    wait_until,
+)
 
 _P2P_TAG = 0
 # Polling is also what moves a nonblocking MPI operation forward: keep testing, yielding the

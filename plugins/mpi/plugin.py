@@ -4,7 +4,7 @@ Imports nothing heavy: importing mpi4py initializes MPI, which only a rank start
 mpiexec should do (an OpenMPI singleton leaves a shared-memory segment behind).
 """
 
-from shardline.interfaces.capabilities import Capabilities
+from shardline.interfaces import Capabilities
 from shardline.registry import Component, hookimpl
 
 MPI_CAPABILITIES = Capabilities(
@@ -25,5 +25,6 @@ def shardline_communicators() -> list[Component]:
             target="shardline_mpi.communicator:MpiBackend",
             summary="MPI through mpi4py; CPU tensors without copies; ranks started by mpiexec",
             capabilities=MPI_CAPABILITIES,
+            auto_preference=20,
         )
     ]

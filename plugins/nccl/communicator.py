@@ -21,11 +21,9 @@ import torch
 import torch.distributed as dist
 from shardline_nccl.plugin import NCCL_CAPABILITIES
 
-from shardline.comm.process_group import ProcessGroupCommunicator
-from shardline.comm.store import connect_store
 from shardline.errors import BackendUnavailableError, ConfigError
 from shardline.interfaces import CommunicatorBackend, Rendezvous
-from shardline.launch.launcher_env import LaunchedRank
+from shardline.sdk import LaunchedRank, ProcessGroupCommunicator, connect_store
 
 
 def local_rank(rank: int) -> int:

@@ -4,7 +4,7 @@ Imports nothing heavy; whether NCCL can run here is decided by the backend's
 ``unavailable_reason`` (a CUDA build of torch, and CUDA devices).
 """
 
-from shardline.interfaces.capabilities import Capabilities
+from shardline.interfaces import Capabilities
 from shardline.registry import Component, hookimpl
 
 NCCL_CAPABILITIES = Capabilities(
@@ -25,5 +25,6 @@ def shardline_communicators() -> list[Component]:
             target="shardline_nccl.communicator:NcclBackend",
             summary="torch.distributed NCCL on cuda:{local_rank}; needs one CUDA device per rank",
             capabilities=NCCL_CAPABILITIES,
+            auto_preference=30,
         )
     ]

@@ -6,10 +6,9 @@ import datetime
 
 import torch.distributed as dist
 
-from shardline.comm.message_passing import MessagePassingCommunicator
-from shardline.comm.store import connect_store
 from shardline.errors import CommTimeoutError
 from shardline.interfaces import CommunicatorBackend, Rendezvous
+from shardline.sdk import MessagePassingCommunicator, connect_store
 from shardline_storecomm.plugin import CAPABILITIES
 
 

@@ -1,0 +1,81 @@
+"""The plugin SDK: what a plugin may use of Shardline besides the contracts.
+
+A plugin imports from four modules only (a test holds the built-in plugins and the example to
+it): :mod:`shardline.interfaces` (the contracts), :mod:`shardline.errors`,
+:mod:`shardline.registry` (``Component``, ``hookimpl``) and this one, the building blocks:
+
+Communicators
+    ``ProcessGroupCommunicator`` (a torch process group per group: gloo, NCCL, ...),
+    ``MessagePassingCommunicator`` (a backend that can only move bytes implements two
+    methods), ``DelegatingCommunicator`` (wrap another communicator, override what you do);
+    ``OnceWork``, ``CompositeWork``, ``CompletedWork`` (work handles); ``check_peer``,
+    ``group_ranks`` (argument checks with the contract's messages); ``Polling``,
+    ``wait_until`` (deadline-bounded waits that leave the CPU to others);
+    ``connect_store``, ``serve_store``, ``announce_arrival``, ``never_arrived`` (the
+    rendezvous store, and naming ranks that never arrived at a join); ``ControlPlane``
+    (signed objects and tensor dicts over any communicator); ``seal``, ``unseal`` (signed
+    bytes for a channel of your own).
+
+Executors
+    ``EngineConfig``; ``WorkerSetup``, ``WorkerContext`` (build a rank's Worker: join its
+    worlds, load the model, with phase callbacks); ``Spawner``, ``ChildProcess`` (processes
+    that end with their parent); ``share_cores`` (a rank's share of torch threads);
+    ``LaunchedRank``, ``detect_launcher`` (a rank's place under torchrun or mpiexec);
+    ``abort_job_at_exit`` (end an mpiexec job instead of hanging in MPI_Finalize);
+    ``WATCHDOG_REPORT_S`` (how long a rank's collective-timeout diagnosis takes after its
+    deadline: a driver's call deadline adds it, so that the rank at fault is named).
+
+Names load on first use, so a plugin's entry module importing ``Component`` or
+``Capabilities`` stays cheap (nothing here imports torch until asked).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "ProcessGroupCommunicator": "shardline.comm.process_group",
+    "MessagePassingCommunicator": "shardline.comm.message_passing",
+    "DelegatingCommunicator": "shardline.comm.delegating",
+    "OnceWork": "shardline.comm.work",
+    "CompositeWork": "shardline.comm.work",
+    "CompletedWork": "shardline.comm.work",
+    "check_peer": "shardline.comm.arguments",
+    "group_ranks": "shardline.comm.arguments",
+    "Polling": "shardline.comm.waiting",
+    "wait_until": "shardline.comm.waiting",
+    "connect_store": "shardline.comm.store",
+    "serve_store": "shardline.comm.store",
+    "announce_arrival": "shardline.comm.store",
+    "never_arrived": "shardline.comm.store",
+    "ControlPlane": "shardline.distributed.control_plane",
+    "seal": "shardline.comm.objects",
+    "unseal": "shardline.comm.objects",
+    "EngineConfig": "shardline.config.schema",
+    "WorkerSetup": "shardline.worker.setup",
+    "WorkerContext": "shardline.worker.setup",
+    "Spawner": "shardline.launch.tether",
+    "ChildProcess": "shardline.launch.tether",
+    "share_cores": "shardline.launch.threads",
+    "LaunchedRank": "shardline.launch.launcher_env",
+    "detect_launcher": "shardline.launch.launcher_env",
+    "abort_job_at_exit": "shardline.launch.mpi_job",
+    "WATCHDOG_REPORT_S": ("shardline.comm.watchdog", "REPORT_GRACE_S"),
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"shardline.sdk has no {name!r}; the SDK is: {', '.join(__all__)}")
+    module, attribute = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
