@@ -13,7 +13,7 @@ import torch
 
 from shardline.conformance.cases import assert_same, make_input, reduce_expected
 from shardline.distributed import ParallelLayout, ParallelState
-from shardline.errors import CommTimeoutError, ProtocolError
+from shardline.errors import CommTimeoutError, PeerLostError, ProtocolError
 from shardline.interfaces import ReduceOp
 
 
@@ -296,9 +296,11 @@ def subgroups(ctx, rounds: int) -> None:
         control.close()
 
 
-def never_joins(ctx, deadline_s: float) -> float | None:
+def never_joins(ctx, deadline_s: float) -> tuple[float, str] | None:
     """In a fresh group with a short deadline, the last rank stays alive but skips an
-    all_reduce: every other rank must raise CommTimeoutError by the deadline + 1 s."""
+    all_reduce: every other rank must raise CommTimeoutError by the deadline + 1 s, or
+    PeerLostError when a rank that timed out first closed the group (the contract allows
+    it). Returns (seconds, the error's type name) on the waiting ranks."""
     comm = ctx.comm
     group = comm.new_group(list(range(comm.world_size)), timeout_s=deadline_s)
     try:
@@ -309,13 +311,13 @@ def never_joins(ctx, deadline_s: float) -> float | None:
         start = time.monotonic()
         try:
             group.all_reduce(torch.ones(4))
-        except CommTimeoutError:
-            elapsed = time.monotonic() - start
+        except (CommTimeoutError, PeerLostError) as error:
+            elapsed, kind = time.monotonic() - start, type(error).__name__
         else:
             raise AssertionError("all_reduce returned although one rank never joined")
         if elapsed > deadline_s + 1.0:
             raise AssertionError(f"raised after {elapsed:.2f} s; the deadline was {deadline_s} s")
-        return elapsed
+        return elapsed, kind
     finally:
         group.close()
 

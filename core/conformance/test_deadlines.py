@@ -11,8 +11,10 @@ pytestmark = pytest.mark.shardline_world_sizes(2, 3, 4)
 
 @pytest.mark.shardline_op("deadline: rank never joins")
 def test_rank_never_joins(conformance, world_size):
-    elapsed = conformance.run(world_size, checks.never_joins, DEADLINE_S)
-    assert all(e is not None for e in elapsed[:-1])
+    waited = conformance.run(world_size, checks.never_joins, DEADLINE_S)[:-1]
+    assert all(result is not None for result in waited)
+    # Some rank saw the silence as a timeout; others may have lost the group it closed.
+    assert "CommTimeoutError" in [kind for _, kind in waited], waited
 
 
 @pytest.mark.shardline_op("deadline: wait(timeout)")

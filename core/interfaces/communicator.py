@@ -15,7 +15,10 @@ General rules every backend keeps (the conformance suite checks each):
 - Every blocking call, and every ``Work.wait``, ends by the communicator's deadline
   (``timeout_s``, fixed when the group is created): a peer that never joins makes the call
   raise :class:`~shardline.errors.CommTimeoutError`; a dead peer may instead raise
-  :class:`~shardline.errors.PeerLostError`. After either, the group may be unusable.
+  :class:`~shardline.errors.PeerLostError`. After either, the group may be unusable: a rank
+  whose deadline passed may close its connections, so that a rank still waiting in the
+  same operation sees :class:`~shardline.errors.PeerLostError` (no later than its own
+  deadline) where it would have timed out.
 - Combinations outside :attr:`capabilities` raise :class:`~shardline.errors.BackendUnavailableError`
   or are refused earlier, at config validation.
 

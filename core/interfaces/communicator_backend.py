@@ -60,6 +60,9 @@ class CommunicatorBackend(abc.ABC):
     ) -> Communicator:
         """Join the world of ``world_size`` ranks as ``rank`` and return its communicator.
 
-        Called once per process and backend, by every rank. Joining ends by ``timeout_s``
-        with :class:`~shardline.errors.CommTimeoutError` when ranks are missing.
+        Called by every rank, once per world it joins: a process joins two worlds (data and
+        control plane), so a backend selected for both planes is called twice, with two
+        rendezvous of different ``prefix``; keep worlds apart by it. Joining ends by
+        ``timeout_s`` with :class:`~shardline.errors.CommTimeoutError` naming the ranks that
+        never arrived (``shardline.sdk.announce_arrival`` / ``never_arrived``).
         """

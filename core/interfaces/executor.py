@@ -20,6 +20,29 @@ class Executor(abc.ABC):
     ``launched`` (a launcher such as torchrun started every rank; each process builds its
     own executor, and every call returns the same result in every process) and
     ``enforces_deadlines`` (a call's ``timeout`` can end the wait for a rank still running).
+
+    What every executor does (the building blocks are in :mod:`shardline.sdk`):
+
+    - **Rendezvous and secret.** Ranks meet at a store: serve one with ``serve_store()``
+      (loopback for ranks of one host; it returns a ``Rendezvous`` with a new random job
+      secret) and hand the rendezvous to each rank privately (never over a socket); under a
+      launcher use ``LaunchedRank`` and the launcher's store. Each rank then builds its
+      Worker with ``WorkerSetup(config).build(rank, world_size, rendezvous, on_phase)``.
+    - **Start-up phases.** Spawn, distributed init, model load, ready: each within
+      ``parallel.startup_timeout_s``; a rank that misses one or fails in it ends start-up
+      with an error naming the phase and the rank (``on_phase`` reports each as it ends).
+    - **Threads.** Each rank process takes its share of the host's cores for torch:
+      ``share_cores(ranks_on_this_host)``.
+    - **Call deadlines.** The default deadline of a call is ``parallel.timeout_s`` plus
+      ``WATCHDOG_REPORT_S`` and a small margin, so that a rank's own diagnosis of a stuck
+      collective (which names the rank at fault) arrives before the executor gives up on
+      the rank it happened to wait on.
+    - **Processes.** Rank processes end with the process that started them
+      (``Spawner``), and a dead rank fails every pending and later call with
+      ``PeerLostError`` naming it and its exit code.
+    - **Errors.** An exception in a rank reaches the caller as ``WorkerError`` (rank, type,
+      message, traceback, and ``origin``: the exception itself when it is one of
+      Shardline's typed errors).
     """
 
     max_world_size: int | None = None
