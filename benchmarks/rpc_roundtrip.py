@@ -21,8 +21,8 @@ import sys
 import time
 
 from shardline.config import load_config
+from shardline.interfaces.step import SchedulerOutput
 from shardline.registry import Registry
-from shardline.worker.types import SchedulerOutput
 from shardline_executors.shm_ring import ShmRing
 
 
@@ -115,11 +115,11 @@ def time_executor(model: str, iterations: int, step: SchedulerOutput) -> dict:
     executor = Registry.load().get("executor", "mp").load_available()(config)
     try:
         for _ in range(100):  # warm-up
-            executor.execute_model(step)
+            executor.execute_model(step).result()
         samples = []
         for _ in range(iterations):
             start = time.perf_counter()
-            executor.execute_model(step)
+            executor.execute_model(step).result()
             samples.append(time.perf_counter() - start)
     finally:
         executor.shutdown()

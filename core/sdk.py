@@ -17,13 +17,18 @@ Communicators
     bytes for a channel of your own).
 
 Executors
-    ``EngineConfig``; ``WorkerSetup``, ``WorkerContext`` (build a rank's Worker: join its
+    ``EngineConfig``; ``first_reply`` (the Future ``execute_model`` returns, from a
+    ``collective_rpc`` Future); ``WorkerSetup``, ``WorkerContext`` (build a rank's Worker: join its
     worlds, load the model, with phase callbacks); ``Spawner``, ``ChildProcess`` (processes
     that end with their parent); ``share_cores`` (a rank's share of torch threads);
     ``LaunchedRank``, ``detect_launcher`` (a rank's place under torchrun or mpiexec);
     ``abort_job_at_exit`` (end an mpiexec job instead of hanging in MPI_Finalize);
     ``WATCHDOG_REPORT_S`` (how long a rank's collective-timeout diagnosis takes after its
     deadline: a driver's call deadline adds it, so that the rank at fault is named).
+
+Model runners
+    ``CausalLMRunner`` (request state, batching, a paged KV cache, sampling and pooling for
+    a decoder-only model: implement ``build_model``); ``ParallelState`` (a rank's groups).
 
 Names load on first use, so a plugin's entry module importing ``Component`` or
 ``Capabilities`` stays cheap (nothing here imports torch until asked).
@@ -41,6 +46,7 @@ _WHERE = {
     "OnceWork": "shardline.comm.work",
     "CompositeWork": "shardline.comm.work",
     "CompletedWork": "shardline.comm.work",
+    "first_reply": "shardline.comm.work",
     "check_peer": "shardline.comm.arguments",
     "group_ranks": "shardline.comm.arguments",
     "Polling": "shardline.comm.waiting",
@@ -61,6 +67,8 @@ _WHERE = {
     "LaunchedRank": "shardline.launch.launcher_env",
     "detect_launcher": "shardline.launch.launcher_env",
     "abort_job_at_exit": "shardline.launch.mpi_job",
+    "CausalLMRunner": "shardline.worker.model_runner",
+    "ParallelState": "shardline.distributed.parallel_state",
     "WATCHDOG_REPORT_S": ("shardline.comm.watchdog", "REPORT_GRACE_S"),
 }
 

@@ -51,8 +51,7 @@ def test_mp_generates_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp,
     try:
 
         def execute(step):
-            result = executor.execute_model(step)
-            return result.result(timeout=60) if pp > 1 else result
+            return executor.execute_model(step).result(timeout=60)
 
         assert run_script(execute, GREEDY_TOKENS) == tiny_llama_greedy
         assert executor.output_rank == tp * pp - tp

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from shardline.interfaces.step import SamplingParams
 from shardline.worker.sampler import make_generator, sample
-from shardline.worker.types import SamplingParams
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5, 1.0])
 

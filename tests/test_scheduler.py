@@ -8,7 +8,7 @@ import pytest
 from shardline.config.schema import SchedulerConfig
 from shardline.engine.scheduler import Request, Scheduler
 from shardline.errors import RequestError
-from shardline.worker.types import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 EOS = 99
 

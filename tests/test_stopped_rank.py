@@ -57,7 +57,7 @@ def test_a_stopped_rank_is_named_within_the_deadline(loaded_host, attempt):
 
     def step():
         try:
-            executor.execute_model(probe_step())
+            executor.execute_model(probe_step()).result()
         except (CommTimeoutError, WorkerError) as error:
             outcome["error"], outcome["at"] = error, time.monotonic()
 
@@ -88,7 +88,7 @@ def test_a_stopped_rank_is_named_within_the_deadline(loaded_host, attempt):
 
 
 def probe_step():
-    from shardline.worker.types import NewRequest, SamplingParams, SchedulerOutput
+    from shardline.interfaces.step import NewRequest, SamplingParams, SchedulerOutput
 
     return SchedulerOutput(
         new_requests=[NewRequest("probe", [1, 2, 3], SamplingParams(temperature=0.0), [0])],

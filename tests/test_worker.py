@@ -5,10 +5,10 @@ the uni executor (TP=1) and in real gloo worlds (TP=2, PP=2, TP=2 x PP=2)."""
 import pytest
 
 from shardline.config import load_config
+from shardline.interfaces.step import SamplingParams
 from shardline.launch.local_world import LocalWorld
 from shardline.registry import Registry
 from shardline.worker.setup import WorkerSetup, call_worker
-from shardline.worker.types import SamplingParams
 from support.greedy_driver import GREEDY_TOKENS, PROMPT_A, PROMPT_B, run_script
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,7 +33,9 @@ def test_uni_executor_generates_transformers_tokens(tiny_llama_dir, tiny_llama_g
     executor = Registry.load().get("executor", "uni").load_available()(config)
     try:
         assert executor.output_rank == 0
-        assert run_script(executor.execute_model, GREEDY_TOKENS) == tiny_llama_greedy
+        assert run_script(lambda s: executor.execute_model(s).result(), GREEDY_TOKENS) == (
+            tiny_llama_greedy
+        )
         assert executor.collective_rpc(lambda worker: worker.rank) == [0]
         assert executor.collective_rpc("load_model", non_block=True).result() == [None]
         executor.check_health()
@@ -71,7 +73,7 @@ def _runner_steps(context, steps):
 
 
 def test_every_tp_rank_samples_the_same_tokens(tiny_llama_dir):
-    from shardline.worker.types import CachedRequest, NewRequest, SamplingParams, SchedulerOutput
+    from shardline.interfaces.step import CachedRequest, NewRequest, SamplingParams, SchedulerOutput
 
     hot = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=1234)
     steps = [
@@ -101,7 +103,7 @@ def test_every_tp_rank_samples_the_same_tokens(tiny_llama_dir):
 
 def test_runner_refuses_inconsistent_schedules(tiny_llama_dir):
     from shardline.errors import WorkerError
-    from shardline.worker.types import CachedRequest, NewRequest, SchedulerOutput
+    from shardline.interfaces.step import CachedRequest, NewRequest, SchedulerOutput
 
     executor = (
         Registry.load()
@@ -116,12 +118,12 @@ def test_runner_refuses_inconsistent_schedules(tiny_llama_dir):
         with pytest.raises(
             WorkerError, match=r"request 'A': 8 tokens need 2 cache blocks, the scheduler gave 1"
         ) as raised:
-            executor.execute_model(too_few_blocks)
+            executor.execute_model(too_few_blocks).result()
         assert raised.value.exc_type == "ValueError" and raised.value.rank == 0
         unknown = SchedulerOutput(
             cached_requests=[CachedRequest("Z", [1], [], 0)], num_scheduled_tokens={"Z": 1}
         )
         with pytest.raises(WorkerError, match="continued request 'Z', which this rank never saw"):
-            executor.execute_model(unknown)
+            executor.execute_model(unknown).result()
     finally:
         executor.shutdown()

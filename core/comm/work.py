@@ -1,9 +1,12 @@
-"""Ready-made :class:`~shardline.interfaces.Work` handles for backend authors."""
+"""Ready-made :class:`~shardline.interfaces.Work` handles for backend authors, and the Future
+an executor's ``execute_model`` returns (:func:`first_reply`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from shardline.interfaces.work import Work
@@ -76,3 +79,21 @@ class OnceWork(Work):
 
     def is_completed(self) -> bool:
         return self._finished or self._native_done()
+
+
+def first_reply(replies: Future[list[Any]]) -> Future[Any]:
+    """A Future of the first element of ``replies``' result (or of its exception), resolved
+    when ``replies`` is: what ``execute_model`` returns from a ``collective_rpc`` with one
+    reply rank."""
+    first: Future[Any] = Future()
+
+    def settle(done: Future[list[Any]]) -> None:
+        with contextlib.suppress(InvalidStateError):
+            error = done.exception()
+            if error is not None:
+                first.set_exception(error)
+            else:
+                first.set_result(done.result()[0])
+
+    replies.add_done_callback(settle)
+    return first

@@ -2,6 +2,6 @@
 
 from shardline.engine.engine import LLMEngine, RequestOutput
 from shardline.engine.llm import LLM
-from shardline.worker.types import SamplingParams
+from shardline.interfaces.step import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]

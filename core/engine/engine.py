@@ -18,9 +18,9 @@ from shardline.engine.detokenizer import Detokenizer
 from shardline.engine.scheduler import Request, Scheduler
 from shardline.errors import CommTimeoutError, ConfigError
 from shardline.interfaces import Executor
+from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from shardline.registry import Registry
 from shardline.weights import load_tokenizer, open_checkpoint
-from shardline.worker.types import SamplingParams, SchedulerOutput
 
 #: Seconds a step may take beyond ``parallel.timeout_s`` before the engine gives up on it
 #: (the executor's own deadline should have fired first).
@@ -161,9 +161,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-    def _wait(self, pending: Any) -> Any:
-        if not isinstance(pending, Future):
-            return pending
+    def _wait(self, pending: Future[ModelRunnerOutput | None]) -> ModelRunnerOutput | None:
         limit = self.config.parallel.timeout_s + STEP_GRACE_S
         try:
             return pending.result(timeout=limit)

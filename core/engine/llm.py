@@ -11,8 +11,8 @@ from typing import Any
 from shardline.config.loader import LoadedConfig, load_config
 from shardline.engine.engine import LLMEngine, RequestOutput
 from shardline.errors import RequestError
+from shardline.interfaces.step import SamplingParams
 from shardline.registry import Registry
-from shardline.worker.types import SamplingParams
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, str]]

@@ -21,7 +21,7 @@ from typing import Any
 
 from shardline.config.schema import SchedulerConfig
 from shardline.errors import RequestError
-from shardline.worker.types import (
+from shardline.interfaces.step import (
     CachedRequest,
     ModelRunnerOutput,
     NewRequest,

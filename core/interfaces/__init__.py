@@ -6,9 +6,17 @@ from shardline.interfaces.communicator_backend import CommunicatorBackend, Rende
 from shardline.interfaces.executor import Executor
 from shardline.interfaces.intermediate import IntermediateTensors
 from shardline.interfaces.model_runner import ModelPlan, ModelRunner, RankMemory
+from shardline.interfaces.step import (
+    CachedRequest,
+    ModelRunnerOutput,
+    NewRequest,
+    SamplingParams,
+    SchedulerOutput,
+)
 from shardline.interfaces.work import Work
 
 __all__ = [
+    "CachedRequest",
     "Capabilities",
     "Communicator",
     "CommunicatorBackend",
@@ -16,8 +24,12 @@ __all__ = [
     "IntermediateTensors",
     "ModelPlan",
     "ModelRunner",
+    "ModelRunnerOutput",
+    "NewRequest",
     "RankMemory",
     "ReduceOp",
     "Rendezvous",
+    "SamplingParams",
+    "SchedulerOutput",
     "Work",
 ]

@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from shardline.interfaces.step import ModelRunnerOutput, SchedulerOutput
+
 
 class Executor(abc.ABC):
     """Starts one Worker per rank and drives them all with the same calls.
@@ -91,11 +93,10 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """Broadcast ``execute_model(scheduler_output)``; return the output rank's reply.
-
-        Non-blocking (a Future) when more than one batch may be in flight (pipeline size > 1).
-        """
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
+        """Broadcast ``execute_model(scheduler_output)``; a Future of the output rank's
+        reply, returned at once (the step may still run: with pipeline stages the engine keeps
+        one step in flight per stage). The Future fails as :meth:`collective_rpc` raises."""
 
     @abc.abstractmethod
     def check_health(self) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shardline.interfaces.intermediate import IntermediateTensors
+from shardline.interfaces.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from shardline.config.schema import EngineConfig
@@ -75,8 +76,8 @@ class ModelRunner(abc.ABC):
 
     @abc.abstractmethod
     def execute_model(
-        self, scheduler_output: Any, intermediate_tensors: IntermediateTensors | None
-    ) -> Any:
+        self, scheduler_output: SchedulerOutput, intermediate_tensors: IntermediateTensors | None
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
         """Run one scheduler step on this rank.
 
         ``scheduler_output`` describes new, continuing and finished requests and how many
@@ -85,14 +86,9 @@ class ModelRunner(abc.ABC):
 
         Returns:
         - ``IntermediateTensors`` on a stage that is not the last, for the Worker to send on;
-        - a model-runner output (sampled token ids per request) on the last stage;
+        - on the last stage, a :class:`ModelRunnerOutput`: the token sampled per request, or
+          for a step of embedding requests (``pooling`` set) the pooled vector of each
+          request whose prompt the step completed;
         - ``None`` when this rank produces nothing for the caller (e.g. a step with no tokens).
         Every rank of a tensor-parallel group samples identically.
         """
-
-    def pool(self) -> Any:
-        """The pooling output of the last step (reference: seed 000's pooling path), called by
-        the Worker on the last pipeline stage when ``execute_model`` returned None. Returns a
-        model-runner output carrying one embedding per finished pooling request, or None when
-        the last step pooled nothing (the default: a runner without pooling)."""
-        return None

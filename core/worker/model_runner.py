@@ -1,21 +1,44 @@
-"""The Llama ModelRunner: request state, batch building, paged KV cache, logits, sampling."""
+"""The model runner of decoder-only language models: request state, batch building, a paged
+KV cache, logits, sampling and pooling, for any model that runs one pipeline stage over a
+paged cache (:class:`CausalLM`). A model family says only how to build and load its model
+(:meth:`CausalLMRunner.build_model`); the Llama family is
+:class:`shardline.models.llama_runner.LlamaModelRunner`."""
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from shardline.config.schema import EngineConfig
 from shardline.distributed import ParallelState
-from shardline.dtypes import torch_dtype
 from shardline.interfaces import IntermediateTensors, ModelRunner
+from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from shardline.layers.attention import AttentionMetadata, KVCache
-from shardline.models.llama import LlamaForCausalLM
-from shardline.models.memory import LlamaPlan
-from shardline.weights import open_checkpoint
 from shardline.worker.sampler import make_generator, sample
-from shardline.worker.types import ModelRunnerOutput, SamplingParams, SchedulerOutput
+
+
+class CausalLM(Protocol):
+    """One pipeline stage of a decoder-only model, as the runner drives it."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_caches: dict[int, KVCache],
+        intermediate: IntermediateTensors | None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states ``[N, hidden]`` on the last stage, else the tensors the
+        next stage needs."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` (last stage), equal on every TP rank."""
+
+    def make_kv_caches(self, num_blocks: int, block_size: int) -> dict[int, KVCache]:
+        """An empty paged cache for every layer of this stage."""
 
 
 @dataclass
@@ -31,31 +54,24 @@ class RequestState:
     hidden_sum: torch.Tensor | None = None
 
 
-class LlamaModelRunner(ModelRunner):
-    """Runs this rank's pipeline stage of a Llama model over a paged KV cache."""
-
-    @classmethod
-    def plan(cls, config: EngineConfig) -> LlamaPlan:
-        """The layout checked against the checkpoint's architecture (its metadata only), and
-        what each rank will hold."""
-        return LlamaPlan.of(open_checkpoint(config.model.path).architecture, config)
+class CausalLMRunner(ModelRunner):
+    """Runs this rank's pipeline stage of a decoder-only model over a paged KV cache."""
 
     def __init__(self, config: EngineConfig, state: ParallelState) -> None:
         self.config = config
         self.state = state
         self.requests: dict[str, RequestState] = {}
-        self.model: LlamaForCausalLM | None = None
+        self.model: CausalLM | None = None
         self.kv_caches: dict[int, KVCache] = {}
-        self._pooled: ModelRunnerOutput | None = None
+
+    @abc.abstractmethod
+    def build_model(self) -> CausalLM:
+        """This rank's stage of the model, with only this rank's shard of the weights loaded
+        (``self.config.model``, ``self.state``)."""
 
     def load_model(self) -> None:
-        checkpoint = open_checkpoint(self.config.model.path)
-        model = LlamaForCausalLM(
-            checkpoint.architecture, self.state, torch_dtype(self.config.model.dtype)
-        )
-        model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
-        self.model = model
-        self.kv_caches = model.make_kv_caches(
+        self.model = self.build_model()
+        self.kv_caches = self.model.make_kv_caches(
             self.config.cache.num_blocks, self.config.cache.block_size
         )
 
@@ -77,8 +93,7 @@ class LlamaModelRunner(ModelRunner):
         if any(pooling):
             if not all(pooling):
                 raise ValueError("a step mixes embedding (pooling) and generating requests")
-            self._pooled = self._pool_hidden(output, req_ids, metadata.query_start_loc, sample_rows)
-            return None
+            return self._pool_hidden(output, req_ids, metadata.query_start_loc, sample_rows)
         rows = [row for row in sample_rows if row is not None]
         logits = self.model.compute_logits(output[rows]) if rows else None
         sampled: list[int | None] = []
@@ -91,11 +106,6 @@ class LlamaModelRunner(ModelRunner):
             sampled.append(sample(logits[picked], request.sampling, request.generator))
             picked += 1
         return ModelRunnerOutput(req_ids, sampled)
-
-    def pool(self) -> ModelRunnerOutput | None:
-        """The embeddings of the last step when it ran pooling requests (then cleared)."""
-        pooled, self._pooled = self._pooled, None
-        return pooled
 
     def _pool_hidden(
         self,

@@ -9,7 +9,7 @@ def shardline_model_runners() -> list[Component]:
     return [
         Component(
             name="llama",
-            target="shardline.worker.model_runner:LlamaModelRunner",
+            target="shardline.models.llama_runner:LlamaModelRunner",
             summary="tensor- and pipeline-parallel Llama (HF safetensors or GGUF)",
         )
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardline.worker.types import SamplingParams
+from shardline.interfaces.step import SamplingParams
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:

@@ -46,8 +46,7 @@ class Worker:
         2. a step with no tokens does no forward pass and no pipeline traffic;
         3. a rank that is not in the first stage starts receiving the previous stage's
            intermediate tensors; the wait happens when the model first touches them;
-        4. run the ModelRunner; on the last stage, a step that returned nothing may have
-           pooled (embedding requests): its ``pool`` step gives that output;
+        4. run the ModelRunner;
         5. intermediate tensors are sent on asynchronously (handles kept for step 1) and
            None is returned; otherwise only the output rank returns the output.
         """
@@ -63,8 +62,6 @@ class Worker:
                 pp.irecv_tensor_dict(all_gather_group=gather_group)
             )
         output = self.model_runner.execute_model(scheduler_output, intermediate)
-        if output is None and forward_pass and pp.is_last_rank:
-            output = self.model_runner.pool()
         if isinstance(output, IntermediateTensors):
             if pp.is_last_rank:
                 raise RuntimeError("the last pipeline stage returned intermediate tensors")

@@ -33,7 +33,7 @@ from shardline.errors import (
     ShardlineError,
     WorkerError,
 )
-from shardline.interfaces import Executor
+from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
 from shardline.sdk import (
     EngineConfig,
     LaunchedRank,
@@ -82,7 +82,6 @@ class ExternalLauncherExecutor(Executor):
         self.world_size = launched.world_size
         self.launcher = launched.launcher
         self._output_rank = config.parallel.layout.output_rank
-        self._pipelined = config.parallel.pipeline_parallel_size > 1
         self._call_timeout_s = config.parallel.timeout_s
         self._next_call = 0
         self._failure: ShardlineError | None = None
@@ -200,22 +199,22 @@ class ExternalLauncherExecutor(Executor):
         abort_job_at_exit()
         return failure
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """Run the step on this rank; every rank gets the output rank's result (a completed
-        Future when pipeline stages are configured, as the contract says)."""
-        self.check_health()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
+        """Run the step on this rank; every rank gets the output rank's result, in a Future
+        resolved before it is returned (the step ran in this thread)."""
+        future: Future[ModelRunnerOutput | None] = Future()
         try:
+            self.check_health()
             output = self._context.worker.execute_model(scheduler_output)
             if self.world_size > 1:
                 world = self._context.parallel.state.world
                 output = world.broadcast_object(output, src=self._output_rank)
-        except (CommTimeoutError, PeerLostError) as error:
-            self._fail(error)
-            raise
-        if not self._pipelined:
-            return output
-        future: Future = Future()
-        future.set_result(output)
+        except Exception as error:
+            if isinstance(error, CommTimeoutError | PeerLostError):
+                self._fail(error)
+            future.set_exception(error)
+        else:
+            future.set_result(output)
         return future
 
     def check_health(self) -> None:

@@ -36,12 +36,13 @@ from shardline.errors import (
     ShardlineError,
     WorkerError,
 )
-from shardline.interfaces import Executor
+from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
 from shardline.sdk import (
     WATCHDOG_REPORT_S,
     ChildProcess,
     EngineConfig,
     Spawner,
+    first_reply,
     serve_store,
     wait_until,
 )
@@ -223,19 +224,15 @@ class MultiprocExecutor(Executor):
         self._collect_through(call)
         return call.future.result()
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """The output rank's reply; a Future when pipeline stages can hold several batches."""
-        result = self.collective_rpc(
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
+        """A Future of the output rank's reply, returned once the step is broadcast."""
+        replies = self.collective_rpc(
             "execute_model",
             (scheduler_output,),
             unique_reply_rank=self._output_rank,
-            non_block=self.config.parallel.pipeline_parallel_size > 1,
+            non_block=True,
         )
-        if isinstance(result, Future):
-            outer: Future = Future()
-            result.add_done_callback(lambda done: _chain_first(done, outer))
-            return outer
-        return result[0]
+        return first_reply(replies)
 
     def check_health(self) -> None:
         if self._closed:
@@ -448,14 +445,6 @@ class MultiprocExecutor(Executor):
         for ring in [self._calls, *self._replies]:
             ring.close()
         self._heartbeats.close()
-
-
-def _chain_first(done: Future, outer: Future) -> None:
-    error = done.exception()
-    if error is not None:
-        _settle(outer, error=error)
-    else:
-        _settle(outer, value=done.result()[0])
 
 
 def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:

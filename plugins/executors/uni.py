@@ -8,8 +8,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from shardline.errors import ConfigError, PeerLostError, WorkerError
-from shardline.interfaces import Executor
-from shardline.sdk import EngineConfig, WorkerContext, WorkerSetup, serve_store
+from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
+from shardline.sdk import EngineConfig, WorkerContext, WorkerSetup, first_reply, serve_store
 
 
 class UniProcExecutor(Executor):
@@ -73,9 +73,12 @@ class UniProcExecutor(Executor):
             future.set_exception(failure)
         return future if non_block else future.result()
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        (output,) = self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=0)
-        return output
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
+        """Runs the step now, in this thread; the Future is already resolved."""
+        replies = self.collective_rpc(
+            "execute_model", (scheduler_output,), unique_reply_rank=0, non_block=True
+        )
+        return first_reply(replies)
 
     def check_health(self) -> None:
         if self._context is None:

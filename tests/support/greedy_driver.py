@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardline.worker.types import CachedRequest, NewRequest, SamplingParams, SchedulerOutput
+from shardline.interfaces.step import CachedRequest, NewRequest, SamplingParams, SchedulerOutput
 
 PROMPT_A = [1, 5, 9, 33, 2, 7, 7, 80]
 PROMPT_B = [3, 99, 4]

@@ -34,8 +34,7 @@ def main(model_path: str, tp: int, pp: int, extra: list[str]) -> None:
     try:
 
         def execute(step):
-            result = executor.execute_model(step)
-            return result.result(timeout=60) if pp > 1 else result
+            return executor.execute_model(step).result(timeout=60)
 
         tokens = run_script(execute, GREEDY_TOKENS)
     finally:

@@ -16,14 +16,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from shardline.config import load_config
 from shardline.config.schema import EngineConfig
 from shardline.conformance.executors import probe
 from shardline.errors import CommTimeoutError, PeerLostError, WorkerError
 from shardline.interfaces import Executor
-from shardline.worker.types import NewRequest, SamplingParams, SchedulerOutput
+from shardline.interfaces.step import NewRequest, SamplingParams, SchedulerOutput
 
 #: The deadline the deadline check gives a call; the answer must come within this + slack.
 CALL_DEADLINE_S = 1.5
@@ -66,10 +65,6 @@ class Subject:
     @property
     def last_rank(self) -> int:
         return self.world_size - 1
-
-
-def _result(value: Any, timeout: float = 60.0) -> Any:
-    return value.result(timeout=timeout) if isinstance(value, Future) else value
 
 
 def _step() -> SchedulerOutput:
@@ -136,14 +131,17 @@ def check_rank_assignment(subject: Subject) -> None:
 
 
 def check_reply_rank(subject: Subject) -> None:
-    """``unique_reply_rank`` returns exactly that rank's reply; ``execute_model`` returns the
-    output rank's (the last rank here), after the step went through every stage in order."""
+    """``unique_reply_rank`` returns exactly that rank's reply; ``execute_model`` returns a
+    Future of the output rank's (the last rank here), after the step went through every stage
+    in order."""
     executor = subject.shared()
     for rank in range(subject.world_size):
         replies = executor.collective_rpc(probe.rank_and_pid, unique_reply_rank=rank)
         assert len(replies) == 1 and replies[0][0] == rank, (rank, replies)
     assert executor.output_rank == subject.last_rank, executor.output_rank
-    output = _result(executor.execute_model(_step()))
+    pending = executor.execute_model(_step())
+    assert isinstance(pending, Future), f"execute_model returned {type(pending).__name__}"
+    output = pending.result(timeout=60)
     assert output == {"visited": list(range(subject.world_size)), "rank": subject.last_rank}, output
     for wrong in (-1, subject.world_size):
         try:

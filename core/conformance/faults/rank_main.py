@@ -17,7 +17,6 @@ import json
 import os
 import time
 import traceback
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,9 @@ from shardline.config.schema import EngineConfig
 from shardline.conformance.faults.runner import FAULT_RUNNER, Plan, arm
 from shardline.conformance.faults.scenarios import INJECTION_ENTRY_POINT, SCENARIOS, Scenario
 from shardline.errors import ShardlineError, WorkerError
+from shardline.interfaces.step import NewRequest, SamplingParams, SchedulerOutput
 from shardline.launch.launcher_env import LaunchedRank
 from shardline.registry import Registry, installed_plugins
-from shardline.worker.types import NewRequest, SamplingParams, SchedulerOutput
 
 
 def fault_config(
@@ -93,9 +92,7 @@ def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
         report["rank_pids"] = executor.collective_rpc(arm, (Plan(fault, args.ranks - 1),))
         report["phase"] = "step"
         started = time.monotonic()
-        output = executor.execute_model(_step())
-        if isinstance(output, Future):
-            output = output.result(timeout=args.timeout + 30)
+        output = executor.execute_model(_step()).result(timeout=args.timeout + 30)
         report |= {"outcome": "completed", "output": output}
     except ShardlineError as error:
         report["failed_at"] = time.time()

@@ -1,4 +1,6 @@
-"""What the scheduler sends each step, and what the output rank sends back."""
+"""The typed step: what the scheduler sends every rank each step (:class:`SchedulerOutput`),
+and what the output rank sends back (:class:`ModelRunnerOutput`, sampled tokens or pooled
+vectors)."""
 
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ class SamplingParams:
 class NewRequest:
     """A request scheduled for the first time (or again after preemption): its tokens so far
     and the cache blocks it owns. ``pooling`` ("last" or "mean") makes it an embedding
-    request: its prompt is run, nothing is sampled, and the runner's ``pool`` step returns
-    one vector of the final hidden states."""
+    request: its prompt is run, nothing is sampled, and the step that completes the prompt
+    returns one vector of the final hidden states in :attr:`ModelRunnerOutput.pooled`."""
 
     req_id: str
     prompt_token_ids: list[int]

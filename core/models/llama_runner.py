@@ -1,0 +1,29 @@
+"""The Llama family's model runner: the decoder-only runner with a Llama stage, loaded from
+an HF safetensors directory or a GGUF file, and the memory plan of its ranks."""
+
+from __future__ import annotations
+
+from shardline.config.schema import EngineConfig
+from shardline.dtypes import torch_dtype
+from shardline.models.llama import LlamaForCausalLM
+from shardline.models.memory import LlamaPlan
+from shardline.weights import open_checkpoint
+from shardline.worker.model_runner import CausalLMRunner
+
+
+class LlamaModelRunner(CausalLMRunner):
+    """Tensor- and pipeline-parallel Llama (HF safetensors or GGUF)."""
+
+    @classmethod
+    def plan(cls, config: EngineConfig) -> LlamaPlan:
+        """The layout checked against the checkpoint's architecture (its metadata only), and
+        what each rank will hold."""
+        return LlamaPlan.of(open_checkpoint(config.model.path).architecture, config)
+
+    def build_model(self) -> LlamaForCausalLM:
+        checkpoint = open_checkpoint(self.config.model.path)
+        model = LlamaForCausalLM(
+            checkpoint.architecture, self.state, torch_dtype(self.config.model.dtype)
+        )
+        model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
+        return model
