@@ -7,6 +7,7 @@ what to do.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 #: Values echoed in an error message are cut to this many characters.
@@ -114,9 +115,39 @@ class WorkerError(ShardlineError):
         return f"rank {self.rank} raised {self.exc_type}: {self.args[0]}"
 
 
-def portable(error: BaseException) -> ShardlineError | None:
-    """``error`` when it is a Shardline error that survives pickling (to travel from a rank
-    to its driver as :attr:`WorkerError.origin`), else None."""
+@dataclass(frozen=True)
+class RemoteFailure:
+    """An exception raised in a rank, as it travels to the process driving it (pickled over
+    any channel: shared memory, a pipe, the rendezvous store): its type, message and
+    traceback, and ``origin``, the exception itself when it is one of Shardline's typed
+    errors and survives pickling. The one envelope every executor uses."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    origin: ShardlineError | None = None
+
+    @classmethod
+    def capture(cls, error: BaseException) -> RemoteFailure:
+        """The envelope of ``error``, being handled now (its traceback is the current one)."""
+        import traceback
+
+        return cls(type(error).__name__, str(error), traceback.format_exc(), _portable(error))
+
+    def error(self, rank: int, context: str = "") -> WorkerError:
+        """The :class:`WorkerError` to raise for it, naming ``rank`` (``context`` prefixes
+        the message)."""
+        return WorkerError(
+            f"{context}{self.message}",
+            rank=rank,
+            exc_type=self.exc_type,
+            remote_traceback=self.traceback,
+            origin=self.origin,
+        )
+
+
+def _portable(error: BaseException) -> ShardlineError | None:
+    """``error`` when it is a Shardline error that survives pickling, else None."""
     import pickle
 
     if not isinstance(error, ShardlineError) or isinstance(error, WorkerError):

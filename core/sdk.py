@@ -19,8 +19,11 @@ Communicators
 Executors
     ``EngineConfig``; ``first_reply`` (the Future ``execute_model`` returns, from a
     ``collective_rpc`` Future); ``WorkerSetup``, ``WorkerContext`` (build a rank's Worker: join its
-    worlds, load the model, with phase callbacks); ``Spawner``, ``ChildProcess`` (processes
-    that end with their parent); ``share_cores`` (a rank's share of torch threads);
+    worlds, load the model, with phase callbacks); ``RankProcesses`` (start a world's rank
+    processes, tethered to this one, watch them die, stop them), ``missed_phase``,
+    ``failed_in_phase`` (start-up errors in the common words); ``Spawner``, ``ChildProcess``
+    (single processes that end with their parent); ``share_cores`` (a rank's share of
+    torch threads);
     ``LaunchedRank``, ``detect_launcher`` (a rank's place under torchrun or mpiexec);
     ``abort_job_at_exit`` (end an mpiexec job instead of hanging in MPI_Finalize);
     ``WATCHDOG_REPORT_S`` (how long a rank's collective-timeout diagnosis takes after its
@@ -63,6 +66,9 @@ _WHERE = {
     "WorkerContext": "shardline.worker.setup",
     "Spawner": "shardline.launch.tether",
     "ChildProcess": "shardline.launch.tether",
+    "RankProcesses": "shardline.launch.runtime",
+    "missed_phase": "shardline.launch.runtime",
+    "failed_in_phase": "shardline.launch.runtime",
     "share_cores": "shardline.launch.threads",
     "LaunchedRank": "shardline.launch.launcher_env",
     "detect_launcher": "shardline.launch.launcher_env",

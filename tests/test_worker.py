@@ -1,14 +1,13 @@
 """Worker + ModelRunner end to end: scripted steps (mixed prefill and decode, a prompt split
 over two steps, growing block tables, an empty step) give transformers' greedy tokens under
-the uni executor (TP=1) and in real gloo worlds (TP=2, PP=2, TP=2 x PP=2)."""
+the uni executor (TP=1) and through the mp executor in real gloo worlds (TP=2, TP=4, PP=2,
+TP=2 x PP=2)."""
 
 import pytest
 
 from shardline.config import load_config
 from shardline.interfaces.step import SamplingParams
-from shardline.launch.local_world import LocalWorld
 from shardline.registry import Registry
-from shardline.worker.setup import WorkerSetup, call_worker
 from support.greedy_driver import GREEDY_TOKENS, PROMPT_A, PROMPT_B, run_script
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,26 +49,31 @@ def test_uni_executor_generates_transformers_tokens(tiny_llama_dir, tiny_llama_g
     ("tp", "pp"), [(2, 1), (4, 1), (1, 2), (2, 2)], ids=["tp2", "tp4", "pp2", "tp2pp2"]
 )
 def test_workers_generate_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp, pp):
-    config = _config(tiny_llama_dir, tp, pp)
+    """Through the mp executor, every rank's reply collected: only the output rank returns
+    something."""
+    config = _config(tiny_llama_dir, tp, pp, executor="mp")
     output_rank = config.parallel.layout.output_rank
     replies_seen = []
-    with LocalWorld(tp * pp, WorkerSetup(config), call_timeout_s=120) as world:
+    executor = Registry.load().get("executor", "mp").load_available()(config)
+    try:
 
         def execute(step):
-            replies = world.run(call_worker, "execute_model", step)
+            replies = executor.collective_rpc("execute_model", (step,))
             replies_seen.append([r is not None for r in replies])
             return replies[output_rank]
 
         assert run_script(execute, GREEDY_TOKENS) == tiny_llama_greedy
+    finally:
+        executor.shutdown()
     # Only the output rank ever returned something.
     for seen in replies_seen[:-1]:
         assert seen == [rank == output_rank for rank in range(tp * pp)]
 
 
-def _runner_steps(context, steps):
+def _runner_steps(worker, steps):
     """Run steps through this rank's ModelRunner directly (TP ranks of the last stage all
     sample)."""
-    return [context.worker.model_runner.execute_model(step, None) for step in steps]
+    return [worker.model_runner.execute_model(step, None) for step in steps]
 
 
 def test_every_tp_rank_samples_the_same_tokens(tiny_llama_dir):
@@ -95,8 +99,12 @@ def test_every_tp_rank_samples_the_same_tokens(tiny_llama_dir):
                 num_scheduled_tokens={"A": 1, "B": 1},
             )
         )
-    with LocalWorld(2, WorkerSetup(_config(tiny_llama_dir, tp=2)), call_timeout_s=120) as world:
-        per_rank = world.run(_runner_steps, steps)
+    config = _config(tiny_llama_dir, tp=2, executor="mp")
+    executor = Registry.load().get("executor", "mp").load_available()(config)
+    try:
+        per_rank = executor.collective_rpc(_runner_steps, (steps,))
+    finally:
+        executor.shutdown()
     assert per_rank[0] == per_rank[1]
     assert all(token is not None for output in per_rank[0] for token in output.sampled_token_ids)
 

@@ -21,19 +21,17 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardline.comm.store import serve_store
-from shardline.errors import CommTimeoutError, PeerLostError, WorkerError, portable
+from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.launchers import launcher_command, launcher_environment
-from shardline.launch.tether import ChildProcess, Spawner
+from shardline.launch.runtime import RankProcesses
 from shardline.launch.threads import share_cores
 
 _STOP = "stop"
@@ -62,10 +60,8 @@ class LocalWorld:
         self.call_timeout_s = call_timeout_s
         self.broken: str | None = None
         self._store, self.rendezvous = serve_store(timeout_s=start_timeout_s)
-        self._spawner = Spawner("shardline-world-spawner")
+        self._ranks = RankProcesses("shardline-rank")
         self._connections: list[multiprocessing.connection.Connection] = []
-        self._processes: list[ChildProcess] = []
-        self._launcher: subprocess.Popen | None = None
         try:
             if launcher == "mpiexec":
                 self._start_with_mpiexec(setup, start_timeout_s)
@@ -80,16 +76,14 @@ class LocalWorld:
         for rank in range(self.world_size):
             parent_end, child_end = multiprocessing.Pipe()
             try:
-                process = self._spawner.start(
+                self._ranks.start(
                     serve_rank,
                     (rank, self.world_size, self.rendezvous, setup, child_end.fileno()),
-                    name=f"shardline-rank-{rank}",
                     pass_fds=(child_end.fileno(),),
                 )
             finally:
                 child_end.close()
             self._connections.append(parent_end)
-            self._processes.append(process)
 
     def _start_with_mpiexec(
         self, setup: Callable[[int, int, Rendezvous], Any], timeout_s: float
@@ -104,20 +98,14 @@ class LocalWorld:
             environ["SHARDLINE_LOCAL_WORLD_AUTHKEY"] = authkey.hex()
             command = launcher_command("mpiexec", self.world_size)
             command += ["-m", "shardline.launch.mpiexec_rank", f"{host}:{port}"]
-            self._launcher = self._spawner.popen(
-                command,
-                death_signal=signal.SIGTERM,
-                env=environ,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-            )
+            launcher = self._ranks.launch(command, env=environ, stdin=subprocess.DEVNULL)
             connections: dict[int, multiprocessing.connection.Connection] = {}
             deadline = time.monotonic() + timeout_s
             while len(connections) < self.world_size:
-                if time.monotonic() > deadline or self._launcher.poll() is not None:
+                if time.monotonic() > deadline or launcher.poll() is not None:
                     raise CommTimeoutError(
                         f"mpiexec started {len(connections)} of {self.world_size} ranks within "
-                        f"{timeout_s:g} s (mpiexec exit code {self._launcher.poll()})",
+                        f"{timeout_s:g} s (mpiexec exit code {launcher.poll()})",
                         op="start-up",
                     )
                 try:
@@ -167,26 +155,10 @@ class LocalWorld:
         for connection in self._connections:
             with contextlib.suppress(OSError, ValueError):
                 connection.send(_STOP)
-        deadline = time.monotonic() + _JOIN_GRACE_S
-        for process in self._processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in self._processes:
-            if process.is_alive():
-                process.kill()
-                process.join(_JOIN_GRACE_S)
-            process.close()
-        if self._launcher is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._launcher.wait(max(0.0, deadline - time.monotonic()))
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._launcher.pid, signal.SIGKILL)
-            self._launcher.wait()
-            self._launcher = None
+        self._ranks.stop(_JOIN_GRACE_S)
         for connection in self._connections:
             connection.close()
         self._connections = []
-        self._processes = []
-        self._spawner.close()
         self.broken = self.broken or "closed"
 
     def _collect(self, what: str, ranks: Sequence[int] | range, timeout_s: float) -> list[Any]:
@@ -199,9 +171,8 @@ class LocalWorld:
                 silent = sorted(pending.values())
                 self.broken = f"ranks {silent} did not answer {what} within {timeout_s:g} s"
                 raise CommTimeoutError(self.broken, op=what)
-            sentinels = {
-                self._processes[r].sentinel: r for r in pending.values() if self._processes
-            }
+            processes = self._ranks.processes
+            sentinels = {processes[r].sentinel: r for r in pending.values() if processes}
             ready = multiprocessing.connection.wait([*pending, *sentinels], remaining)
             for connection in [c for c in ready if c in pending]:
                 rank = pending.pop(connection)
@@ -217,31 +188,25 @@ class LocalWorld:
                     replies[rank] = self._death(rank, what)
         results = []
         for rank in sorted(replies):
-            kind, *payload = replies[rank]
+            kind, payload = replies[rank]
             if kind == "error":
-                exc_type, message, remote_traceback, origin = payload
-                raise WorkerError(
-                    message,
-                    rank=rank,
-                    exc_type=exc_type,
-                    remote_traceback=remote_traceback,
-                    origin=origin,
-                )
+                raise payload.error(rank, "failed in start-up: " if what == "start-up" else "")
             if kind == "lost":
-                raise PeerLostError(payload[0], op=what, rank=rank)
-            results.append(payload[0])
+                raise payload
+            results.append(payload)
         return results
 
     def _death(self, rank: int, what: str) -> tuple:
-        if not self._processes:  # started by mpiexec: only its connection tells
-            self.broken = f"rank {rank} (started by mpiexec) closed its connection during {what}"
-            return ("lost", self.broken)
-        process = self._processes[rank]
-        process.join(1.0)
-        self.broken = (
-            f"rank {rank} (pid {process.pid}) exited with code {process.exitcode} during {what}"
-        )
-        return ("lost", self.broken)
+        if self._ranks.processes:
+            lost = self._ranks.died(rank, what)
+        else:  # started by mpiexec: only its connection tells
+            lost = PeerLostError(
+                f"rank {rank} (started by mpiexec) closed its connection during {what}",
+                op=what,
+                rank=rank,
+            )
+        self.broken = str(lost)
+        return ("lost", lost)
 
 
 def serve_rank(
@@ -290,4 +255,4 @@ def serve_rank(
 
 
 def _error_reply(error: BaseException) -> tuple:
-    return ("error", type(error).__name__, str(error), traceback.format_exc(), portable(error))
+    return ("error", RemoteFailure.capture(error))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from shardline.config.schema import EngineConfig
 from shardline.interfaces.communicator_backend import Rendezvous
@@ -62,8 +61,3 @@ class WorkerSetup:
             raise
         on_phase("model load")
         return WorkerContext(worker, parallel)
-
-
-def call_worker(context: WorkerContext, method: str, *args: Any, **kwargs: Any) -> Any:
-    """Run ``Worker.method(*args, **kwargs)`` in a rank (for :meth:`LocalWorld.run`)."""
-    return getattr(context.worker, method)(*args, **kwargs)

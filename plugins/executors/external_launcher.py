@@ -19,7 +19,6 @@ import contextlib
 import datetime
 import os
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -30,8 +29,8 @@ from shardline.errors import (
     CommTimeoutError,
     ConfigError,
     PeerLostError,
+    RemoteFailure,
     ShardlineError,
-    WorkerError,
 )
 from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
 from shardline.sdk import (
@@ -134,17 +133,14 @@ class ExternalLauncherExecutor(Executor):
             replies = unique_reply_rank is None or unique_reply_rank == self.rank
             envelope: tuple = ("ok", value if replies else None)
         except Exception as error:
-            envelope = ("error", type(error).__name__, str(error), traceback.format_exc())
+            envelope = ("error", RemoteFailure.capture(error))
         future: Future[list[Any]] = Future()
         try:
             envelopes = self._exchange(name, envelope, timeout)
-            for rank, (kind, *body) in enumerate(envelopes):
+            for rank, (kind, body) in enumerate(envelopes):
                 if kind == "error":
-                    exc_type, message, remote_traceback = body
-                    raise WorkerError(
-                        message, rank=rank, exc_type=exc_type, remote_traceback=remote_traceback
-                    )
-            values = [body[0] for _, *body in envelopes]
+                    raise body.error(rank)
+            values = [body for _, body in envelopes]
             future.set_result(values if unique_reply_rank is None else [values[unique_reply_rank]])
         except ShardlineError as error:
             if not non_block:

@@ -39,10 +39,11 @@ from shardline.errors import (
 from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
 from shardline.sdk import (
     WATCHDOG_REPORT_S,
-    ChildProcess,
     EngineConfig,
-    Spawner,
+    RankProcesses,
+    failed_in_phase,
     first_reply,
+    missed_phase,
     serve_store,
     wait_until,
 )
@@ -92,13 +93,12 @@ class MultiprocExecutor(Executor):
         self._pending: deque[_PendingCall] = deque()
         self._collect_lock = threading.Lock()
         self._wake_collector = threading.Condition()
-        self._processes: list[ChildProcess] = []
+        self._ranks = RankProcesses("shardline-worker", role="worker ")
         self._store, rendezvous = serve_store(timeout_s=config.parallel.startup_timeout_s)
         #: Where the ranks meet (a store on loopback), and the job's name, which names the
         #: shared-memory segments this executor creates.
         self.rendezvous_address = (rendezvous.host, rendezvous.port)
         self.job = rendezvous.job
-        self._spawner = Spawner("shardline-mp-spawner")
         self._heartbeats = Heartbeats(f"shardline-{self.job}-heartbeats", self.world_size)
         self._calls = ShmRing.create(f"shardline-{self.job}-calls", readers=self.world_size)
         doorbells = [multiprocessing.Pipe(duplex=False) for _ in range(self.world_size)]
@@ -113,7 +113,7 @@ class MultiprocExecutor(Executor):
         try:
             for rank in range(self.world_size):
                 doorbell = doorbells[rank][0]
-                process = self._spawner.start(
+                self._ranks.start(
                     worker_main,
                     (
                         rank,
@@ -126,14 +126,10 @@ class MultiprocExecutor(Executor):
                         doorbell.fileno(),
                         os.getpid(),
                     ),
-                    name=f"shardline-worker-{rank}",
                     pass_fds=(doorbell.fileno(),),
                 )
                 doorbell.close()
-                self._processes.append(process)
-            threading.Thread(
-                target=self._watch_workers, name="shardline-liveness", daemon=True
-            ).start()
+            self._ranks.watch(lambda rank: self._fail(self._ranks.died(rank, "liveness")))
             self._start_up(config.parallel.startup_timeout_s)
             threading.Thread(
                 target=self._collect_in_background, name="shardline-replies", daemon=True
@@ -159,20 +155,11 @@ class MultiprocExecutor(Executor):
                 try:
                     message = self._receive(rank, deadline, f"phase {phase!r}")
                 except CommTimeoutError:
-                    raise CommTimeoutError(
-                        f"mp executor start-up: rank {rank} did not finish phase {phase!r} "
-                        f"within {timeout_s:g} s (parallel.startup_timeout_s)",
-                        op=phase,
-                        rank=rank,
+                    raise missed_phase(
+                        rank, phase, timeout_s, "parallel.startup_timeout_s"
                     ) from None
                 if isinstance(message, Failure):
-                    raise WorkerError(
-                        f"failed in start-up phase {message.phase!r}: {message.message}",
-                        rank=rank,
-                        exc_type=message.exc_type,
-                        remote_traceback=message.traceback,
-                        origin=message.error,
-                    )
+                    raise failed_in_phase(rank, message.phase, message.failure)
                 if not (isinstance(message, Phase) and message.name == phase):
                     raise PeerLostError(
                         f"rank {rank} sent {message!r} during phase {phase!r}", rank=rank
@@ -343,7 +330,8 @@ class MultiprocExecutor(Executor):
         }
         if stopped:
             names = ", ".join(
-                f"rank {rank} (pid {self._processes[rank].pid}, no heartbeat for {quiet:.1f} s)"
+                f"rank {rank} (pid {self._ranks.processes[rank].pid}, no heartbeat for "
+                f"{quiet:.1f} s)"
                 for rank, quiet in stopped.items()
             )
             return CommTimeoutError(
@@ -361,16 +349,10 @@ class MultiprocExecutor(Executor):
     def _raise_failure(self, rank: int, message: Failure, call: _PendingCall) -> None:
         """Raise the worker's error, unless a worker died: then the death is the cause (a
         peer's communication error about it can arrive before the liveness thread sees it)."""
-        for dead, process in enumerate(self._processes):
-            if process.exitcode is not None:
-                raise self._death(dead, call.name)
-        raise WorkerError(
-            f"{message.message} (in call {call.name!r})",
-            rank=rank,
-            exc_type=message.exc_type,
-            remote_traceback=message.traceback,
-            origin=message.error,
-        )
+        dead = self._ranks.first_dead()
+        if dead is not None:
+            raise self._ranks.died(dead, call.name)
+        raise message.failure.error(rank, f"(in call {call.name!r}) ")
 
     def _peek(self, rank: int) -> Any:
         """The oldest unconsumed message of ``rank``, or None when there is none yet."""
@@ -393,25 +375,6 @@ class MultiprocExecutor(Executor):
 
     # ---- liveness and shutdown -------------------------------------------------------------
 
-    def _watch_workers(self) -> None:
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes)}
-        while sentinels and not self._closed:
-            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
-            for sentinel in ready:
-                rank = sentinels.pop(sentinel)
-                if self._closed:
-                    return
-                self._processes[rank].join(0.1)
-                self._fail(self._death(rank, "liveness"))
-
-    def _death(self, rank: int, op: str) -> PeerLostError:
-        process = self._processes[rank]
-        return PeerLostError(
-            f"worker rank {rank} (pid {process.pid}) died with exit code {process.exitcode}",
-            op=op,
-            rank=rank,
-        )
-
     def shutdown(self) -> None:
         """Stop workers (asked, then killed after a grace period; killed at once after a
         death or a missed deadline, when a stuck worker could not read the request), remove
@@ -421,22 +384,14 @@ class MultiprocExecutor(Executor):
         self._closed = True
         atexit.unregister(self.shutdown)
         grace = 0.0
-        if self._processes and self._failure is None:
+        if self._ranks.processes and self._failure is None:
             try:
                 stop = Call(-1, None, (), {}, None)
                 self._calls.put(pickle.dumps(stop), time.monotonic() + 1.0)
                 grace = _JOIN_S
             except ShardlineError:
                 pass
-        deadline = time.monotonic() + grace
-        for process in self._processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in self._processes:
-            if process.is_alive():
-                process.kill()
-                process.join(_JOIN_S)
-            process.close()
-        self._spawner.close()
+        self._ranks.stop(grace)
         for call in list(self._pending):
             _settle(call.future, error=PeerLostError("the mp executor was shut down"))
         self._pending.clear()

@@ -6,17 +6,16 @@ Driver -> every worker (broadcast ring): ``Call(call_id, method, args, kwargs, r
 
 Worker -> driver (one ring per worker): ``Phase(name)`` during start-up, ``Reply(call_id,
 value)`` from the reply rank (every rank when ``reply_rank`` is None), and ``Failure(call_id,
-phase, exc_type, message, traceback, error)`` from any rank that raised (``error``: the
-exception itself when it is a Shardline error, see :func:`shardline.errors.portable`).
+phase, failure)`` from any rank that raised (``failure``: the
+:class:`~shardline.errors.RemoteFailure` envelope every executor uses).
 """
 
 from __future__ import annotations
 
-import traceback as tracebacks
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.errors import ShardlineError, portable
+from shardline.errors import RemoteFailure
 
 PHASES = ("spawn", "distributed init", "model load", "ready")
 
@@ -47,19 +46,4 @@ class Failure:
 
     call_id: int | None
     phase: str
-    exc_type: str
-    message: str
-    traceback: str
-    error: ShardlineError | None = None
-
-    @classmethod
-    def of(cls, call_id: int | None, phase: str, error: BaseException) -> Failure:
-        """The failure to report for ``error``, being handled now."""
-        return cls(
-            call_id,
-            phase,
-            type(error).__name__,
-            str(error),
-            tracebacks.format_exc(),
-            portable(error),
-        )
+    failure: RemoteFailure

@@ -18,6 +18,7 @@ from typing import Any
 
 import cloudpickle
 
+from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
 from shardline.sdk import EngineConfig, WorkerSetup, share_cores
 from shardline_executors.heartbeat import start_beating
@@ -65,7 +66,7 @@ def worker_main(
             context = WorkerSetup(config).build(rank, world_size, rendezvous, on_phase=advance)
             send(Phase("ready"))
         except BaseException as error:
-            send(Failure.of(None, phase, error))
+            send(Failure(None, phase, RemoteFailure.capture(error)))
             return
         try:
             _serve(rank, context.worker, inbox, doorbell, send)
@@ -92,7 +93,7 @@ def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, send) -> None:
             else:
                 value = cloudpickle.loads(call.method)(worker, *call.args, **call.kwargs)
         except Exception as error:
-            send(Failure.of(call.call_id, "call", error))
+            send(Failure(call.call_id, "call", RemoteFailure.capture(error)))
             continue
         if call.reply_rank is None or call.reply_rank == rank:
             send(Reply(call.call_id, value))

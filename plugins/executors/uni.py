@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from shardline.errors import ConfigError, PeerLostError, WorkerError
+from shardline.errors import ConfigError, PeerLostError, RemoteFailure
 from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
 from shardline.sdk import EngineConfig, WorkerContext, WorkerSetup, first_reply, serve_store
 
@@ -62,12 +61,7 @@ class UniProcExecutor(Executor):
         try:
             future.set_result([function(*args, **(kwargs or {}))])
         except Exception as error:
-            failure = WorkerError(
-                str(error),
-                rank=0,
-                exc_type=type(error).__name__,
-                remote_traceback=traceback.format_exc(),
-            )
+            failure = RemoteFailure.capture(error).error(0)
             if not non_block:
                 raise failure from error
             future.set_exception(failure)

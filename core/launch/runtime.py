@@ -1,0 +1,123 @@
+"""The process runtime every world of rank processes shares (the ``mp`` executor, LocalWorld):
+starting the ranks as tethered children, watching them die, stopping them, and the errors
+that say so — start-up phases missed or failed, a rank that died — in the same words for
+every executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure, WorkerError
+from shardline.launch.tether import ChildProcess, Spawner
+
+#: How often the watch thread looks whether it was stopped, between deaths.
+_WATCH_POLL_S = 0.5
+
+
+class RankProcesses:
+    """The processes of one world's ranks, in rank order: started here (:meth:`start` for
+    each rank, then :meth:`watch`), or by a launcher this object starts (:meth:`launch`).
+    :meth:`stop` ends them (idempotent)."""
+
+    def __init__(self, name: str, role: str = "") -> None:
+        """``name`` names the processes (``name-RANK``); ``role`` starts each rank's name in
+        messages (``"worker "``: "worker rank 1 (pid ...) died ...")."""
+        self.name = name
+        self.role = role
+        self.processes: list[ChildProcess] = []
+        self.launcher: subprocess.Popen | None = None
+        self._spawner = Spawner(f"{name}-spawner")
+        self._stopped = threading.Event()
+
+    def start(
+        self, target: Callable[..., Any], args: Sequence[Any], pass_fds: Sequence[int] = ()
+    ) -> ChildProcess:
+        """Start the next rank's process: ``target(*args)`` (see :meth:`Spawner.start`)."""
+        rank = len(self.processes)
+        process = self._spawner.start(target, args, f"{self.name}-{rank}", pass_fds)
+        self.processes.append(process)
+        return process
+
+    def launch(self, command: Sequence[str], **popen_args: Any) -> subprocess.Popen:
+        """Start a launcher (mpiexec) that starts the ranks, in a session of its own, tethered
+        with SIGTERM (a launcher ends its ranks when it gets one)."""
+        self.launcher = self._spawner.popen(
+            command, death_signal=signal.SIGTERM, start_new_session=True, **popen_args
+        )
+        return self.launcher
+
+    def watch(self, on_death: Callable[[int], None]) -> None:
+        """Call ``on_death(rank)`` from a thread of its own as soon as a rank's process ends
+        (before :meth:`stop`), once per rank."""
+        threading.Thread(
+            target=self._watch, args=(on_death,), name=f"{self.name}-liveness", daemon=True
+        ).start()
+
+    def _watch(self, on_death: Callable[[int], None]) -> None:
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes)}
+        while sentinels and not self._stopped.is_set():
+            for sentinel in multiprocessing.connection.wait(list(sentinels), _WATCH_POLL_S):
+                rank = sentinels.pop(sentinel)
+                if self._stopped.is_set():
+                    return
+                self.processes[rank].join(0.1)
+                on_death(rank)
+
+    def died(self, rank: int, op: str) -> PeerLostError:
+        """The error of a rank whose process has ended: its pid and exit code."""
+        process = self.processes[rank]
+        process.join(1.0)
+        return PeerLostError(
+            f"{self.role}rank {rank} (pid {process.pid}) died with exit code {process.exitcode}",
+            op=op,
+            rank=rank,
+        )
+
+    def first_dead(self) -> int | None:
+        """The lowest rank whose process has ended, or None."""
+        return next((r for r, p in enumerate(self.processes) if p.exitcode is not None), None)
+
+    def stop(self, grace_s: float) -> None:
+        """Give every rank up to ``grace_s`` to end by itself, kill the rest and release
+        everything. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(2.0)
+            process.close()
+        if self.launcher is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.launcher.wait(max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.launcher.pid, signal.SIGKILL)
+            self.launcher.wait()
+        self._spawner.close()
+
+
+def missed_phase(rank: int, phase: str, timeout_s: float, setting: str) -> CommTimeoutError:
+    """A rank did not finish start-up ``phase`` within ``timeout_s`` (the ``setting``)."""
+    return CommTimeoutError(
+        f"start-up: rank {rank} did not finish phase {phase!r} within {timeout_s:g} s ({setting})",
+        op=phase,
+        rank=rank,
+    )
+
+
+def failed_in_phase(rank: int, phase: str, failure: RemoteFailure) -> WorkerError:
+    """A rank raised ``failure`` in start-up ``phase``."""
+    return failure.error(rank, f"failed in start-up phase {phase!r}: ")
