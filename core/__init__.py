@@ -10,7 +10,7 @@ plugin. ``from shardline import LLM, SamplingParams`` works as in vLLM; those tw
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _ENGINE_NAMES = ("LLM", "SamplingParams")
 
