@@ -18,8 +18,8 @@ Communicators
 
 Executors
     ``EngineConfig``; ``first_reply`` (the Future ``execute_model`` returns, from a
-    ``collective_rpc`` Future); ``WorkerSetup``, ``WorkerContext`` (build a rank's Worker: join its
-    worlds, load the model, with phase callbacks); ``RankProcesses`` (start a world's rank
+    ``collective_rpc`` Future); ``WorkerSetup``, ``WorkerContext``, ``Worker`` (build a
+    rank's Worker: join its worlds, load the model, with phase callbacks); ``RankProcesses`` (start a world's rank
     processes, tethered to this one, watch them die, stop them), ``missed_phase``,
     ``failed_in_phase`` (start-up errors in the common words); ``Spawner``, ``ChildProcess``
     (single processes that end with their parent); ``share_cores`` (a rank's share of
@@ -64,6 +64,7 @@ _WHERE = {
     "EngineConfig": "shardline.config.schema",
     "WorkerSetup": "shardline.worker.setup",
     "WorkerContext": "shardline.worker.setup",
+    "Worker": "shardline.worker.worker",
     "Spawner": "shardline.launch.tether",
     "ChildProcess": "shardline.launch.tether",
     "RankProcesses": "shardline.launch.runtime",

@@ -73,9 +73,15 @@ def test_mpi_is_refused_under_an_executor_that_starts_processes():
     )
     assert result.returncode == 2
     assert (
-        "parallel.communicator = 'mpi' needs ranks started by mpiexec, but the executor 'mp' "
-        "starts its own processes" in result.stderr
+        "parallel.communicator = 'mpi': needs ranks started by mpiexec (executor "
+        "external_launcher under mpiexec), but the executor 'mp' starts its own processes; "
+        "allowed here: custom_ar, gloo" in result.stderr
     )
+    # explain says the same of the alternatives it lists (it once called mpi "fits").
+    explained = shardline("explain", "--set", "parallel.tensor_parallel_size=2").stdout
+    block = explained.split("parallel.communicator:")[1].split("\n\n")[0]
+    (mpi_line,) = [line for line in block.splitlines() if line.split()[:1] == ["mpi"]]
+    assert "needs ranks started by mpiexec" in mpi_line, block
 
 
 def test_outside_mpiexec_nothing_initializes_mpi(own_shm):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -348,6 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Terminated:
         print("error: terminated (SIGTERM)", file=sys.stderr)
         return 143
+    except BrokenPipeError:
+        # The reader of the output went away (`shardline explain | head`): end quietly.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except WorkerError as error:
         # A rank's own typed error (a ConfigError in its start-up, say) ends the command as
         # it would have here; anything else a rank raised is a failure of the run.

@@ -155,6 +155,8 @@ class ParallelConfig(Section):
 
     @property
     def layout(self) -> ParallelLayout:
+        """The rank layout of these sizes: groups, each rank's coordinates, and
+        ``output_rank`` (the rank whose ``execute_model`` reply the executor returns)."""
         return ParallelLayout(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
@@ -164,6 +166,7 @@ class ParallelConfig(Section):
 
     @property
     def world_size(self) -> int:
+        """Ranks in all: tensor x pipeline x data x external data parallel sizes."""
         return self.layout.world_size
 
 
@@ -177,7 +180,9 @@ class PluginsConfig(Section):
 
 
 class EngineConfig(Section):
-    """The whole configuration."""
+    """The whole configuration, one section per concern (an executor reads ``parallel``:
+    ``world_size``, ``layout.output_rank``, ``timeout_s``, ``startup_timeout_s``). Frozen:
+    derive a changed copy with ``model_copy(update=...)``."""
 
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()

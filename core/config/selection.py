@@ -6,7 +6,6 @@ Pure decisions over (config, registry, environment): used by validation, by
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -97,26 +96,35 @@ def _load_problem(registry: Registry, kind: str, name: str, field_name: str) -> 
 
 
 def choose_communicator(
-    config: EngineConfig, registry: Registry, field_name: str = "parallel.communicator"
+    config: EngineConfig,
+    registry: Registry,
+    field_name: str,
+    executor: Decision,
+    environ: Mapping[str, str],
 ) -> Decision:
     """Resolve a communicator field and judge every registered communicator against the
-    config (availability, device, dtype, group sizes, hosts)."""
+    config (availability, device, dtype, group sizes, hosts) and the way ranks start
+    (``executor``: a backend whose ranks must come from a launcher)."""
     control = field_name == "parallel.control_communicator"
     requested = config.parallel.control_communicator if control else config.parallel.communicator
-    verdicts = {c.name: _fit(c, config, control) for c in registry.components("communicator")}
+    verdicts = {
+        c.name: _fit(c, config, control, executor, environ)
+        for c in registry.components("communicator")
+    }
     alternatives = [
         (name, "chosen" if name == requested else (verdict or "fits; not selected"))
         for name, verdict in verdicts.items()
     ]
-    fitting = [name for name, verdict in verdicts.items() if verdict is None]
-    problem = None
     try:
         component = registry.get("communicator", requested, field_name)
     except ConfigError as error:
         return Decision(field_name, requested, "configured", alternatives, str(error))
-    verdict = verdicts.get(requested) if requested in verdicts else _fit(component, config, control)
+    verdict = verdicts.get(requested)
+    if requested not in verdicts:
+        verdict = _fit(component, config, control, executor, environ)
+    problem = None
     if verdict is not None:
-        others = [name for name in fitting if name != requested]
+        others = [name for name, v in verdicts.items() if v is None and name != requested]
         problem = (
             f"{field_name} = {requested!r}: {verdict}; "
             f"allowed here: {', '.join(others) or 'no installed communicator fits'}"
@@ -124,7 +132,13 @@ def choose_communicator(
     return Decision(field_name, requested, "configured", alternatives, problem)
 
 
-def _fit(component: Component, config: EngineConfig, control: bool) -> str | None:
+def _fit(
+    component: Component,
+    config: EngineConfig,
+    control: bool,
+    executor: Decision,
+    environ: Mapping[str, str],
+) -> str | None:
     """Why ``component`` cannot serve this config, or None when it can."""
     unavailable = component.unavailable_reason()
     if unavailable is not None:
@@ -148,10 +162,30 @@ def _fit(component: Component, config: EngineConfig, control: bool) -> str | Non
         if reason is not None:
             return reason
     if control:
-        return capabilities.unsupported_reason(device="cpu", multi_host=parallel.nnodes > 1)
-    return capabilities.unsupported_reason(
-        device=parallel.device, dtype=config.model.dtype, multi_host=parallel.nnodes > 1
+        reason = capabilities.unsupported_reason(device="cpu", multi_host=parallel.nnodes > 1)
+    else:
+        reason = capabilities.unsupported_reason(
+            device=parallel.device, dtype=config.model.dtype, multi_host=parallel.nnodes > 1
+        )
+    return reason or _launch_problem(capabilities.launcher, executor, environ)
+
+
+def _launch_problem(
+    needed: str | None, executor: Decision, environ: Mapping[str, str]
+) -> str | None:
+    """Why a backend whose ranks must come from launcher ``needed`` (MPI: mpiexec) cannot
+    run as the ranks start here, or None."""
+    if needed is None:
+        return None
+    launcher = detect_launcher(environ) or ""
+    if executor.chosen == "external_launcher" and launcher.startswith(needed):
+        return None
+    why = (
+        f"the executor {executor.chosen!r} starts its own processes"
+        if executor.chosen != "external_launcher"
+        else f"this process was started by {launcher or 'no launcher'}"
     )
+    return f"needs ranks started by {needed} (executor external_launcher under {needed}), but {why}"
 
 
 def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
@@ -163,8 +197,7 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
         if field_name == "parallel.communicator" and config.parallel.communicator == "auto":
             communicators.append(_choose_auto_communicator(config, registry, executor, environ))
             continue
-        decision = choose_communicator(config, registry, field_name)
-        communicators.append(_check_launcher(decision, executor, registry, environ))
+        communicators.append(choose_communicator(config, registry, field_name, executor, environ))
     return [
         choose_device(config),
         choose_data_parallel_size(config),
@@ -223,9 +256,7 @@ def _choose_auto_communicator(
         candidate = config.model_copy(
             update={"parallel": config.parallel.model_copy(update={"communicator": name})}
         )
-        verdict = _check_launcher(
-            choose_communicator(candidate, registry, field_name), executor, registry, environ
-        ).problem
+        verdict = choose_communicator(candidate, registry, field_name, executor, environ).problem
         if verdict is None and chosen is None:
             chosen = name
         alternatives.append((name, "chosen" if name == chosen else (verdict or "fits; later")))
@@ -252,33 +283,6 @@ def resolved(config: EngineConfig, decisions: list[Decision]) -> EngineConfig:
         ),
     }
     return config.model_copy(update={"parallel": config.parallel.model_copy(update=update)})
-
-
-def _check_launcher(
-    decision: Decision, executor: Decision, registry: Registry, environ: Mapping[str, str]
-) -> Decision:
-    """A communicator whose ranks must come from a launcher (MPI: mpiexec) cannot run under
-    an executor that starts its own processes: refused here, with the reason."""
-    if decision.problem is not None:
-        return decision
-    capabilities = registry.get("communicator", decision.chosen, decision.field).capabilities
-    needed = capabilities.launcher if capabilities is not None else None
-    if needed is None:
-        return decision
-    launcher = detect_launcher(environ) or ""
-    if executor.chosen == "external_launcher" and launcher.startswith(needed):
-        return decision
-    why = (
-        f"the executor {executor.chosen!r} starts its own processes"
-        if executor.chosen != "external_launcher"
-        else f"this process was started by {launcher or 'no launcher'}"
-    )
-    return dataclasses.replace(
-        decision,
-        problem=f"{decision.field} = {decision.chosen!r} needs ranks started by {needed}, but "
-        f"{why}; allowed: start every rank with {needed} (executor external_launcher), or a "
-        "communicator any process can join (gloo)",
-    )
 
 
 def is_error(decision: Decision, config: EngineConfig) -> bool:

@@ -19,8 +19,9 @@ class Capabilities:
     """Declared support of a communicator backend.
 
     - ``devices``: tensor device types accepted (``"cpu"``, ``"cuda"``).
-    - ``dtypes``: dtype names accepted by tensor operations (see ``shardline.dtypes``).
-      Object and tensor-dict operations must work whatever this says.
+    - ``dtypes``: dtype names accepted by tensor operations, of ``float32``, ``float16``,
+      ``bfloat16``, ``int32``, ``int64``, ``uint8``. The control plane (objects, tensor
+      dicts) sends uint8 and int64 tensors on any backend.
     - ``reduce_ops``: subset of ``"sum"``, ``"max"``, ``"min"``.
     - ``min_world_size`` / ``max_world_size``: group sizes the backend can form
       (``None``: no upper bound).

@@ -17,7 +17,7 @@ class Rendezvous:
 
     Backends that bring their own rendezvous (MPI under ``mpiexec``) may ignore it.
     ``secret`` is the job's shared secret: control-plane objects are signed with it, and
-    bytes that fail the check are never unpickled (see :mod:`shardline.comm.objects`).
+    bytes that fail the check are never unpickled (by :class:`shardline.sdk.ControlPlane`).
     """
 
     host: str

@@ -30,9 +30,11 @@ class Executor(abc.ABC):
       secret) and hand the rendezvous to each rank privately (never over a socket); under a
       launcher use ``LaunchedRank`` and the launcher's store. Each rank then builds its
       Worker with ``WorkerSetup(config).build(rank, world_size, rendezvous, on_phase)``.
-    - **Start-up phases.** Spawn, distributed init, model load, ready: each within
-      ``parallel.startup_timeout_s``; a rank that misses one or fails in it ends start-up
-      with an error naming the phase and the rank (``on_phase`` reports each as it ends).
+    - **Start-up phases.** "spawn" (the rank's process runs), "distributed init", "model
+      load", "ready": each within ``parallel.startup_timeout_s``; a rank that misses one or
+      fails in it ends start-up with an error naming the phase and the rank
+      (``missed_phase``, ``failed_in_phase``). ``WorkerSetup.build``'s ``on_phase`` reports
+      the two middle ones as they end; the executor reports the first and the last.
     - **Threads.** Each rank process takes its share of the host's cores for torch:
       ``share_cores(ranks_on_this_host)``.
     - **Call deadlines.** The default deadline of a call is ``parallel.timeout_s`` plus
@@ -85,8 +87,10 @@ class Executor(abc.ABC):
 
         ``method`` is a Worker method name, or a callable taking the Worker as first argument.
         Returns the replies in rank order; with ``unique_reply_rank`` only that rank replies
-        and the list has one element. ``timeout`` (seconds, None: the configured default)
-        bounds the wait for replies and raises ``CommTimeoutError`` naming the silent ranks.
+        and the list has one element (a rank outside ``0..world_size-1`` raises ValueError
+        before anything is sent). ``timeout`` (seconds, None: the configured default) bounds
+        the wait for replies and raises ``CommTimeoutError`` naming the silent ranks as a
+        list (``ranks [3] did not answer ...``).
         With ``non_block`` a Future is returned at once; futures resolve in call order.
         An exception in a worker raises ``WorkerError`` carrying its rank, type, message and
         traceback; a dead worker raises ``PeerLostError`` naming the rank and exit code.

@@ -7,12 +7,12 @@ from typing import Any
 
 
 class Work(abc.ABC):
-    """A pending asynchronous operation (``isend``, ``irecv``, tensor-dict variants).
+    """A pending asynchronous operation (``isend``, ``irecv``).
 
     Contract:
 
     - ``wait(timeout)`` blocks until the operation completes and returns its result: the
-      filled buffer for ``irecv``, the dict for ``irecv_tensor_dict``, ``None`` for sends.
+      filled buffer for ``irecv``, ``None`` for sends.
       ``timeout`` is in seconds; ``None`` means the communicator's own deadline. Passing the
       deadline raises :class:`~shardline.errors.CommTimeoutError`; a dead peer raises
       :class:`~shardline.errors.PeerLostError`.

@@ -56,8 +56,8 @@ class RankProcesses:
         return self.launcher
 
     def watch(self, on_death: Callable[[int], None]) -> None:
-        """Call ``on_death(rank)`` from a thread of its own as soon as a rank's process ends
-        (before :meth:`stop`), once per rank."""
+        """Call ``on_death(rank)`` from a thread of its own as soon as a rank's process ends,
+        once per rank; never for a death after :meth:`stop` began (that one is expected)."""
         threading.Thread(
             target=self._watch, args=(on_death,), name=f"{self.name}-liveness", daemon=True
         ).start()
@@ -88,7 +88,8 @@ class RankProcesses:
 
     def stop(self, grace_s: float) -> None:
         """Give every rank up to ``grace_s`` to end by itself, kill the rest and release
-        everything. Idempotent."""
+        everything. Idempotent. Ask the ranks to stop first and give them a couple of
+        seconds; give 0 after a failure (a stuck rank cannot read a request to stop)."""
         if self._stopped.is_set():
             return
         self._stopped.set()

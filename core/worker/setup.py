@@ -15,12 +15,14 @@ from shardline.worker.worker import Worker
 
 @dataclass
 class WorkerContext:
-    """A rank's Worker and the worlds under it."""
+    """A rank's Worker (call its methods by name, as ``collective_rpc`` does:
+    ``execute_model``, ``load_model``, ...) and the worlds under it."""
 
     worker: Worker
     parallel: ParallelRankContext
 
     def close(self) -> None:
+        """Finish the Worker's pending sends and leave the worlds (every rank, at shutdown)."""
         self.worker.close()
         self.parallel.close()
 

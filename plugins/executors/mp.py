@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import threading
