@@ -19,8 +19,9 @@ Communicators
 Executors
     ``EngineConfig``; ``first_reply`` (the Future ``execute_model`` returns, from a
     ``collective_rpc`` Future); ``WorkerSetup``, ``WorkerContext``, ``Worker`` (build a
-    rank's Worker: join its worlds, load the model, with phase callbacks); ``RankProcesses`` (start a world's rank
-    processes, tethered to this one, watch them die, stop them), ``missed_phase``,
+    rank's Worker: join its worlds, load the model, with phase callbacks);
+    ``RankProcesses`` (start a world's rank processes, tethered to this one, watch them
+    die, stop them), ``missed_phase``,
     ``failed_in_phase`` (start-up errors in the common words); ``Spawner``, ``ChildProcess``
     (single processes that end with their parent); ``share_cores`` (a rank's share of
     torch threads);
