@@ -53,6 +53,10 @@ class RequestError(ShardlineError, ValueError):
     """A request the engine cannot serve as given (e.g. a prompt longer than the context)."""
 
 
+class HostsError(ShardlineError, RuntimeError):
+    """Simulated hosts cannot be made here (no root, no ``ip``), or making them failed."""
+
+
 class PluginError(ShardlineError):
     """A plugin could not be loaded, or two plugins claim the same component name."""
 

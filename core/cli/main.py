@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_command(commands)
     _add_demo_command(commands)
     _add_models_commands(commands)
+    _add_hosts_commands(commands)
     return parser
 
 
@@ -222,6 +223,24 @@ def _add_models_commands(commands: argparse._SubParsersAction) -> None:
         )
 
 
+def _add_hosts_commands(commands: argparse._SubParsersAction) -> None:
+    hosts = commands.add_parser(
+        "hosts",
+        help="simulated hosts on this machine (own network, hostname, /dev/shm; needs root)",
+    )
+    actions = hosts.add_subparsers(dest="hosts_command", required=True, metavar="ACTION")
+    up = actions.add_parser("up", help="make N hosts h1..hN on a private bridge")
+    up.add_argument("count", type=int, metavar="N")
+    up.add_argument("--name", metavar="CLUSTER", help="cluster name (default: random)")
+    actions.add_parser("list", help="the clusters that are up, their hosts and addresses")
+    down = actions.add_parser("down", help="kill everything in the hosts and remove them")
+    down.add_argument("clusters", nargs="*", metavar="CLUSTER")
+    down.add_argument("--all", action="store_true", help="every cluster `hosts up` made")
+    run_in = actions.add_parser("exec", help="run CMD inside a host: exec CLUSTER HOST -- CMD")
+    run_in.add_argument("cluster", metavar="CLUSTER")
+    run_in.add_argument("host", metavar="HOST")
+
+
 def _load(args: argparse.Namespace) -> LoadedConfig:
     return _warned(load_config(args.config, args.overrides))
 
@@ -251,6 +270,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         demo_cmd,
         explain_cmd,
         faults_cmd,
+        hosts_cmd,
         models_cmd,
         plugins_cmd,
         run_cmd,
@@ -288,6 +308,14 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         if args.models_command == "pull":
             return models_cmd.pull(args.name, args.cache_dir)
         return models_cmd.list_models(args.cache_dir)
+    if args.command == "hosts":
+        if args.hosts_command == "up":
+            return hosts_cmd.up(args.count, args.name)
+        if args.hosts_command == "down":
+            return hosts_cmd.down(args.clusters, args.all)
+        if args.hosts_command == "exec":
+            return hosts_cmd.exec_in(args.cluster, args.host, passthrough)
+        return hosts_cmd.list_clusters()
     raise AssertionError(f"unhandled command {args.command}")
 
 
@@ -335,9 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         split = argv.index("--")
         argv, passthrough = argv[:split], argv[split + 1 :]
     args = build_parser().parse_args(argv)
-    if passthrough and args.command != "conformance":
+    takes_passthrough = args.command == "conformance" or (
+        args.command == "hosts" and args.hosts_command == "exec"
+    )
+    if passthrough and not takes_passthrough:
         print(
-            f"error: arguments after -- are only for `shardline conformance`: {passthrough}",
+            "error: arguments after -- are only for `shardline conformance` and "
+            f"`shardline hosts exec`: {passthrough}",
             file=sys.stderr,
         )
         return 2

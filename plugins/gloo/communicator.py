@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import socket
 from typing import Any
 
 import torch.distributed as dist
@@ -31,7 +33,7 @@ class GlooBackend(CommunicatorBackend):
     ) -> GlooCommunicator:
         store = connect_store(rendezvous.with_prefix("gloo"), timeout_s)
         # One transport device (one I/O thread) serves the world and all its subgroups.
-        device = _gloo_device(rendezvous.host)
+        device = _gloo_device(rendezvous.host, rendezvous.port)
         return GlooCommunicator.create(store, device, rank, world_size, timeout_s, "w/")
 
 
@@ -51,13 +53,26 @@ class GlooCommunicator(ProcessGroupCommunicator):
         return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
-def _gloo_device(host: str):
-    """Loopback rendezvous means a single-host world: bind gloo to loopback too. Otherwise
-    let gloo choose (``GLOO_SOCKET_IFNAME`` selects an interface)."""
+def _gloo_device(host: str, port: int):
+    """gloo's transport device: on ``GLOO_SOCKET_IFNAME``'s interface when set; otherwise on
+    the address this host reaches the rendezvous store from (loopback for a world of one
+    host), never guessed from the host name, which may resolve to nothing routable."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host, port))
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The address of this host that packets to ``host`` leave from (a route lookup: a UDP
+    socket is connected, nothing is sent)."""
     try:
-        loopback = ipaddress.ip_address(host).is_loopback
+        if ipaddress.ip_address(host).is_loopback:
+            return host
     except ValueError:
-        loopback = host == "localhost"
-    if loopback:
-        return dist.ProcessGroupGloo.create_device(hostname=host)
-    return dist.ProcessGroupGloo.create_default_device()
+        if host == "localhost":
+            return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]

@@ -1,0 +1,77 @@
+"""``shardline hosts``: simulated hosts on this machine (network, hostname and ``/dev/shm``
+of their own) to run ranks on as if on several machines."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from shardline.cli.table import render
+from shardline.errors import ConfigError
+from shardline.launch import hosts as simulated
+
+
+def up(count: int, cluster: str | None) -> int:
+    """Makes ``count`` hosts and prints them, with how to run a command in each."""
+    if cluster is not None and not (cluster.isalnum() and cluster.isascii() and len(cluster) <= 6):
+        raise ConfigError(f"--name = {cluster!r}: 1 to 6 ASCII letters or digits")
+    if cluster is not None and cluster in simulated.clusters():
+        raise ConfigError(f"--name = {cluster!r}: hosts of that name are up already")
+    if not 1 <= count <= simulated.MAX_HOSTS:
+        raise ConfigError(f"hosts up {count}: allowed 1..{simulated.MAX_HOSTS}")
+    reason = simulated.unavailable_reason()
+    if reason is not None:
+        raise ConfigError(reason)
+    made = simulated.SimulatedHosts.up(count, cluster)
+    _print(made)
+    print(f"\nrun a command in a host:  shardline hosts exec {made.cluster} h1 -- COMMAND")
+    print(f"take them down:           shardline hosts down {made.cluster}")
+    return 0
+
+
+def list_clusters() -> int:
+    """Prints every cluster of hosts ``shardline hosts up`` made and that is still up."""
+    names = simulated.clusters()
+    if not names:
+        print("no simulated hosts are up")
+    for index, name in enumerate(names):
+        if index:
+            print()
+        _print(simulated.SimulatedHosts.load(name))
+    return 0
+
+
+def down(clusters: list[str], every: bool) -> int:
+    """Takes the named clusters (or, with ``every``, all that ``hosts up`` made) down."""
+    if every == bool(clusters):
+        raise ConfigError("hosts down: name the clusters (`shardline hosts list`) or --all")
+    known = simulated.clusters()
+    names = known if every else clusters
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"hosts down {name!r}: no such cluster; up: {known or 'none'}")
+    for name in names:
+        simulated.SimulatedHosts.load(name).down()
+        print(f"cluster {name}: down")
+    return 0
+
+
+def exec_in(cluster: str, host: str, argv: list[str]) -> int:
+    """Replaces this process with ``argv`` run inside ``host`` of ``cluster``."""
+    if not argv:
+        raise ConfigError("hosts exec: give the command after --")
+    if cluster not in simulated.clusters():
+        raise ConfigError(f"hosts exec {cluster!r}: no such cluster; up: {simulated.clusters()}")
+    made = simulated.SimulatedHosts.load(cluster)
+    names = [h.name for h in made.hosts]
+    if host not in names:
+        raise ConfigError(f"hosts exec {cluster} {host!r}: no such host; allowed: {names}")
+    command = made.host(host).command(argv)
+    sys.stdout.flush()
+    os.execvp(command[0], command)
+
+
+def _print(made: simulated.SimulatedHosts) -> None:
+    print(f"cluster {made.cluster}: bridge {made.bridge}, subnet {made.subnet}")
+    rows = [(h.name, h.address, h.netns, str(h.holder), len(h.started())) for h in made.hosts]
+    print(render(("HOST", "ADDRESS", "NETNS", "HOLDER PID", "PROCESSES"), rows))

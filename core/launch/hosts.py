@@ -1,0 +1,278 @@
+"""Simulated hosts on this machine, for tests and by hand (``shardline hosts up 2`` /
+``shardline hosts down``).
+
+Each host has what a real host has of its own: a network namespace with one interface
+(``eth0``) and an address on a bridge between the hosts (a private /24 that exists only
+inside this machine), its own hostname (a UTS namespace) and its own ``/dev/shm`` (a mount
+namespace with a tmpfs there, and an ``/etc/hosts`` naming every host). A small process
+holds the namespaces; :meth:`Host.command` runs a command inside them (``nsenter``). Taking
+the hosts down kills every process in them and removes their namespaces, interfaces and the
+bridge. Traffic stays on the bridge: the hosts have no route anywhere else.
+
+Needs root and the ``ip``, ``unshare`` and ``nsenter`` commands (:func:`unavailable_reason`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shardline.errors import HostsError
+
+#: Where ``shardline hosts`` keeps what it made, so that ``down`` can find it.
+STATE_DIR = Path("/run/shardline-hosts")
+#: The most hosts one cluster may have (one /24, a process and a veth pair each).
+MAX_HOSTS = 64
+_COMMANDS = ("ip", "unshare", "nsenter")
+
+
+def clusters() -> list[str]:
+    """The clusters ``SimulatedHosts.up`` made that are not down yet (by their saved state)."""
+    if not STATE_DIR.is_dir():
+        return []
+    return sorted(path.stem for path in STATE_DIR.glob("*.json"))
+
+
+def unavailable_reason() -> str | None:
+    """Why simulated hosts cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "simulated hosts need root (network namespaces, a bridge, mounts)"
+    missing = [command for command in _COMMANDS if shutil.which(command) is None]
+    if missing:
+        return f"simulated hosts need the commands {', '.join(missing)} (iproute2, util-linux)"
+    return None
+
+
+@dataclass(frozen=True)
+class Host:
+    """One simulated host: its hostname, network namespace, address on the bridge, and the
+    pids of the processes that keep it (``holder`` holds its UTS and mount namespaces)."""
+
+    name: str
+    netns: str
+    address: str
+    holder: int
+    keepers: tuple[int, ...] = ()
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host (its network, hostname and mounts)."""
+        return ["nsenter", f"--target={self.holder}", "--net", "--uts", "--mount", "--", *argv]
+
+    def processes(self) -> list[int]:
+        """Every process whose network is this host's, its keepers included."""
+        listed = subprocess.run(
+            ["ip", "netns", "pids", self.netns], capture_output=True, text=True, check=False
+        )
+        return [int(pid) for pid in listed.stdout.split()]
+
+    def started(self) -> list[int]:
+        """The processes started in this host (all but its keepers)."""
+        return [pid for pid in self.processes() if pid not in self.keepers]
+
+
+@dataclass(frozen=True)
+class SimulatedHosts:
+    """``hosts`` on the bridge ``bridge`` of subnet ``subnet``; ``cluster`` names them all
+    (it prefixes every namespace and interface). Make them with :meth:`up`; :meth:`down`
+    removes everything (idempotent); also a context manager."""
+
+    cluster: str
+    bridge: str
+    subnet: str
+    hosts: tuple[Host, ...]
+    folder: str
+
+    @classmethod
+    def up(cls, count: int, cluster: str | None = None) -> SimulatedHosts:
+        """Make ``count`` hosts ``h1 .. hN``. Raises HostsError where it cannot."""
+        reason = unavailable_reason()
+        if reason is not None:
+            raise HostsError(reason)
+        if not 1 <= count <= MAX_HOSTS:
+            raise ValueError(f"hosts: {count}; allowed: 1..{MAX_HOSTS}")
+        cluster = cluster or secrets.token_hex(2)
+        subnet = _free_subnet()
+        prefix = f"sl{cluster}"
+        folder = tempfile.mkdtemp(prefix=f"shardline-hosts-{cluster}-")
+        made = cls(cluster, f"{prefix}br", str(subnet), (), folder)
+        try:
+            _run("ip", "link", "add", made.bridge, "type", "bridge")
+            _run("ip", "link", "set", made.bridge, "up")
+            addresses = [str(subnet.network_address + 10 + i) for i in range(1, count + 1)]
+            names = [f"h{i}" for i in range(1, count + 1)]
+            hosts_file = Path(folder, "hosts")
+            hosts_file.write_text(
+                "127.0.0.1 localhost\n"
+                + "".join(f"{a} {n}\n" for a, n in zip(addresses, names, strict=True))
+            )
+            hosts = []
+            for index, (name, address) in enumerate(zip(names, addresses, strict=True), 1):
+                netns = f"{prefix}{name}"
+                made = _replace_hosts(made, hosts)  # so that a failure removes what exists
+                _add_interface(made.bridge, netns, f"{prefix}v{index}", address, subnet)
+                holder = _hold(netns, name, hosts_file)
+                keepers = (holder, *[pid for pid in Host(name, netns, address, holder).processes()])
+                hosts.append(Host(name, netns, address, holder, tuple(sorted(set(keepers)))))
+            made = _replace_hosts(made, hosts)
+            made.save()
+            return made
+        except BaseException:
+            made.down()
+            raise
+
+    def host(self, name: str) -> Host:
+        return next(host for host in self.hosts if host.name == name)
+
+    def save(self) -> Path:
+        """Write the state ``shardline hosts down`` reads."""
+        STATE_DIR.mkdir(mode=0o700, exist_ok=True)
+        path = STATE_DIR / f"{self.cluster}.json"
+        path.write_text(json.dumps(asdict(self)))
+        return path
+
+    @classmethod
+    def load(cls, cluster: str) -> SimulatedHosts:
+        data = json.loads((STATE_DIR / f"{cluster}.json").read_text())
+        return cls(
+            data["cluster"],
+            data["bridge"],
+            data["subnet"],
+            tuple(Host(**{**host, "keepers": tuple(host["keepers"])}) for host in data["hosts"]),
+            data["folder"],
+        )
+
+    def down(self) -> None:
+        """Kill every process in the hosts, remove their namespaces, interfaces, the bridge
+        and the state. Idempotent."""
+        for host in self.hosts:
+            for pid in {*host.processes(), host.holder}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for host in self.hosts:
+            _wait_dead([*host.processes(), host.holder])
+            subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, check=False)
+        prefix = f"sl{self.cluster}"
+        for name in _links(prefix):
+            subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
+        for netns in _namespaces(prefix):
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        (STATE_DIR / f"{self.cluster}.json").unlink(missing_ok=True)
+
+    def __enter__(self) -> SimulatedHosts:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.down()
+
+
+def _replace_hosts(made: SimulatedHosts, hosts: list[Host]) -> SimulatedHosts:
+    return SimulatedHosts(made.cluster, made.bridge, made.subnet, tuple(hosts), made.folder)
+
+
+def _add_interface(
+    bridge: str, netns: str, veth: str, address: str, subnet: ipaddress.IPv4Network
+) -> None:
+    _run("ip", "netns", "add", netns)
+    _run("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
+    _run("ip", "link", "set", veth, "master", bridge)
+    _run("ip", "link", "set", veth, "up")
+    _run("ip", "link", "set", f"{veth}p", "netns", netns)
+    _run("ip", "-n", netns, "link", "set", f"{veth}p", "name", "eth0")
+    _run("ip", "-n", netns, "addr", "add", f"{address}/{subnet.prefixlen}", "dev", "eth0")
+    _run("ip", "-n", netns, "link", "set", "eth0", "up")
+    _run("ip", "-n", netns, "link", "set", "lo", "up")
+
+
+def _hold(netns: str, hostname: str, hosts_file: Path) -> int:
+    """Start the process that holds the host's UTS and mount namespaces (hostname, its own
+    /dev/shm and /etc/hosts); its pid."""
+    script = (
+        f"hostname {hostname} && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && "
+        f"mount --bind {hosts_file} /etc/hosts && echo $$ && exec sleep infinity"
+    )
+    holder = subprocess.Popen(
+        [
+            "ip", "netns", "exec", netns,
+            "unshare", "--uts", "--mount", "--propagation", "private", "--fork",
+            "sh", "-c", script,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    line = holder.stdout.readline().strip()
+    if not line.isdigit():
+        holder.kill()
+        raise HostsError(
+            f"host {hostname}: its namespaces could not be made: {holder.stderr.read()}"
+        )
+    return int(line)
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A 10.x.y.0/24 no route or address of this machine touches."""
+    used = subprocess.run(
+        ["ip", "-o", "-4", "route", "show", "table", "all"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    taken = []
+    for line in used.splitlines():
+        with contextlib.suppress(ValueError):
+            taken.append(ipaddress.ip_network(line.split()[0].replace("local", ""), strict=False))
+    for _ in range(100):
+        candidate = ipaddress.ip_network(
+            f"10.{random.randint(200, 250)}.{random.randint(0, 255)}.0/24"
+        )
+        if not any(candidate.overlaps(network) for network in taken if network.prefixlen):
+            return candidate
+    raise HostsError("no free 10.x.y.0/24 for the simulated hosts")
+
+
+def _links(prefix: str) -> list[str]:
+    listed = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    names = [line.split(": ")[1].split("@")[0] for line in listed.splitlines() if ": " in line]
+    return [name for name in names if name.startswith(prefix)]
+
+
+def _namespaces(prefix: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
+
+
+def _wait_dead(pids: list[int], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
+        if not alive:
+            return
+        time.sleep(0.02)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _run(*argv: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise HostsError(f"{' '.join(argv)}: {done.stderr.strip()}")

@@ -1,0 +1,129 @@
+"""Simulated hosts (network, hostname and /dev/shm of their own, on a private bridge), and a
+world that crosses them: torchrun with two nodes, one rank per host, gives transformers'
+greedy tokens over gloo, and over custom_ar, which hands a group that spans hosts to its
+base. Taking the hosts down leaves no process, namespace or interface behind."""
+
+import json
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from shardline.launch import hosts as simulated
+from shardline.launch.launchers import launcher_environment
+from support.cli import ROOT, shardline
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        simulated.unavailable_reason() is not None, reason=str(simulated.unavailable_reason())
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    with simulated.SimulatedHosts.up(2) as made:
+        yield made
+
+
+def _inside(host, *argv):
+    return subprocess.run(host.command(argv), capture_output=True, text=True, timeout=30)
+
+
+def test_each_host_has_its_own_name_shared_memory_and_address(two_hosts):
+    h1, h2 = two_hosts.hosts
+    assert _inside(h1, "hostname").stdout.strip() == "h1"
+    assert _inside(h2, "hostname").stdout.strip() == "h2"
+    assert _inside(h1, "sh", "-c", "touch /dev/shm/only-on-h1 && ls /dev/shm").stdout.split() == [
+        "only-on-h1"
+    ]
+    assert _inside(h2, "ls", "/dev/shm").stdout.split() == []
+    reach = (
+        "import socket, sys\n"
+        "try:\n"
+        "    socket.create_connection((sys.argv[1], 9), timeout=3)\n"
+        "except ConnectionRefusedError:\n"
+        "    print('reached')\n"
+    )
+    assert _inside(h1, sys.executable, "-c", reach, h2.address).stdout.strip() == "reached"
+    routes = _inside(h1, "ip", "-o", "route").stdout.splitlines()
+    assert [line.split()[0] for line in routes] == [two_hosts.subnet]  # nowhere else
+
+
+@pytest.mark.parametrize("communicator", ["gloo", "custom_ar"])
+def test_torchrun_across_two_hosts_gives_transformers_tokens(
+    two_hosts, tiny_llama_dir, tiny_llama_greedy, communicator
+):
+    h1 = two_hosts.hosts[0]
+    environ = launcher_environment()
+    environ["PYTHONPATH"] = f"{ROOT / 'tests'}:{environ['PYTHONPATH']}"
+    program = ["-m", "support.launched_driver", str(tiny_llama_dir), "2", "1"]
+    runs = [
+        subprocess.Popen(
+            host.command(
+                [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                    "--nproc-per-node=1", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={h1.address}:29400", f"--rdzv-id={communicator}",
+                    f"--local-addr={host.address}",
+                    *program, f"parallel.communicator={communicator}",
+                ]
+            ),
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for host in two_hosts.hosts
+    ]  # fmt: skip
+    outputs = [run.communicate(timeout=240) for run in runs]
+    for run, (_, err) in zip(runs, outputs, strict=True):
+        assert run.returncode == 0, err[-3000:]
+    (report,) = [line for out, _ in outputs for line in out.splitlines() if line.startswith("{")]
+    assert json.loads(report)["tokens"] == tiny_llama_greedy
+    assert [host.started() for host in two_hosts.hosts] == [[], []]  # the worlds ended
+
+
+def test_taking_hosts_down_kills_everything_in_them_and_removes_them():
+    made = simulated.SimulatedHosts.up(2)
+    h1 = made.host("h1")
+    sleeper = subprocess.Popen(h1.command(["sleep", "600"]))
+    try:
+        assert h1.started() == [sleeper.pid]
+        made.down()
+        assert sleeper.wait(5) == -9
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert f"sl{made.cluster}" not in names + links
+        assert not (simulated.STATE_DIR / f"{made.cluster}.json").exists()
+    finally:
+        made.down()
+        if sleeper.poll() is None:
+            sleeper.kill()
+
+
+def test_hosts_commands_make_enter_list_and_remove_a_cluster():
+    cluster = f"t{secrets.token_hex(2)}"
+    try:
+        made = shardline("hosts", "up", "2", "--name", cluster)
+        assert made.returncode == 0, made.stderr
+        listed = shardline("hosts", "list").stdout
+        assert f"cluster {cluster}:" in listed and "h2" in listed
+        inside = shardline("hosts", "exec", cluster, "h2", "--", "hostname")
+        assert (inside.returncode, inside.stdout.strip()) == (0, "h2")
+        wrong = shardline("hosts", "exec", cluster, "h9", "--", "hostname")
+        assert wrong.returncode == 2
+        assert wrong.stderr.strip() == (
+            f"error: hosts exec {cluster} 'h9': no such host; allowed: ['h1', 'h2']"
+        )
+        again = shardline("hosts", "up", "1", "--name", cluster)
+        assert again.returncode == 2 and "up already" in again.stderr
+        assert shardline("hosts", "down", cluster).returncode == 0
+        assert cluster not in simulated.clusters()
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"sl{cluster}" not in names
+    finally:
+        if cluster in simulated.clusters():
+            simulated.SimulatedHosts.load(cluster).down()
