@@ -7,6 +7,7 @@ import json
 import secrets
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,29 @@ def test_torchrun_across_two_hosts_gives_transformers_tokens(
     (report,) = [line for out, _ in outputs for line in out.splitlines() if line.startswith("{")]
     assert json.loads(report)["tokens"] == tiny_llama_greedy
     assert [host.started() for host in two_hosts.hosts] == [[], []]  # the worlds ended
+
+
+def test_mpiexec_across_two_hosts_tp_inside_a_host_pp_across(
+    two_hosts, tiny_llama_dir, tiny_llama_greedy
+):
+    """Two ranks per host: TP groups inside a host (custom_ar_mpi's shared memory), pipeline
+    stages across (MPI over TCP on the bridge); OpenMPI reaches h2 through the hosts' agent."""
+    h1 = two_hosts.host("h1")
+    environ = launcher_environment()
+    environ["PYTHONPATH"] = f"{ROOT / 'tests'}:{environ['PYTHONPATH']}"
+    command = h1.command(
+        [
+            str(Path(sys.executable).with_name("mpiexec")), "--host", "h1:2,h2:2", "-n", "4",
+            *two_hosts.mpiexec_options(),
+            sys.executable, "-m", "support.launched_driver", str(tiny_llama_dir), "2", "2",
+            "parallel.communicator=custom_ar_mpi",
+        ]
+    )  # fmt: skip
+    run = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (report,) = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert json.loads(report)["tokens"] == tiny_llama_greedy
+    assert [host.started() for host in two_hosts.hosts] == [[], []]
 
 
 def test_taking_hosts_down_kills_everything_in_them_and_removes_them():

@@ -71,6 +71,17 @@ def exec_in(cluster: str, host: str, argv: list[str]) -> int:
     os.execvp(command[0], command)
 
 
+def agent(cluster: str, words: list[str]) -> int:
+    """A remote-shell agent for launchers that start daemons with ssh (OpenMPI's
+    ``plm_rsh_agent``): ``[OPTIONS] HOST COMMAND...`` runs the command words, as a shell line
+    the way ssh does, inside ``HOST`` of ``cluster``; options before the host are ignored."""
+    while words and words[0].startswith("-"):
+        words = words[1:]
+    if len(words) < 2:
+        raise ConfigError("hosts agent: expected HOST COMMAND... (as a launcher calls ssh)")
+    return exec_in(cluster, words[0], ["sh", "-c", " ".join(words[1:])])
+
+
 def _print(made: simulated.SimulatedHosts) -> None:
     print(f"cluster {made.cluster}: bridge {made.bridge}, subnet {made.subnet}")
     rows = [(h.name, h.address, h.netns, str(h.holder), len(h.started())) for h in made.hosts]

@@ -239,6 +239,12 @@ def _add_hosts_commands(commands: argparse._SubParsersAction) -> None:
     run_in = actions.add_parser("exec", help="run CMD inside a host: exec CLUSTER HOST -- CMD")
     run_in.add_argument("cluster", metavar="CLUSTER")
     run_in.add_argument("host", metavar="HOST")
+    rsh = actions.add_parser(
+        "agent",
+        help="ssh stand-in for launchers (OpenMPI plm_rsh_agent): agent CLUSTER HOST COMMAND...",
+    )
+    rsh.add_argument("cluster", metavar="CLUSTER")
+    rsh.add_argument("words", nargs=argparse.REMAINDER, metavar="HOST COMMAND")
 
 
 def _load(args: argparse.Namespace) -> LoadedConfig:
@@ -313,6 +319,8 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
             return hosts_cmd.up(args.count, args.name)
         if args.hosts_command == "down":
             return hosts_cmd.down(args.clusters, args.all)
+        if args.hosts_command == "agent":
+            return hosts_cmd.agent(args.cluster, args.words)
         if args.hosts_command == "exec":
             return hosts_cmd.exec_in(args.cluster, args.host, passthrough)
         return hosts_cmd.list_clusters()

@@ -4,7 +4,8 @@
 Each host has what a real host has of its own: a network namespace with one interface
 (``eth0``) and an address on a bridge between the hosts (a private /24 that exists only
 inside this machine), its own hostname (a UTS namespace) and its own ``/dev/shm`` (a mount
-namespace with a tmpfs there, and an ``/etc/hosts`` naming every host). A small process
+namespace with a tmpfs there, an ``/etc/hosts`` naming every host and an ``/etc/resolv.conf``
+that sends no query off the host). A small process
 holds the namespaces; :meth:`Host.command` runs a command inside them (``nsenter``). Taking
 the hosts down kills every process in them and removes their namespaces, interfaces and the
 bridge. Traffic stays on the bridge: the hosts have no route anywhere else.
@@ -23,9 +24,10 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -112,17 +114,13 @@ class SimulatedHosts:
             _run("ip", "link", "set", made.bridge, "up")
             addresses = [str(subnet.network_address + 10 + i) for i in range(1, count + 1)]
             names = [f"h{i}" for i in range(1, count + 1)]
-            hosts_file = Path(folder, "hosts")
-            hosts_file.write_text(
-                "127.0.0.1 localhost\n"
-                + "".join(f"{a} {n}\n" for a, n in zip(addresses, names, strict=True))
-            )
+            _write_name_files(folder, zip(addresses, names, strict=True))
             hosts = []
             for index, (name, address) in enumerate(zip(names, addresses, strict=True), 1):
                 netns = f"{prefix}{name}"
                 made = _replace_hosts(made, hosts)  # so that a failure removes what exists
                 _add_interface(made.bridge, netns, f"{prefix}v{index}", address, subnet)
-                holder = _hold(netns, name, hosts_file)
+                holder = _hold(netns, name, folder)
                 keepers = (holder, *[pid for pid in Host(name, netns, address, holder).processes()])
                 hosts.append(Host(name, netns, address, holder, tuple(sorted(set(keepers)))))
             made = _replace_hosts(made, hosts)
@@ -134,6 +132,17 @@ class SimulatedHosts:
 
     def host(self, name: str) -> Host:
         return next(host for host in self.hosts if host.name == name)
+
+    def mpiexec_options(self) -> list[str]:
+        """OpenMPI ``mpiexec`` options for a job over these hosts, started in one of them:
+        daemons reach the other hosts through ``shardline hosts agent`` (no ssh), and MPI's
+        and the daemons' TCP stays on the bridge's subnet."""
+        agent = f"{sys.executable} -m shardline.cli.main hosts agent {self.cluster}"
+        return [
+            "--mca", "plm_rsh_agent", agent,
+            "--mca", "btl_tcp_if_include", self.subnet,
+            "--mca", "oob_tcp_if_include", self.subnet,
+        ]  # fmt: skip
 
     def save(self) -> Path:
         """Write the state ``shardline hosts down`` reads."""
@@ -196,12 +205,24 @@ def _add_interface(
     _run("ip", "-n", netns, "link", "set", "lo", "up")
 
 
-def _hold(netns: str, hostname: str, hosts_file: Path) -> int:
+def _write_name_files(folder: str, hosts: Iterable[tuple[str, str]]) -> None:
+    """The hosts' /etc/hosts (every host's name, also for IPv4-mapped IPv6 addresses, which
+    dual-stack sockets report) and /etc/resolv.conf (a name server on loopback only, where
+    none listens: a name not in /etc/hosts fails at once and no query leaves the host)."""
+    lines = ["127.0.0.1 localhost", "::1 localhost", "::ffff:127.0.0.1 localhost"]
+    for address, name in hosts:
+        lines += [f"{address} {name}", f"::ffff:{address} {name}"]
+    Path(folder, "hosts").write_text("\n".join(lines) + "\n")
+    Path(folder, "resolv.conf").write_text("nameserver 127.0.0.1\n")
+
+
+def _hold(netns: str, hostname: str, folder: str) -> int:
     """Start the process that holds the host's UTS and mount namespaces (hostname, its own
-    /dev/shm and /etc/hosts); its pid."""
+    /dev/shm, /etc/hosts and /etc/resolv.conf); its pid."""
     script = (
         f"hostname {hostname} && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && "
-        f"mount --bind {hosts_file} /etc/hosts && echo $$ && exec sleep infinity"
+        f"mount --bind {folder}/hosts /etc/hosts && "
+        f"mount --bind {folder}/resolv.conf /etc/resolv.conf && echo $$ && exec sleep infinity"
     )
     holder = subprocess.Popen(
         [

@@ -5,7 +5,7 @@ Each group maps one segment: a flag area (one 64-byte line per rank and phase), 
 small slots (``ONE_SHOT_MAX_BYTES`` per rank each), and, for large tensors, one slot of
 ``SLOT_BYTES`` per rank plus a result area of that size. An all-reduce takes the shared path
 only when every rank of the group is on this host (host identities exchanged at creation:
-host name and kernel boot id), the tensor fits a slot and lives on the CPU; anything else, and
+host name, kernel boot id and which ``/dev/shm`` the rank sees), the tensor fits a slot and lives on the CPU; anything else, and
 every other operation, goes to the base communicator.
 
 Every shared all-reduce has a number; a rank announces "arrived at call c"
@@ -69,11 +69,15 @@ _COMBINE = {
 
 
 def host_identity() -> str:
-    """This host: its name and the kernel's boot id (two containers can share a name)."""
-    boot_id = ""
+    """This host as shared memory sees it: its name, the kernel's boot id (two containers can
+    share a name) and the device of ``/dev/shm`` (two containers on one kernel can each have
+    their own)."""
+    boot_id = shm_device = ""
     with contextlib.suppress(OSError):
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return f"{socket.gethostname()}/{boot_id}"
+    with contextlib.suppress(OSError):
+        shm_device = str(os.stat("/dev/shm").st_dev)
+    return f"{socket.gethostname()}/{boot_id}/{shm_device}"
 
 
 class CustomAllReduceBackend(CommunicatorBackend):
