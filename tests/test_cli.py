@@ -43,6 +43,43 @@ def test_explain_shows_layout_choice_and_sources():
     assert f"parallel.communicator: gloo (configured; set by {EXAMPLE})" in result.stdout
 
 
+def test_explain_shows_which_groups_cross_hosts_and_what_carries_them():
+    result = shardline(
+        "explain",
+        *("--set", "parallel.tensor_parallel_size=2", "--set", "parallel.pipeline_parallel_size=2"),
+        *("--set", "parallel.nnodes=2", "--set", "parallel.communicator=custom_ar"),
+    )
+    hosts = result.stdout.split("\nhosts: ", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert hosts[0] == "2 (parallel.nnodes = 2, ranks numbered host by host):"
+    rows = [line.split(None, 4) for line in hosts[3:]]
+    assert rows == [
+        ["tp", "0,1", "0", "no", "shared memory (custom_ar; gloo beyond a slot)"],
+        ["tp", "2,3", "1", "no", "shared memory (custom_ar; gloo beyond a slot)"],
+        ["pp", "0,2", "0,1", "yes", "gloo (custom_ar's base: the group crosses hosts)"],
+        ["pp", "1,3", "0,1", "yes", "gloo (custom_ar's base: the group crosses hosts)"],
+    ]
+    # Here auto picks mp, which keeps every rank on this host: reported, not an error of the
+    # config (under torchrun or mpiexec auto picks external_launcher).
+    assert result.returncode == 0, result.stdout
+    problem = "problem: parallel.distributed_executor_backend = 'mp' runs every rank on this host"
+    assert f"{problem}, but parallel.nnodes = 2" in result.stdout
+
+
+def test_a_single_host_executor_is_refused_for_several_hosts():
+    validated = shardline(
+        "config", "validate",
+        *("--set", "parallel.tensor_parallel_size=2", "--set", "parallel.nnodes=2"),
+        *("--set", "parallel.distributed_executor_backend=mp"),
+    )  # fmt: skip
+    assert validated.returncode == 2
+    assert validated.stderr == (
+        "error: --set parallel.distributed_executor_backend=mp: "
+        "parallel.distributed_executor_backend = 'mp' runs every rank on this host, but "
+        "parallel.nnodes = 2; allowed: an executor whose ranks span hosts: external_launcher "
+        "(external_launcher: start the ranks with torchrun or mpiexec on every host)\n"
+    )
+
+
 def test_explain_names_the_rejected_combination():
     result = shardline("explain", "--set", "parallel.device=cuda")
     assert result.returncode == 2

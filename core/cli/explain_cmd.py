@@ -4,13 +4,20 @@ the memory plan of the ranks on this host."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from shardline.cli.config_cmd import with_local_model
 from shardline.cli.table import render
 from shardline.config.capacity import PROCESS_BYTES, CapacityPlan, size_text
 from shardline.config.loader import LoadedConfig
+from shardline.config.schema import EngineConfig
 from shardline.config.selection import capacity_plan, decide, is_error, resolved
+from shardline.distributed.layout import ParallelLayout
 from shardline.errors import ConfigError
+from shardline.interfaces.communicator_backend import CommunicatorBackend
+from shardline.interfaces.executor import Executor
+from shardline.launch.launcher_env import LaunchedRank
 from shardline.registry import Registry
 
 
@@ -40,9 +47,15 @@ def run(loaded: LoadedConfig) -> int:
     for failure in registry.failures:
         print(f"\nplugin {failure.name!r} failed to load and was not considered: {failure.error}")
     executor = next(d for d in decisions if d.field == "parallel.distributed_executor_backend")
+    executor_class = None
     if executor.problem is None:
         executor_class = registry.get("executor", executor.chosen).load()
         print(f"\nrendezvous store: {executor_class.rendezvous_note(config, os.environ)}")
+    communicator = next(d for d in decisions if d.field == "parallel.communicator")
+    if communicator.problem is None:
+        backend = registry.get("communicator", communicator.chosen).load()
+        print()
+        print(describe_hosts(layout, hosts_of_ranks(config, executor_class, os.environ), backend))
     if not failed:
         try:
             plan = capacity_plan(
@@ -57,6 +70,57 @@ def run(loaded: LoadedConfig) -> int:
     if note:
         print(f"\n{note}")
     return 2 if failed else 0
+
+
+@dataclass(frozen=True)
+class RankHosts:
+    """The host (0, 1, ...) each rank runs on, and how that was decided."""
+
+    host_of: tuple[int, ...]
+    why: str
+
+
+def hosts_of_ranks(
+    config: EngineConfig, executor: type[Executor] | None, environ: Mapping[str, str]
+) -> RankHosts:
+    """Ranks are numbered host by host, the same count on each: under a launcher, its
+    ranks per host (``LOCAL_WORLD_SIZE``); otherwise ``parallel.nnodes`` hosts."""
+    world = config.parallel.world_size
+    if executor is not None and executor.launched:
+        launched = LaunchedRank.from_environ(environ)
+        per_host = launched.local_world_size
+        why = f"{launched.launcher}: {per_host} ranks on each host"
+    else:
+        per_host = max(1, world // config.parallel.nnodes)
+        why = f"parallel.nnodes = {config.parallel.nnodes}, ranks numbered host by host"
+    return RankHosts(tuple(rank // per_host for rank in range(world)), why)
+
+
+def describe_hosts(
+    layout: ParallelLayout, hosts: RankHosts, backend: type[CommunicatorBackend]
+) -> str:
+    """Which hosts each group spans, whether it crosses a host boundary, and what carries
+    its all-reduces (the first 8 groups of each kind)."""
+    count = len(set(hosts.host_of))
+    lines = [f"hosts: {count} ({hosts.why}):"]
+    rows = []
+    for kind, groups in (("tp", layout.tp_groups()), ("pp", layout.pp_groups())):
+        for group in groups[:8]:
+            spanned = sorted({hosts.host_of[rank] for rank in group})
+            rows.append(
+                (
+                    kind,
+                    _span(tuple(group)),
+                    ",".join(map(str, spanned)),
+                    "yes" if len(spanned) > 1 else "no",
+                    backend.all_reduce_route(len(spanned)),
+                )
+            )
+        if len(groups) > 8:
+            rows.append((kind, f"... ({len(groups)} groups)", "", "", ""))
+    headers = ("GROUP", "RANKS", "HOSTS", "CROSSES", "ALL-REDUCE")
+    lines += ["  " + line for line in render(headers, rows).splitlines()]
+    return "\n".join(lines)
 
 
 def describe_plan(plan: CapacityPlan) -> str:

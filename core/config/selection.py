@@ -66,7 +66,28 @@ def choose_executor(
             f"{field_name} = 'uni' runs one rank in-process, but the layout has {world_size} "
             f"ranks; allowed: mp, external_launcher, or auto"
         )
+    if problem is None and config.parallel.nnodes > 1:
+        problem = _single_host_problem(config, registry, chosen, field_name)
     return Decision(field_name, chosen, reason, alternatives, problem)
+
+
+def _single_host_problem(
+    config: EngineConfig, registry: Registry, chosen: str, field_name: str
+) -> str | None:
+    """Why executor ``chosen`` cannot run ``parallel.nnodes`` > 1 hosts, or None."""
+    if registry.get("executor", chosen).load().spans_hosts:
+        return None
+    spanning = [
+        component.name
+        for component in registry.components("executor")
+        if component.unavailable_reason() is None and component.load().spans_hosts
+    ]
+    return (
+        f"{field_name} = {echo(chosen)} runs every rank on this host, but parallel.nnodes = "
+        f"{config.parallel.nnodes}; allowed: an executor whose ranks span hosts: "
+        f"{', '.join(spanning) or 'none installed'} (external_launcher: start the ranks with "
+        "torchrun or mpiexec on every host)"
+    )
 
 
 def choose_model_runner(config: EngineConfig, registry: Registry) -> Decision:
@@ -285,13 +306,15 @@ def resolved(config: EngineConfig, decisions: list[Decision]) -> EngineConfig:
     return config.model_copy(update={"parallel": config.parallel.model_copy(update=update)})
 
 
-def is_error(decision: Decision, config: EngineConfig) -> bool:
+def is_error(decision: Decision, config: EngineConfig, starts_here: bool = False) -> bool:
     """Whether a decision's problem makes the config invalid. An executor left on ``auto``
-    that no installed plugin provides is reported, but the config itself is fine."""
+    that cannot run is reported, but the config itself is fine (``auto`` may pick another
+    one elsewhere, under a launcher say), unless the world ``starts_here``."""
     if decision.problem is None:
         return False
     on_auto = config.parallel.distributed_executor_backend == "auto"
-    return not (decision.field == "parallel.distributed_executor_backend" and on_auto)
+    executor = decision.field == "parallel.distributed_executor_backend"
+    return not (executor and on_auto and not starts_here)
 
 
 @dataclass(frozen=True)
@@ -310,15 +333,19 @@ def check_config(
     registry: Registry,
     environ: Mapping[str, str],
     host: HostMemory | None = None,
+    starts_here: bool = False,
 ) -> CheckedConfig:
     """Every decision, then, when ``model.path`` names an existing file or directory, what
     the model and this host allow (the runner's :meth:`~shardline.interfaces.ModelRunner.plan`
     and the memory plan, against ``host``, read when not given). Raises one
-    :class:`ConfigError` listing each problem with its source. Nothing is started."""
+    :class:`ConfigError` listing each problem with its source. Nothing is started;
+    ``starts_here``: the world is about to start in this environment (see :func:`is_error`)."""
     config = loaded.config
     decisions = decide(config, registry, environ)
     problems = [
-        f"{loaded.source_of(d.field)}: {d.problem}" for d in decisions if is_error(d, config)
+        f"{loaded.source_of(d.field)}: {d.problem}"
+        for d in decisions
+        if is_error(d, config, starts_here)
     ]
     if config.parallel.world_size % config.parallel.nnodes:
         problems.append(

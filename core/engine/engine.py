@@ -63,7 +63,7 @@ class LLMEngine:
         environ = os.environ if environ is None else environ
         config = loaded.config
         registry = registry or Registry.for_plugins(config.plugins)
-        checked = check_config(loaded, registry, environ)
+        checked = check_config(loaded, registry, environ, starts_here=True)
         config = checked.config
         #: The memory plan of the ranks on this host, as checked before they started.
         self.capacity = checked.capacity

@@ -54,6 +54,13 @@ class CommunicatorBackend(abc.ABC):
         Must be cheap and must not start any process or communication."""
         return None
 
+    @classmethod
+    def all_reduce_route(cls, hosts: int) -> str:
+        """What carries an all-reduce of a group whose ranks are on ``hosts`` hosts, in a few
+        words (``shardline explain`` shows it per group). A backend that serves some groups
+        itself and hands others to another backend says which. Nothing is started."""
+        return cls.name
+
     @abc.abstractmethod
     def init_world(
         self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float

@@ -21,7 +21,9 @@ class Executor(abc.ABC):
     watches the rank processes: death detection and leftover processes are its job),
     ``launched`` (a launcher such as torchrun started every rank; each process builds its
     own executor, and every call returns the same result in every process) and
-    ``enforces_deadlines`` (a call's ``timeout`` can end the wait for a rank still running).
+    ``enforces_deadlines`` (a call's ``timeout`` can end the wait for a rank still running)
+    and ``spans_hosts`` (its ranks can run on several hosts; without it a config with
+    ``parallel.nnodes`` > 1 is refused).
 
     What every executor does (the building blocks are in :mod:`shardline.sdk`):
 
@@ -53,6 +55,7 @@ class Executor(abc.ABC):
     owns_processes: bool = False
     launched: bool = False
     enforces_deadlines: bool = True
+    spans_hosts: bool = False
 
     @classmethod
     def rendezvous_note(cls, config: Any, environ: Mapping[str, str]) -> str:

@@ -5,8 +5,8 @@ Each group maps one segment: a flag area (one 64-byte line per rank and phase), 
 small slots (``ONE_SHOT_MAX_BYTES`` per rank each), and, for large tensors, one slot of
 ``SLOT_BYTES`` per rank plus a result area of that size. An all-reduce takes the shared path
 only when every rank of the group is on this host (host identities exchanged at creation:
-host name, kernel boot id and which ``/dev/shm`` the rank sees), the tensor fits a slot and lives on the CPU; anything else, and
-every other operation, goes to the base communicator.
+host name, kernel boot id and which ``/dev/shm`` the rank sees), the tensor fits a slot and
+lives on the CPU; anything else, and every other operation, goes to the base communicator.
 
 Every shared all-reduce has a number; a rank announces "arrived at call c"
 once its input is in place and waits until every rank has announced c.
@@ -89,6 +89,12 @@ class CustomAllReduceBackend(CommunicatorBackend):
     name = "custom_ar"
     base = "gloo"
     base_plugin = "gloo"
+
+    @classmethod
+    def all_reduce_route(cls, hosts: int) -> str:
+        if hosts == 1:
+            return f"shared memory ({cls.name}; {cls.base} beyond a slot)"
+        return f"{cls.base} ({cls.name}'s base: the group crosses hosts)"
 
     def init_world(
         self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float

@@ -57,6 +57,7 @@ class ExternalLauncherExecutor(Executor):
     """
 
     launched = True
+    spans_hosts = True
 
     @classmethod
     def rendezvous_note(cls, config: EngineConfig, environ: Mapping[str, str]) -> str:
