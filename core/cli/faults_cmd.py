@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from shardline.cli.table import render
-from shardline.conformance.faults import matrix
-from shardline.conformance.faults.scenarios import SCENARIOS
+from shardline.conformance.faults import across_hosts, matrix
+from shardline.conformance.faults.scenarios import HOST_SCENARIOS, SCENARIOS, Scenario
 from shardline.errors import ConfigError
 from shardline.registry import Registry
 
@@ -35,24 +35,22 @@ def _names(raw: str | None, field: str, known: list[str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     allow = os.environ.get("SHARDLINE_PLUGINS")
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
-    executors = _names(args.executors, "--executors", registry.names("executor"))
-    communicators = _names(args.communicators, "--communicators", registry.names("communicator"))
-    scenarios = [SCENARIOS[name] for name in _names(args.scenarios, "--scenarios", list(SCENARIOS))]
     if args.timeout <= 0:
         raise ConfigError(f"--timeout = {args.timeout}: must be > 0", field="--timeout")
     settings = matrix.Settings(timeout_s=args.timeout)
-    combos = matrix.combinations(registry, executors, communicators)
-
-    def progress(result: matrix.Result) -> None:
-        print(
-            f"  {result.combination}: {result.scenario}: {result.outcome} ({result.seconds:g} s)",
-            file=sys.stderr,
-            flush=True,
+    if args.across_hosts:
+        results, labels, scenarios = _across_hosts(args, registry, settings)
+    else:
+        executors = _names(args.executors, "--executors", registry.names("executor"))
+        communicators = _names(
+            args.communicators, "--communicators", registry.names("communicator")
         )
-
-    results = matrix.run_matrix(combos, scenarios, settings, progress)
+        names = _names(args.scenarios, "--scenarios", list(SCENARIOS))
+        scenarios = [SCENARIOS[name] for name in names]
+        combos = matrix.combinations(registry, executors, communicators)
+        results = matrix.run_matrix(combos, scenarios, settings, _progress)
+        labels = [combo.label for combo in combos]
     by_cell = {(r.scenario, r.combination): r for r in results}
-    labels = [combo.label for combo in combos]
     rows = [
         [scenario.name, *(_CELLS[by_cell[(scenario.name, label)].outcome] for label in labels)]
         for scenario in scenarios
@@ -80,6 +78,47 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=1, default=str))
     return 1 if failures else 0
+
+
+def _progress(result: matrix.Result) -> None:
+    print(
+        f"  {result.combination}: {result.scenario}: {result.outcome} ({result.seconds:g} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _across_hosts(
+    args: argparse.Namespace, registry: Registry, settings: matrix.Settings
+) -> tuple[list[matrix.Result], list[str], list[Scenario]]:
+    """The host scenarios on fresh simulated hosts, for each communicator torchrun can start
+    (default: every installed one that is available here and needs no other launcher)."""
+    if args.executors is not None:
+        raise ConfigError(
+            "--executors does not apply with --across-hosts: the worlds run under "
+            "external_launcher, one torchrun agent per host",
+            field="--executors",
+        )
+    reason = across_hosts.unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"--across-hosts: {reason}", field="--across-hosts")
+    fitting = [
+        component.name
+        for component in registry.components("communicator")
+        if component.unavailable_reason() is None
+        and (component.capabilities is None or component.capabilities.launcher is None)
+    ]
+    communicators = _names(args.communicators, "--communicators", fitting)
+    names = _names(args.scenarios, "--scenarios", list(HOST_SCENARIOS))
+    scenarios = [HOST_SCENARIOS[name] for name in names]
+    results = []
+    for communicator in communicators:
+        for scenario in scenarios:
+            result = across_hosts.run_host_scenario(communicator, scenario, settings)
+            _progress(result)
+            results.append(result)
+    labels = list(dict.fromkeys(result.combination for result in results))
+    return results, labels, scenarios
 
 
 def _run_count(row: dict[str, int]) -> int:

@@ -118,6 +118,12 @@ def _add_faults_command(commands: argparse._SubParsersAction) -> None:
     faults.add_argument(
         "--timeout", type=float, default=3.0, help="parallel.timeout_s of the worlds (default 3)"
     )
+    faults.add_argument(
+        "--across-hosts",
+        action="store_true",
+        help="the host scenarios instead (a host killed, cut off or stopped mid-step) on "
+        "fresh simulated hosts, one rank each, under torchrun (needs root)",
+    )
     faults.add_argument("--json", help="write the report here")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shardline.comm.delegating import DelegatingCommunicator
+from shardline.comm.host_directory import HostDirectory
 from shardline.comm.store import connect_store
 from shardline.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from shardline.interfaces import Communicator, ReduceOp, Work
@@ -103,9 +104,11 @@ class WatchedCommunicator(DelegatingCommunicator):
         check_every: int = 0,
         label: str = "world",
         global_ranks: list[int] | None = None,
+        hosts: HostDirectory | None = None,
     ) -> None:
         super().__init__(inner)
         self.label = label
+        self.hosts = hosts or HostDirectory()
         self.check_every = check_every
         self.global_ranks = global_ranks or list(range(inner.world_size))
         self._channel = side_channel.for_group(label.replace(" ", ""))
@@ -149,7 +152,7 @@ class WatchedCommunicator(DelegatingCommunicator):
     def wrap_group(self, group: Communicator, ranks: list[int]) -> WatchedCommunicator:
         members = [self.global_ranks[r] for r in ranks]
         return WatchedCommunicator(
-            group, self._channel, self.check_every, f"ranks {members}", members
+            group, self._channel, self.check_every, f"ranks {members}", members, self.hosts
         )
 
     def _watch(self, op, tensor, peer, call, *args):
@@ -185,7 +188,7 @@ class WatchedCommunicator(DelegatingCommunicator):
                 rank=error.rank,
             )
         return type(error)(
-            f"{error} [watchdog on {self.label}: {_who_is_where(where)}]",
+            f"{error} [watchdog on {self.label}: {_who_is_where(where, self.hosts)}]",
             op=error.op,
             rank=error.rank,
         )
@@ -195,7 +198,8 @@ class WatchedCommunicator(DelegatingCommunicator):
         where = self._exchange(f"check/{mine.seq}", mine, self.timeout_s)
         if any(fp is None or not fp.same_call(mine) for fp in where.values()):
             raise CollectiveMismatchError(
-                f"collective mismatch on {self.label}: {_who_is_where(where)}", op=mine.op
+                f"collective mismatch on {self.label}: {_who_is_where(where, self.hosts)}",
+                op=mine.op,
             )
 
     def _exchange(self, topic: str, mine: Fingerprint, wait_s: float) -> dict:
@@ -224,9 +228,10 @@ class _WatchedWork(Work):
         return self.inner.is_completed()
 
 
-def _who_is_where(where: dict[int, Fingerprint | None]) -> str:
+def _who_is_where(where: dict[int, Fingerprint | None], hosts: HostDirectory) -> str:
     """ "rank 3 is at #12 all_gather [8, 576] float32; ranks 0-2 at #12 all_reduce ...": the
-    smallest group first, ranks that did not report last."""
+    smallest group first, ranks that did not report last (with their hosts when the world
+    spans several: "rank 3 on host h2 did not report")."""
     groups: dict[str | None, list[int]] = {}
     for rank, fingerprint in sorted(where.items()):
         groups.setdefault(fingerprint.describe() if fingerprint else None, []).append(rank)
@@ -234,6 +239,7 @@ def _who_is_where(where: dict[int, Fingerprint | None]) -> str:
     parts = []
     for index, (text, ranks) in enumerate(ordered):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
+        who += hosts.where(ranks)
         if text is None:
             parts.append(
                 f"{who} did not report (not in an operation of this group: computing, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardline.comm.host_directory import HostDirectory
 from shardline.comm.watchdog import SideChannel, WatchedCommunicator
 from shardline.config.schema import EngineConfig
 from shardline.distributed import ParallelState
@@ -93,7 +94,9 @@ def join_parallel_worlds(
     )
     if parallel.watchdog:
         channel = SideChannel(rendezvous.with_prefix("watchdog"))
-        data = WatchedCommunicator(data, channel, parallel.watchdog_check_every)
+        # Every rank announced its host before joining (WorkerSetup): read it once, now.
+        hosts = HostDirectory.read(rendezvous, world_size, parallel.timeout_s)
+        data = WatchedCommunicator(data, channel, parallel.watchdog_check_every, hosts=hosts)
     control = control_backend.init_world(
         rank, world_size, rendezvous.with_prefix("control"), parallel.timeout_s
     )

@@ -133,6 +133,20 @@ class SimulatedHosts:
     def host(self, name: str) -> Host:
         return next(host for host in self.hosts if host.name == name)
 
+    def set_link(self, name: str, up: bool) -> None:
+        """Plug host ``name``'s cable into the bridge, or pull it (its interface stays up
+        inside the host: packets are simply lost, as when a switch port dies)."""
+        index = [host.name for host in self.hosts].index(name) + 1
+        _run("ip", "link", "set", f"sl{self.cluster}v{index}", "up" if up else "down")
+
+    def signal_host(self, name: str, signum: int) -> list[int]:
+        """Send ``signum`` to every process started in host ``name``; their pids."""
+        pids = self.host(name).started()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        return pids
+
     def mpiexec_options(self) -> list[str]:
         """OpenMPI ``mpiexec`` options for a job over these hosts, started in one of them:
         daemons reach the other hosts through ``shardline hosts agent`` (no ssh), and MPI's

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shardline.comm.host_directory import HostDirectory, announce_host
 from shardline.config.schema import EngineConfig
+from shardline.errors import CommunicationError
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.comm_world import ParallelRankContext, join_parallel_worlds
 from shardline.registry import Registry
@@ -44,12 +46,22 @@ class WorkerSetup:
         rendezvous: Rendezvous,
         on_phase: Callable[[str], None] = lambda phase: None,
     ) -> WorkerContext:
-        """Load the plugins and run their ``shardline_rank_starting`` hooks, join the worlds
-        (phase "distributed init"), then build the runner and load the
-        model (phase "model load"); ``on_phase`` is called as each phase completes."""
+        """Announce this rank's host, load the plugins and run their
+        ``shardline_rank_starting`` hooks, join the worlds (phase "distributed init"; a
+        failure to join names the hosts of the ranks when they are several), then build the
+        runner and load the model (phase "model load"); ``on_phase`` is called as each phase
+        completes."""
         registry = Registry.for_plugins(self.config.plugins)
+        startup_timeout_s = self.config.parallel.startup_timeout_s
+        announce_host(rendezvous, rank, startup_timeout_s)
         registry.rank_starting(rank, world_size)
-        parallel = join_parallel_worlds(self.config, registry, rank, world_size, rendezvous)
+        try:
+            parallel = join_parallel_worlds(self.config, registry, rank, world_size, rendezvous)
+        except CommunicationError as error:
+            hosts = HostDirectory.read(rendezvous, world_size, timeout_s=1.0)
+            if not hosts.spans_hosts:
+                raise
+            raise type(error)(f"{error}{hosts.summary()}", op=error.op, rank=error.rank) from error
         on_phase("distributed init")
         try:
             runner_class = registry.get(

@@ -235,14 +235,14 @@ def _judge(
         messages.append(process.get("message", ""))
         if scenario.deadline == "startup" and "failed_at" in process and joined_at:
             process["elapsed_s"] = round(process["failed_at"] - max(joined_at.values()), 3)
-        problems += _judge_process(scenario, role, deadline, victim, process)
+        problems += judge_process(scenario, role, deadline, victim, process)
     for word in scenario.words:
         if messages and not any(word in message for message in messages):
             problems.append(f"no survivor's message mentions {word!r}")
     return problems
 
 
-def _judge_process(
+def judge_process(
     scenario: Scenario, role: str, deadline: float, victim: int, process: dict[str, Any]
 ) -> list[str]:
     problems = []

@@ -23,7 +23,13 @@ from typing import Any
 from shardline.config import load_config
 from shardline.config.schema import EngineConfig
 from shardline.conformance.faults.runner import FAULT_RUNNER, Plan, arm
-from shardline.conformance.faults.scenarios import INJECTION_ENTRY_POINT, SCENARIOS, Scenario
+from shardline.conformance.faults.scenarios import (
+    HOST_SCENARIOS,
+    INJECTION_ENTRY_POINT,
+    PLAN_VARIABLE,
+    SCENARIOS,
+    Scenario,
+)
 from shardline.errors import ShardlineError, WorkerError
 from shardline.interfaces.step import NewRequest, SamplingParams, SchedulerOutput
 from shardline.launch.launcher_env import LaunchedRank
@@ -69,7 +75,7 @@ def _step() -> SchedulerOutput:
 
 
 def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
-    scenario = SCENARIOS[args.scenario]
+    scenario = {**SCENARIOS, **HOST_SCENARIOS}[args.scenario]
     report: dict[str, Any] = {"role": role, "pid": os.getpid(), "phase": "plugins"}
     executor = None
     started = time.monotonic()
@@ -89,7 +95,9 @@ def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
         executor = executor_class(config)
         report["phase"] = "arm"
         fault = scenario.name if scenario.step_fault else None
-        report["rank_pids"] = executor.collective_rpc(arm, (Plan(fault, args.ranks - 1),))
+        markers = json.loads(os.environ.get(PLAN_VARIABLE) or "{}").get("markers", "")
+        plan = Plan(fault, args.ranks - 1, markers)
+        report["rank_pids"] = executor.collective_rpc(arm, (plan,))
         report["phase"] = "step"
         started = time.monotonic()
         output = executor.execute_model(_step()).result(timeout=args.timeout + 30)
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=list(SCENARIOS))
+    parser.add_argument("scenario", choices=[*SCENARIOS, *HOST_SCENARIOS])
     parser.add_argument("--executor", required=True)
     parser.add_argument("--communicator", required=True)
     parser.add_argument("--ranks", type=int, required=True)

@@ -8,11 +8,13 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardline.comm.tensor_dict import TensorMeta
+from shardline.conformance.faults.scenarios import HOST_SCENARIOS
 from shardline.interfaces import IntermediateTensors, ModelRunner
 
 #: ``model.runner`` value that selects :class:`FaultModelRunner`.
@@ -22,12 +24,19 @@ HANG_S = 3600.0
 PROBE_SHAPE = (8, 16)
 
 
+#: How long the victim of a host scenario pauses in the step, before its all-reduce, for the
+#: suite to act on its host (it starts when the marker ``in-step`` appears).
+HOLD_S = 1.0
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Fault ``fault`` (a scenario's step fault, or None) planted on rank ``victim``."""
+    """Fault ``fault`` (a scenario's step fault, or None) planted on rank ``victim``;
+    ``markers``: the folder where the victim of a host scenario marks that it is in the step."""
 
     fault: str | None
     victim: int
+    markers: str = ""
 
 
 class FaultModelRunner(ModelRunner):
@@ -55,6 +64,9 @@ class FaultModelRunner(ModelRunner):
             os.kill(os.getpid(), signal.SIGKILL)
         if fault == "hangs in a collective" and on_victim:
             time.sleep(HANG_S)
+        if fault in HOST_SCENARIOS and on_victim:
+            Path(self.plan.markers, "in-step").touch()
+            time.sleep(HOLD_S)
         if fault == "different collectives" and on_victim:
             tp.recv(torch.empty(PROBE_SHAPE), src=(victim + 1) % tp.world_size)
         elif fault == "different shapes" and on_victim:

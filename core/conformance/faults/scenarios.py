@@ -33,6 +33,9 @@ class Scenario:
     counts by the kind it carries). ``names_victim``: the driver's or rank 0's message must
     name the victim. ``words``: texts some survivor's message must contain. ``victim_survives``:
     the victim is alive and must raise too. ``completes``: the step must succeed instead.
+    ``host_action`` (host scenarios): what is done to the victim's host while its rank
+    pauses in the step: "kill" its every process, cut its "link", or "stop" its processes
+    past the deadline.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Scenario:
     victim_survives: bool = False
     completes: bool = False
     overrides: tuple[str, ...] = ()
+    host_action: str = ""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -126,6 +130,44 @@ SCENARIOS: dict[str, Scenario] = {
             step_fault=False,
             victim_survives=True,
             completes=True,
+        ),
+    )
+}
+
+
+#: Faults of a whole host, run across simulated hosts (:mod:`.across_hosts`): one rank per
+#: host, the victim's host is the second. Survivors must name the rank and its host.
+HOST_SCENARIOS: dict[str, Scenario] = {
+    scenario.name: scenario
+    for scenario in (
+        Scenario(
+            "host dies mid-step",
+            "every process of the victim's host is SIGKILLed while the others wait in the "
+            "all-reduce",
+            min_ranks=2,
+            errors=("PeerLostError", "CommTimeoutError"),
+            names_victim=True,
+            words=("host h2",),
+            host_action="kill",
+        ),
+        Scenario(
+            "link down mid-step",
+            "the victim's host loses its link (ip link set ... down) while the others wait in "
+            "the all-reduce",
+            min_ranks=2,
+            errors=("CommTimeoutError", "PeerLostError"),
+            names_victim=True,
+            words=("host h2",),
+            host_action="link",
+        ),
+        Scenario(
+            "host stopped past the deadline",
+            "every process of the victim's host is SIGSTOPped until the others have raised",
+            min_ranks=2,
+            errors=("CommTimeoutError",),
+            names_victim=True,
+            words=("host h2",),
+            host_action="stop",
         ),
     )
 }
