@@ -1,0 +1,75 @@
+"""The body of a rank's process, started by its actor: start up in phases, then serve calls.
+
+The process ignores Ctrl-C (the driver decides when ranks stop) and ends with its actor: it
+is a tethered child (``Spawner``), and it leaves when the actor closes the pipe between them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import pickle
+import signal
+from typing import Any
+
+import cloudpickle
+
+from shardline.errors import RemoteFailure
+from shardline.interfaces import Rendezvous
+from shardline.sdk import EngineConfig, WorkerSetup, share_cores
+from shardline_ray.protocol import Call, Done, Failure, Phase, Reply
+
+_NEXT_PHASE = {"distributed init": "model load", "model load": "ready"}
+
+
+def rank_main(
+    rank: int,
+    world_size: int,
+    ranks_on_node: int,
+    config: EngineConfig,
+    rendezvous: Rendezvous,
+    pipe_fd: int,
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    share_cores(ranks_on_node)
+    pipe = multiprocessing.connection.Connection(pipe_fd)
+
+    def send(message: Any) -> None:
+        pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    send(Phase("spawn"))
+    phase = "distributed init"
+
+    def advance(done: str) -> None:
+        nonlocal phase
+        send(Phase(done))
+        phase = _NEXT_PHASE[done]
+
+    try:
+        context = WorkerSetup(config).build(rank, world_size, rendezvous, on_phase=advance)
+    except BaseException as error:
+        send(Failure(phase, RemoteFailure.capture(error)))
+        return
+    try:
+        send(Phase("ready"))
+        _serve(rank, context.worker, pipe, send)
+    finally:
+        context.close()
+        pipe.close()
+
+
+def _serve(rank: int, worker: Any, pipe: multiprocessing.connection.Connection, send) -> None:
+    """Run calls in the order they arrive until the actor closes the pipe."""
+    while True:
+        try:
+            call: Call = pickle.loads(pipe.recv_bytes())
+        except EOFError:
+            return
+        try:
+            if isinstance(call.method, str):
+                value = getattr(worker, call.method)(*call.args, **call.kwargs)
+            else:
+                value = cloudpickle.loads(call.method)(worker, *call.args, **call.kwargs)
+        except Exception as error:
+            send(Failure("call", RemoteFailure.capture(error)))
+            continue
+        send(Reply(value) if call.reply_rank in (None, rank) else Done())

@@ -1,0 +1,119 @@
+"""This process's connection to Ray, shared by the Ray executors in it.
+
+Ray keeps one connection per process (``ray.init``), so the executors of a process share it,
+and this module counts them (:func:`connect`, :meth:`Connection.release`). The first one
+connects: to the cluster ``RAY_ADDRESS`` names (``auto``: the one ``ray start`` began on this
+host), or, without it, to a Ray instance it starts on this host, in a folder of its own under
+the system's temporary directory, with a small object store and no dashboard. The last one to
+leave ends what was begun: it disconnects, or stops that instance and removes its folder. A
+connection someone else made before (``ray.init`` called by the application) is used and
+left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import ray
+
+#: The local instance's object store (Ray's minimum is 75 MiB): calls' arguments and replies
+#: larger than 100 KiB pass through it.
+OBJECT_STORE_BYTES = 128 * 1024 * 1024
+
+_lock = threading.Lock()
+_shared: _Shared | None = None
+
+
+@dataclass
+class _Shared:
+    users: int
+    #: Made here (disconnect or stop it at the end), or by the application.
+    owned: bool
+    #: What it is: "the Ray cluster at ADDRESS", "a Ray instance on this host", ...
+    description: str
+    #: The local instance's folder, removed once it stops.
+    folder: str | None
+
+
+@dataclass
+class Connection:
+    """One executor's use of the process's Ray connection. ``description`` says what it is
+    connected to."""
+
+    description: str
+    _released: bool = False
+
+    def release(self) -> None:
+        """Stop using the connection; the last user ends it (idempotent)."""
+        global _shared
+        with _lock:
+            if self._released or _shared is None:
+                return
+            self._released = True
+            _shared.users -= 1
+            if _shared.users > 0:
+                return
+            ending, _shared = _shared, None
+        if ending.owned:
+            ray.shutdown(wait_for_processes=True)
+        if ending.folder is not None:
+            shutil.rmtree(ending.folder, ignore_errors=True)
+
+
+def connect(environ: Mapping[str, str], cpus: int) -> Connection:
+    """Use the process's Ray connection, making it if there is none (see the module
+    docstring); a local instance declares at least ``cpus`` CPUs. Raises ConnectionError
+    when the cluster ``RAY_ADDRESS`` names cannot be reached."""
+    global _shared
+    with _lock:
+        if _shared is not None and not ray.is_initialized():
+            _shared = None  # someone called ray.shutdown(): what was counted is gone
+        if _shared is None:
+            _shared = _open(environ, cpus)
+        _shared.users += 1
+        return Connection(_shared.description)
+
+
+def _open(environ: Mapping[str, str], cpus: int) -> _Shared:
+    if ray.is_initialized():
+        return _Shared(0, False, "the Ray connection this process made", None)
+    address = environ.get("RAY_ADDRESS", "").strip()
+    folder = None if address else tempfile.mkdtemp(prefix="shardline-ray-")
+    options = {
+        "log_to_driver": False,
+        "logging_level": logging.ERROR,
+        "configure_logging": True,
+    }
+    if not address:
+        options |= {
+            "num_cpus": max(cpus, os.cpu_count() or 1),
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+            "_temp_dir": folder,
+        }
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(address=address or "local", **options)
+    except BaseException:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        _restore_sigterm(sigterm)
+    if address:
+        return _Shared(0, True, f"the Ray cluster at {address} (RAY_ADDRESS)", None)
+    return _Shared(0, True, f"a Ray instance started on this host (in {folder})", folder)
+
+
+def _restore_sigterm(handler) -> None:
+    """Undo ``ray.init``'s SIGTERM handler (it exits at once): the application's own, such as
+    ``shardline``'s clean shutdown, stays in charge."""
+    if threading.current_thread() is threading.main_thread() and handler is not None:
+        signal.signal(signal.SIGTERM, handler)
