@@ -30,6 +30,7 @@ from shardline.config.capacity import (
     size_text,
 )
 from shardline.errors import ConfigError
+from shardline.interfaces import Communicator
 from shardline.launch.comm_world import CommunicatorSetup, RankContext
 from shardline.launch.local_world import LocalWorld
 from shardline.registry import Registry
@@ -115,10 +116,16 @@ def sizes(settings: BenchSettings) -> list[int]:
 def measure(
     ctx: RankContext, operation: str, nbytes: int, dtype: str, warmup: int, iterations: int
 ) -> list[tuple[float, float]] | None:
+    """:func:`measure_on` the rank's world communicator."""
+    return measure_on(ctx.comm, operation, nbytes, dtype, warmup, iterations)
+
+
+def measure_on(
+    comm: Communicator, operation: str, nbytes: int, dtype: str, warmup: int, iterations: int
+) -> list[tuple[float, float]] | None:
     """This rank's (start, end) ``time.monotonic()`` pair per timed iteration of
-    ``operation`` on ``nbytes`` (None: rank not involved). The clock is the host's, shared by
-    the ranks of a local world."""
-    comm = ctx.comm
+    ``operation`` on ``nbytes`` over ``comm`` (None: rank not involved). The clock is the
+    machine's, shared by the ranks of a local world (and by simulated hosts)."""
     torch_dtype = getattr(torch, dtype)
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
     count = max(1, nbytes // itemsize)

@@ -11,8 +11,9 @@ from shardline.errors import ConfigError
 from shardline.launch import hosts as simulated
 
 
-def up(count: int, cluster: str | None) -> int:
-    """Makes ``count`` hosts and prints them, with how to run a command in each."""
+def up(count: int, cluster: str | None, share_cpus: bool = False) -> int:
+    """Makes ``count`` hosts (each on its own CPUs unless ``share_cpus``) and prints them,
+    with how to run a command in each."""
     if cluster is not None and not (cluster.isalnum() and cluster.isascii() and len(cluster) <= 6):
         raise ConfigError(f"--name = {cluster!r}: 1 to 6 ASCII letters or digits")
     if cluster is not None and cluster in simulated.clusters():
@@ -22,7 +23,7 @@ def up(count: int, cluster: str | None) -> int:
     reason = simulated.unavailable_reason()
     if reason is not None:
         raise ConfigError(reason)
-    made = simulated.SimulatedHosts.up(count, cluster)
+    made = simulated.SimulatedHosts.up(count, cluster, share_cpus)
     _print(made)
     print(f"\nrun a command in a host:  shardline hosts exec {made.cluster} h1 -- COMMAND")
     print(f"take them down:           shardline hosts down {made.cluster}")
@@ -84,5 +85,9 @@ def agent(cluster: str, words: list[str]) -> int:
 
 def _print(made: simulated.SimulatedHosts) -> None:
     print(f"cluster {made.cluster}: bridge {made.bridge}, subnet {made.subnet}")
-    rows = [(h.name, h.address, h.netns, str(h.holder), len(h.started())) for h in made.hosts]
-    print(render(("HOST", "ADDRESS", "NETNS", "HOLDER PID", "PROCESSES"), rows))
+    rows = [(h.name, h.address, _cpus(h), h.netns, h.holder, len(h.started())) for h in made.hosts]
+    print(render(("HOST", "ADDRESS", "CPUS", "NETNS", "HOLDER PID", "PROCESSES"), rows))
+
+
+def _cpus(host: simulated.Host) -> str:
+    return ",".join(map(str, host.cpus)) or "all"

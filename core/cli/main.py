@@ -238,6 +238,11 @@ def _add_hosts_commands(commands: argparse._SubParsersAction) -> None:
     up = actions.add_parser("up", help="make N hosts h1..hN on a private bridge")
     up.add_argument("count", type=int, metavar="N")
     up.add_argument("--name", metavar="CLUSTER", help="cluster name (default: random)")
+    up.add_argument(
+        "--share-cpus",
+        action="store_true",
+        help="every host runs on all CPUs (default: each its own share, as real hosts)",
+    )
     actions.add_parser("list", help="the clusters that are up, their hosts and addresses")
     down = actions.add_parser("down", help="kill everything in the hosts and remove them")
     down.add_argument("clusters", nargs="*", metavar="CLUSTER")
@@ -322,7 +327,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         return models_cmd.list_models(args.cache_dir)
     if args.command == "hosts":
         if args.hosts_command == "up":
-            return hosts_cmd.up(args.count, args.name)
+            return hosts_cmd.up(args.count, args.name, args.share_cpus)
         if args.hosts_command == "down":
             return hosts_cmd.down(args.clusters, args.all)
         if args.hosts_command == "agent":

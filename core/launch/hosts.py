@@ -1,7 +1,8 @@
 """Simulated hosts on this machine, for tests and by hand (``shardline hosts up 2`` /
 ``shardline hosts down``).
 
-Each host has what a real host has of its own: a network namespace with one interface
+Each host has what a real host has of its own: its share of the machine's CPUs (an
+affinity mask), a network namespace with one interface
 (``eth0``) and an address on a bridge between the hosts (a private /24 that exists only
 inside this machine), its own hostname (a UTS namespace) and its own ``/dev/shm`` (a mount
 namespace with a tmpfs there, an ``/etc/hosts`` naming every host and an ``/etc/resolv.conf``
@@ -37,7 +38,7 @@ from shardline.errors import HostsError
 STATE_DIR = Path("/run/shardline-hosts")
 #: The most hosts one cluster may have (one /24, a process and a veth pair each).
 MAX_HOSTS = 64
-_COMMANDS = ("ip", "unshare", "nsenter")
+_COMMANDS = ("ip", "unshare", "nsenter", "taskset")
 
 
 def clusters() -> list[str]:
@@ -67,10 +68,14 @@ class Host:
     address: str
     holder: int
     keepers: tuple[int, ...] = ()
+    cpus: tuple[int, ...] = ()
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside this host (its network, hostname and mounts)."""
-        return ["nsenter", f"--target={self.holder}", "--net", "--uts", "--mount", "--", *argv]
+        """``argv`` run inside this host (its network, hostname and mounts, on its CPUs)."""
+        enter = ["nsenter", f"--target={self.holder}", "--net", "--uts", "--mount", "--", *argv]
+        if not self.cpus:
+            return enter
+        return ["taskset", "--cpu-list", ",".join(map(str, self.cpus)), *enter]
 
     def processes(self) -> list[int]:
         """Every process whose network is this host's, its keepers included."""
@@ -97,8 +102,11 @@ class SimulatedHosts:
     folder: str
 
     @classmethod
-    def up(cls, count: int, cluster: str | None = None) -> SimulatedHosts:
-        """Make ``count`` hosts ``h1 .. hN``. Raises HostsError where it cannot."""
+    def up(cls, count: int, cluster: str | None = None, share_cpus: bool = False) -> SimulatedHosts:
+        """Make ``count`` hosts ``h1 .. hN``, each with its own share of this machine's CPUs
+        (as a real host has its own cores: what runs in it sees only those; hosts share CPUs
+        only when there are more hosts than CPUs), or, with ``share_cpus``, all of them.
+        Raises HostsError where it cannot."""
         reason = unavailable_reason()
         if reason is not None:
             raise HostsError(reason)
@@ -115,6 +123,7 @@ class SimulatedHosts:
             addresses = [str(subnet.network_address + 10 + i) for i in range(1, count + 1)]
             names = [f"h{i}" for i in range(1, count + 1)]
             _write_name_files(folder, zip(addresses, names, strict=True))
+            shares = _cpu_shares(count) if not share_cpus else [()] * count
             hosts = []
             for index, (name, address) in enumerate(zip(names, addresses, strict=True), 1):
                 netns = f"{prefix}{name}"
@@ -122,7 +131,8 @@ class SimulatedHosts:
                 _add_interface(made.bridge, netns, f"{prefix}v{index}", address, subnet)
                 holder = _hold(netns, name, folder)
                 keepers = (holder, *[pid for pid in Host(name, netns, address, holder).processes()])
-                hosts.append(Host(name, netns, address, holder, tuple(sorted(set(keepers)))))
+                keeping = tuple(sorted(set(keepers)))
+                hosts.append(Host(name, netns, address, holder, keeping, shares[index - 1]))
             made = _replace_hosts(made, hosts)
             made.save()
             return made
@@ -172,7 +182,16 @@ class SimulatedHosts:
             data["cluster"],
             data["bridge"],
             data["subnet"],
-            tuple(Host(**{**host, "keepers": tuple(host["keepers"])}) for host in data["hosts"]),
+            tuple(
+                Host(
+                    **{
+                        **host,
+                        "keepers": tuple(host["keepers"]),
+                        "cpus": tuple(host.get("cpus", ())),
+                    }
+                )
+                for host in data["hosts"]
+            ),
             data["folder"],
         )
 
@@ -199,6 +218,21 @@ class SimulatedHosts:
 
     def __exit__(self, *exc_info: object) -> None:
         self.down()
+
+
+def _cpu_shares(count: int) -> list[tuple[int, ...]]:
+    """``count`` disjoint runs of this process's CPUs, as even as they can be; with more
+    hosts than CPUs, one CPU each, round robin."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if count > len(cpus):
+        return [(cpus[index % len(cpus)],) for index in range(count)]
+    size, extra = divmod(len(cpus), count)
+    shares, start = [], 0
+    for index in range(count):
+        end = start + size + (1 if index < extra else 0)
+        shares.append(tuple(cpus[start:end]))
+        start = end
+    return shares
 
 
 def _replace_hosts(made: SimulatedHosts, hosts: list[Host]) -> SimulatedHosts:
