@@ -117,3 +117,23 @@ def test_requests_the_engine_cannot_serve_are_refused(tiny_llama_dir):
             llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
         # The engine is still usable after refusals.
         assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+def test_a_steps_own_timeout_reaches_the_caller_with_its_diagnosis():
+    """CommTimeoutError is a TimeoutError, as is a Future's: the engine must not mistake a
+    step that failed by timing out (naming the silent rank and host) for a step that never
+    answered."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from shardline.engine.engine import LLMEngine
+    from shardline.errors import CommTimeoutError
+
+    engine = SimpleNamespace(config=SimpleNamespace(parallel=SimpleNamespace(timeout_s=0.1)))
+    failed: Future = Future()
+    failed.set_exception(CommTimeoutError("all_reduce: rank 1 on host h2 did not report"))
+    with pytest.raises(CommTimeoutError, match="rank 1 on host h2 did not report"):
+        LLMEngine._wait(engine, failed)
+    silent: Future = Future()
+    with pytest.raises(CommTimeoutError, match=r"no result from the output rank within 5\.1 s"):
+        LLMEngine._wait(engine, silent)

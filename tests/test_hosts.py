@@ -144,6 +144,14 @@ def test_hosts_commands_make_enter_list_and_remove_a_cluster():
         )
         again = shardline("hosts", "up", "1", "--name", cluster)
         assert again.returncode == 2 and "up already" in again.stderr
+        h2 = simulated.SimulatedHosts.load(cluster).host("h2")
+        sleeper = subprocess.Popen(h2.command(["sleep", "600"]))
+        one_host = shardline("hosts", "down", cluster, "h2")  # as a machine fails
+        assert one_host.returncode == 0, one_host.stderr
+        assert sleeper.wait(5) == -9
+        assert [h.name for h in simulated.SimulatedHosts.load(cluster).hosts] == ["h1"]
+        assert h2.netns not in subprocess.run(["ip", "netns"], capture_output=True).stdout.decode()
+        assert shardline("hosts", "exec", cluster, "h1", "--", "true").returncode == 0
         assert shardline("hosts", "down", cluster).returncode == 0
         assert cluster not in simulated.clusters()
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -42,18 +42,35 @@ def list_clusters() -> int:
     return 0
 
 
-def down(clusters: list[str], every: bool) -> int:
-    """Takes the named clusters (or, with ``every``, all that ``hosts up`` made) down."""
-    if every == bool(clusters):
-        raise ConfigError("hosts down: name the clusters (`shardline hosts list`) or --all")
+def down(names: list[str], every: bool) -> int:
+    """Takes cluster ``names[0]`` down, or only its hosts ``names[1:]``, or, with ``every``,
+    every cluster ``hosts up`` made."""
+    if every == bool(names):
+        raise ConfigError(
+            "hosts down: name a cluster (`shardline hosts list`), optionally some of its "
+            "hosts, or give --all"
+        )
     known = simulated.clusters()
-    names = known if every else clusters
-    for name in names:
-        if name not in known:
-            raise ConfigError(f"hosts down {name!r}: no such cluster; up: {known or 'none'}")
-    for name in names:
-        simulated.SimulatedHosts.load(name).down()
-        print(f"cluster {name}: down")
+    if every:
+        for cluster in known:
+            simulated.SimulatedHosts.load(cluster).down()
+            print(f"cluster {cluster}: down")
+        return 0
+    cluster, hosts = names[0], names[1:]
+    if cluster not in known:
+        raise ConfigError(f"hosts down {cluster!r}: no such cluster; up: {known or 'none'}")
+    made = simulated.SimulatedHosts.load(cluster)
+    present = [host.name for host in made.hosts]
+    for host in hosts:
+        if host not in present:
+            raise ConfigError(f"hosts down {cluster} {host!r}: no such host; up: {present}")
+    if not hosts:
+        made.down()
+        print(f"cluster {cluster}: down")
+        return 0
+    for host in hosts:
+        made = made.take_down(host)
+        print(f"host {host} of cluster {cluster}: down")
     return 0
 
 

@@ -244,8 +244,11 @@ def _add_hosts_commands(commands: argparse._SubParsersAction) -> None:
         help="every host runs on all CPUs (default: each its own share, as real hosts)",
     )
     actions.add_parser("list", help="the clusters that are up, their hosts and addresses")
-    down = actions.add_parser("down", help="kill everything in the hosts and remove them")
-    down.add_argument("clusters", nargs="*", metavar="CLUSTER")
+    down = actions.add_parser(
+        "down",
+        help="kill everything in the hosts and remove them: down CLUSTER [HOST ...] or --all",
+    )
+    down.add_argument("names", nargs="*", metavar="CLUSTER [HOST]")
     down.add_argument("--all", action="store_true", help="every cluster `hosts up` made")
     run_in = actions.add_parser("exec", help="run CMD inside a host: exec CLUSTER HOST -- CMD")
     run_in.add_argument("cluster", metavar="CLUSTER")
@@ -329,7 +332,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         if args.hosts_command == "up":
             return hosts_cmd.up(args.count, args.name, args.share_cpus)
         if args.hosts_command == "down":
-            return hosts_cmd.down(args.clusters, args.all)
+            return hosts_cmd.down(args.names, args.all)
         if args.hosts_command == "agent":
             return hosts_cmd.agent(args.cluster, args.words)
         if args.hosts_command == "exec":

@@ -166,6 +166,9 @@ class LLMEngine:
         try:
             return pending.result(timeout=limit)
         except FutureTimeout:
+            if pending.done():
+                # The step's own CommTimeoutError (a TimeoutError too): keep its diagnosis.
+                raise
             raise CommTimeoutError(
                 f"execute_model: no result from the output rank within {limit:g} s",
                 op="execute_model",

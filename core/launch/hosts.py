@@ -69,6 +69,7 @@ class Host:
     holder: int
     keepers: tuple[int, ...] = ()
     cpus: tuple[int, ...] = ()
+    link: str = ""
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this host (its network, hostname and mounts, on its CPUs)."""
@@ -132,7 +133,8 @@ class SimulatedHosts:
                 holder = _hold(netns, name, folder)
                 keepers = (holder, *[pid for pid in Host(name, netns, address, holder).processes()])
                 keeping = tuple(sorted(set(keepers)))
-                hosts.append(Host(name, netns, address, holder, keeping, shares[index - 1]))
+                link = f"{prefix}v{index}"
+                hosts.append(Host(name, netns, address, holder, keeping, shares[index - 1], link))
             made = _replace_hosts(made, hosts)
             made.save()
             return made
@@ -146,8 +148,7 @@ class SimulatedHosts:
     def set_link(self, name: str, up: bool) -> None:
         """Plug host ``name``'s cable into the bridge, or pull it (its interface stays up
         inside the host: packets are simply lost, as when a switch port dies)."""
-        index = [host.name for host in self.hosts].index(name) + 1
-        _run("ip", "link", "set", f"sl{self.cluster}v{index}", "up" if up else "down")
+        _run("ip", "link", "set", self.host(name).link, "up" if up else "down")
 
     def signal_host(self, name: str, signum: int) -> list[int]:
         """Send ``signum`` to every process started in host ``name``; their pids."""
@@ -212,6 +213,20 @@ class SimulatedHosts:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
         shutil.rmtree(self.folder, ignore_errors=True)
         (STATE_DIR / f"{self.cluster}.json").unlink(missing_ok=True)
+
+    def take_down(self, name: str) -> SimulatedHosts:
+        """Take host ``name`` down as a machine fails: kill every process in it, remove its
+        namespaces and its cable; the others stay up. Returns (and saves) the hosts left."""
+        host = self.host(name)
+        for pid in {*host.processes(), host.holder}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait_dead([*host.processes(), host.holder])
+        subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", host.link], capture_output=True, check=False)
+        left = _replace_hosts(self, [other for other in self.hosts if other.name != name])
+        left.save()
+        return left
 
     def __enter__(self) -> SimulatedHosts:
         return self

@@ -134,6 +134,8 @@ def _act(
     action = scenario.host_action
     if action == "kill":
         _kill_all(made, victim)
+    elif action == "take down":
+        made = made.take_down(victim)
     elif action == "link":
         made.set_link(victim, up=False)
     elif action == "stop":

@@ -34,7 +34,8 @@ class Scenario:
     name the victim. ``words``: texts some survivor's message must contain. ``victim_survives``:
     the victim is alive and must raise too. ``completes``: the step must succeed instead.
     ``host_action`` (host scenarios): what is done to the victim's host while its rank
-    pauses in the step: "kill" its every process, cut its "link", or "stop" its processes
+    pauses in the step: "kill" its every process, "take down" the host (processes,
+    namespaces, cable), cut its "link", or "stop" its processes
     past the deadline.
     """
 
@@ -149,6 +150,16 @@ HOST_SCENARIOS: dict[str, Scenario] = {
             names_victim=True,
             words=("host h2",),
             host_action="kill",
+        ),
+        Scenario(
+            "host taken down mid-step",
+            "the victim's host is taken down (shardline hosts down C h2): its processes "
+            "killed, its network namespace and cable removed, so no goodbye reaches the others",
+            min_ranks=2,
+            errors=("CommTimeoutError", "PeerLostError"),
+            names_victim=True,
+            words=("host h2",),
+            host_action="take down",
         ),
         Scenario(
             "link down mid-step",
