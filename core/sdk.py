@@ -12,7 +12,9 @@ Communicators
     ``group_ranks`` (argument checks with the contract's messages); ``Polling``,
     ``wait_until`` (deadline-bounded waits that leave the CPU to others);
     ``connect_store``, ``serve_store``, ``announce_arrival``, ``never_arrived`` (the
-    rendezvous store, and naming ranks that never arrived at a join); ``ControlPlane``
+    rendezvous store, and naming ranks that never arrived at a join); ``HostDirectory``
+    (which host each rank announced, to name it in errors: "rank 1 on host h2");
+    ``ControlPlane``
     (signed objects and tensor dicts over any communicator); ``seal``, ``unseal`` (signed
     bytes for a channel of your own).
 
@@ -59,6 +61,7 @@ _WHERE = {
     "serve_store": "shardline.comm.store",
     "announce_arrival": "shardline.comm.store",
     "never_arrived": "shardline.comm.store",
+    "HostDirectory": "shardline.comm.host_directory",
     "ControlPlane": "shardline.distributed.control_plane",
     "seal": "shardline.comm.objects",
     "unseal": "shardline.comm.objects",

@@ -35,6 +35,7 @@ from shardline.errors import (
 from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
 from shardline.sdk import (
     EngineConfig,
+    HostDirectory,
     LaunchedRank,
     WorkerContext,
     WorkerSetup,
@@ -93,6 +94,10 @@ class ExternalLauncherExecutor(Executor):
             self._context = WorkerSetup(config).build(self.rank, self.world_size, rendezvous)
             self._store = connect_store(
                 rendezvous.with_prefix("rpc"), config.parallel.startup_timeout_s
+            )
+            # Every rank announced its host before joining: read once, to name hosts later.
+            self._hosts = HostDirectory.read(
+                rendezvous, self.world_size, config.parallel.startup_timeout_s
             )
         except BaseException as error:
             if isinstance(error, CommTimeoutError | PeerLostError):
@@ -166,7 +171,8 @@ class ExternalLauncherExecutor(Executor):
                 silent = [rank for rank, key in enumerate(keys) if not store.check([key])]
                 raise self._fail(
                     CommTimeoutError(
-                        f"collective_rpc {name!r}: ranks {silent} did not answer within "
+                        f"collective_rpc {name!r}: ranks {silent}{self._hosts.where(silent)} "
+                        f"did not answer within "
                         f"{seconds:g} s (timeout, default parallel.timeout_s); this executor "
                         "is now unusable",
                         op=name,
