@@ -1,6 +1,7 @@
 """The executor suite run on every registered executor (third-party ones included), on
 external_launcher under both launchers, and on a careless executor it must fail."""
 
+import importlib.util
 import json
 
 import pytest
@@ -10,6 +11,8 @@ from shardline.registry import Registry
 from support.cli import ROOT, shardline
 
 SUITE_TIMEOUT = 600
+#: The ray executor must pass every check where ray is installed (the test extra brings it).
+WITH_RAY = ("ray",) if importlib.util.find_spec("ray") is not None else ()
 #: Checks that do not apply to a built-in executor, and the words of the reason.
 NOT_APPLICABLE = {
     "uni": {"call deadline": "caller's thread", "death detection": "does not own"},
@@ -44,7 +47,7 @@ def test_every_registered_executor_keeps_the_contract(tmp_path, name):
         expected_skip = NOT_APPLICABLE.get(name, {}).get(check)
         if name == "uni" and size > 1:
             expected_skip = "at most 1 rank"
-        if expected_skip is None and name in ("uni", "mp", "external_launcher"):
+        if expected_skip is None and name in ("uni", "mp", "external_launcher", *WITH_RAY):
             assert case["outcome"] == "passed", case
         elif case["outcome"] == "unsupported":
             assert expected_skip is None or expected_skip in case["reason"], case

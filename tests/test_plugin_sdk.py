@@ -19,7 +19,13 @@ PLUGIN_SOURCES = sorted(
     for path in [*ROOT.joinpath("plugins").rglob("*.py"), *ROOT.joinpath("examples").rglob("*.py")]
     if "build" not in path.relative_to(ROOT).parts  # a pip build's copy is not a source
 )
-BUILT_IN_PACKAGES = ("shardline_gloo", "shardline_nccl", "shardline_mpi", "shardline_executors")
+BUILT_IN_PACKAGES = (
+    "shardline_gloo",
+    "shardline_nccl",
+    "shardline_mpi",
+    "shardline_executors",
+    "shardline_ray",
+)
 
 
 def _shardline_imports(path: Path) -> list[tuple[int, str]]:

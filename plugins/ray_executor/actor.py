@@ -5,8 +5,8 @@ with its exit status (only a process's parent learns that; Ray's worker processe
 raylet's children) and so that it ends with the actor in every phase (a tethered child). The
 actor relays the driver's bytes to the rank over a pipe and the rank's answers back,
 without reading either. Its methods run one at a time, in the order this driver called them
-(Ray's guarantee for a synchronous actor), except :meth:`watch`, which runs in a concurrency
-group of its own.
+(Ray's guarantee for a synchronous actor), except :meth:`watch` and :meth:`kill`, which run
+in a concurrency group of their own, beside a call that may be stuck.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from shardline.sdk import EngineConfig, Spawner
 from shardline_ray.protocol import Died
 from shardline_ray.rank import rank_main
 
-#: The concurrency group :meth:`RankActor.watch` runs in.
-WATCH_GROUP = "watch"
+#: The concurrency group :meth:`RankActor.watch` and :meth:`RankActor.kill` run in, and its
+#: threads.
+CONTROL_GROUP = "control"
+CONTROL_THREADS = 2
 
 
 class RankActor:
@@ -71,11 +73,15 @@ class RankActor:
         return self._died()
 
     def stop(self, grace_s: float) -> None:
-        """Ask the rank to leave (the pipe closes), give it ``grace_s``, then kill it."""
+        """Ask the rank to leave once the calls before are done (the pipe closes), and give
+        it ``grace_s`` to end."""
         self._pipe.close()
         self._process.join(grace_s)
+
+    def kill(self) -> None:
+        """Kill the rank's process (also while a call runs) and wait until it has ended."""
         self._process.kill()
-        self._process.join(2.0)
+        self._process.join()
         self._spawner.close()
 
     def _died(self) -> bytes:

@@ -110,10 +110,11 @@ class RayExecutor(Executor):
         self._pending: deque[_PendingCall] = deque()
         self._changed = threading.Condition()
         self._ranks: RayRanks | None = None
-        atexit.register(self.shutdown)
         startup_s = config.parallel.startup_timeout_s
         try:
             self._ranks = RayRanks(os.environ, self.world_size)
+            # After connecting: exit handlers run last first, so this one runs before Ray's.
+            atexit.register(self.shutdown)
             self._ranks.place(config.parallel.nnodes, startup_s)
             host = self._ranks.rendezvous_host()
             self._store, rendezvous = serve_store(host=host, timeout_s=startup_s)
@@ -239,7 +240,7 @@ class RayExecutor(Executor):
             except WorkerError as error:
                 if isinstance(error.origin, CommunicationError):
                     # A rank's collective failed (a peer stuck or gone): the world is broken.
-                    self._fail(self._death_since(0.0) or error)
+                    self._fail(error)
                 else:
                     _settle(call.future, error=error)
             except ShardlineError as error:

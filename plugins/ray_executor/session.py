@@ -4,10 +4,11 @@ Ray keeps one connection per process (``ray.init``), so the executors of a proce
 and this module counts them (:func:`connect`, :meth:`Connection.release`). The first one
 connects: to the cluster ``RAY_ADDRESS`` names (``auto``: the one ``ray start`` began on this
 host), or, without it, to a Ray instance it starts on this host, in a folder of its own under
-the system's temporary directory, with a small object store and no dashboard. The last one to
-leave ends what was begun: it disconnects, or stops that instance and removes its folder. A
-connection someone else made before (``ray.init`` called by the application) is used and
-left alone.
+the system's temporary directory, with a small object store and no dashboard (its ports take
+Ray's token authentication, on by default for such instances; Ray keeps the token in
+``~/.ray/auth_token``). The last one to leave ends what was begun: it disconnects, or stops
+that instance and removes its folder. A connection someone else made before (``ray.init``
+called by the application) is used and left alone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import ray
+
+from shardline.errors import CommunicationError, cut
 
 #: The local instance's object store (Ray's minimum is 75 MiB): calls' arguments and replies
 #: larger than 100 KiB pass through it.
@@ -69,7 +72,7 @@ class Connection:
 
 def connect(environ: Mapping[str, str], cpus: int) -> Connection:
     """Use the process's Ray connection, making it if there is none (see the module
-    docstring); a local instance declares at least ``cpus`` CPUs. Raises ConnectionError
+    docstring); a local instance declares at least ``cpus`` CPUs. Raises CommunicationError
     when the cluster ``RAY_ADDRESS`` names cannot be reached."""
     global _shared
     with _lock:
@@ -101,15 +104,27 @@ def _open(environ: Mapping[str, str], cpus: int) -> _Shared:
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address or "local", **options)
-    except BaseException:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
+    except ConnectionError as error:
+        raise CommunicationError(
+            f"cannot connect to the Ray cluster at {address} (RAY_ADDRESS): "
+            f"{_root_cause(error)}. Check the address; a cluster with token authentication "
+            "needs RAY_AUTH_MODE=token and its token here (RAY_AUTH_TOKEN or ~/.ray/auth_token)",
+            op="connect",
+        ) from error
     finally:
         _restore_sigterm(sigterm)
+        if folder is not None and not ray.is_initialized():
+            shutil.rmtree(folder, ignore_errors=True)
     if address:
         return _Shared(0, True, f"the Ray cluster at {address} (RAY_ADDRESS)", None)
     return _Shared(0, True, f"a Ray instance started on this host (in {folder})", folder)
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first line of the innermost exception behind ``error``."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return cut(str(error).strip().splitlines()[0] if str(error).strip() else repr(error), 400)
 
 
 def _restore_sigterm(handler) -> None:

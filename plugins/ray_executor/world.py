@@ -21,14 +21,14 @@ from shardline.errors import CommTimeoutError, PeerLostError, cut
 from shardline.interfaces import Rendezvous
 from shardline.sdk import EngineConfig
 from shardline_ray import placement, session
-from shardline_ray.actor import WATCH_GROUP, RankActor
+from shardline_ray.actor import CONTROL_GROUP, CONTROL_THREADS, RankActor
 from shardline_ray.placement import Node, RankPlace
 from shardline_ray.protocol import Died
 
 #: Arguments larger than this are put in Ray's object store once for every rank (Ray inlines
 #: smaller ones in each task).
 _INLINE_BYTES = 100 * 1024
-#: How long shutdown waits for killed actors to be gone.
+#: How long shutdown waits for killed ranks and actors to be gone.
 _GONE_S = 5.0
 
 
@@ -92,7 +92,9 @@ class RayRanks:
         """Create one actor per rank in its node's bundle; each starts its rank's process.
         The rendezvous (with the job's secret) travels as the actors' creation argument."""
         actor_class = ray.remote(
-            num_cpus=placement.RANK_CPUS, concurrency_groups={WATCH_GROUP: 1}, max_restarts=0
+            num_cpus=placement.RANK_CPUS,
+            concurrency_groups={CONTROL_GROUP: CONTROL_THREADS},
+            max_restarts=0,
         )(RankActor)
         for place in self.places:
             actor = actor_class.options(
@@ -101,7 +103,7 @@ class RayRanks:
                 )
             ).remote(place.rank, self.world_size, place.ranks_on_node, config, rendezvous)
             self.actors.append(actor)
-            self.watches.append(actor.watch.options(concurrency_group=WATCH_GROUP).remote())
+            self.watches.append(actor.watch.options(concurrency_group=CONTROL_GROUP).remote())
 
     # ---- tasks -------------------------------------------------------------------------------
 
@@ -148,26 +150,32 @@ class RayRanks:
     # ---- stop --------------------------------------------------------------------------------
 
     def stop(self, grace_s: float) -> None:
-        """Ask the ranks to leave (they finish the calls before; ``grace_s`` 0: at once), kill
-        the actors and wait until they are gone, remove the placement group and release the
-        Ray connection. Idempotent."""
+        """Ask the ranks to leave (after the calls before them; ``grace_s`` 0: not at all),
+        then kill every rank process still running and wait for it, kill the actors, remove
+        the placement group and release the Ray connection. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         try:
             if grace_s > 0 and self.actors:
-                stopping = [actor.stop.remote(grace_s) for actor in self.actors]
-                ray.wait(stopping, num_returns=len(stopping), timeout=grace_s + 1.0)
+                _wait_all([actor.stop.remote(grace_s) for actor in self.actors], grace_s + 1.0)
+            control = {"concurrency_group": CONTROL_GROUP}
+            _wait_all([actor.kill.options(**control).remote() for actor in self.actors], _GONE_S)
             for actor in self.actors:
                 ray.kill(actor)
-            if self.watches:
-                ray.wait(self.watches, num_returns=len(self.watches), timeout=_GONE_S)
+            _wait_all(self.watches, _GONE_S)
             if self._group is not None:
                 remove_placement_group(self._group)
         finally:
             self.actors.clear()
             self.watches.clear()
             self.connection.release()
+
+
+def _wait_all(refs: list[Any], timeout_s: float) -> None:
+    """Wait until every task of ``refs`` is done, at most ``timeout_s``."""
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
 def _live_nodes() -> list[Node]:
