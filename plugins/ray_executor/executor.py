@@ -259,11 +259,12 @@ class RayExecutor(Executor):
             self.check_health()
             left = call.deadline - time.monotonic()
             if left <= 0:
+                silent = sorted(waiting.values())
                 raise CommTimeoutError(
-                    f"call {call.name!r}: ranks {sorted(waiting.values())} did not answer by the "
-                    "deadline; the executor is unusable (a worker is stuck)",
+                    f"call {call.name!r}: ranks {silent}{self._ranks.where(silent)} did not "
+                    "answer by the deadline; the executor is unusable (a worker is stuck)",
                     op=call.name,
-                    rank=min(waiting.values()),
+                    rank=silent[0],
                 )
             for ref in self._ranks.wait(list(waiting), min(left, _POLL_S)):
                 rank = waiting.pop(ref)

@@ -28,7 +28,8 @@ from shardline_ray.protocol import Died
 #: Arguments larger than this are put in Ray's object store once for every rank (Ray inlines
 #: smaller ones in each task).
 _INLINE_BYTES = 100 * 1024
-#: How long shutdown waits for killed ranks and actors to be gone.
+#: How long shutdown waits for the ranks' processes to be killed (an actor on a node that died
+#: never answers; Ray takes longer to tell).
 _GONE_S = 5.0
 
 
@@ -135,6 +136,14 @@ class RayRanks:
         except ray.exceptions.RayError as error:
             return Lost(f"{type(error).__name__}: {_reason(error)}")
 
+    def where(self, ranks: Sequence[int]) -> str:
+        """`` on host h2`` (``on hosts h1, h2``) for ``ranks`` when the world spans hosts, else
+        ``""``."""
+        if len({place.node.hostname for place in self.places}) < 2:
+            return ""
+        hosts = sorted({self.places[rank].node.hostname for rank in ranks})
+        return f" on host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}"
+
     def lost_error(self, rank: int, message: Died | Lost, op: str) -> PeerLostError:
         """The error of a rank whose process ended or whose actor is gone."""
         where = f"host {self.places[rank].node.hostname}" if self.places else "its host"
@@ -151,8 +160,9 @@ class RayRanks:
 
     def stop(self, grace_s: float) -> None:
         """Ask the ranks to leave (after the calls before them; ``grace_s`` 0: not at all),
-        then kill every rank process still running and wait for it, kill the actors, remove
-        the placement group and release the Ray connection. Idempotent."""
+        then kill every rank process still running and wait for it (at most :data:`_GONE_S`),
+        kill the actors (Ray ends their processes soon after), remove the placement group and
+        release the Ray connection. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -163,7 +173,6 @@ class RayRanks:
             _wait_all([actor.kill.options(**control).remote() for actor in self.actors], _GONE_S)
             for actor in self.actors:
                 ray.kill(actor)
-            _wait_all(self.watches, _GONE_S)
             if self._group is not None:
                 remove_placement_group(self._group)
         finally:
