@@ -29,6 +29,7 @@ Executors
     torch threads);
     ``LaunchedRank``, ``detect_launcher`` (a rank's place under torchrun or mpiexec);
     ``abort_job_at_exit`` (end an mpiexec job instead of hanging in MPI_Finalize);
+    ``StartupGuard`` (end a rank no driver watches when a start-up phase hangs);
     ``WATCHDOG_REPORT_S`` (how long a rank's collective-timeout diagnosis takes after its
     deadline: a driver's call deadline adds it, so that the rank at fault is named).
 
@@ -78,6 +79,7 @@ _WHERE = {
     "LaunchedRank": "shardline.launch.launcher_env",
     "detect_launcher": "shardline.launch.launcher_env",
     "abort_job_at_exit": "shardline.launch.mpi_job",
+    "StartupGuard": "shardline.launch.startup_guard",
     "CausalLMRunner": "shardline.worker.model_runner",
     "ParallelState": "shardline.distributed.parallel_state",
     "WATCHDOG_REPORT_S": ("shardline.comm.watchdog", "REPORT_GRACE_S"),

@@ -1,6 +1,6 @@
-"""Host faults across simulated hosts: the second host killed, cut off and stopped while the
-first waits in an all-reduce; rank 0 names the lost rank and its host within the deadline
-+ 1 s, and nothing is left on either host."""
+"""Host faults across simulated hosts: the second host killed, taken down, cut off and stopped
+while the first waits in an all-reduce, and its rank hanging before it joins; rank 0 names the
+lost rank and its host within the deadline + 1 s, and nothing is left on either host."""
 
 import json
 
@@ -31,7 +31,8 @@ def test_a_lost_host_is_named_by_the_survivors_in_time(tmp_path):
         (survivor,) = [p for p in result["processes"] if p["role"] == "rank-0"]
         assert "rank 1 on host h2" in survivor["message"], survivor["message"]
         assert survivor["elapsed_s"] <= document["settings"]["timeout_s"] + 1
-        assert survivor["shutdown"] == "clean"
+        # A rank whose executor never started (a peer never joined) has nothing to shut down.
+        assert survivor.get("shutdown", "clean") == "clean"
 
 
 def test_across_hosts_refuses_executors_with_the_reason():

@@ -60,13 +60,14 @@ class HostDirectory:
         return f" on host{'s' if len(named) > 1 else ''} {', '.join(named)}"
 
     def summary(self) -> str:
-        """`` [hosts: h1: ranks 0-1; h2: ranks 2-3]`` when the world spans hosts, else ``""``."""
+        """`` [hosts: ranks 0-1 on host h1; ranks 2-3 on host h2]`` when the world spans
+        hosts, else ``""``."""
         if not self.spans_hosts:
             return ""
         by_host: dict[str, list[int]] = {}
         for rank, host in sorted(self.host_of.items()):
             by_host.setdefault(host, []).append(rank)
-        parts = [f"{host}: {_ranks_text(ranks)}" for host, ranks in by_host.items()]
+        parts = [f"{_ranks_text(ranks)} on host {host}" for host, ranks in by_host.items()]
         return f" [hosts: {'; '.join(parts)}]"
 
 

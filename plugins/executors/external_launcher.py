@@ -37,6 +37,7 @@ from shardline.sdk import (
     EngineConfig,
     HostDirectory,
     LaunchedRank,
+    StartupGuard,
     WorkerContext,
     WorkerSetup,
     abort_job_at_exit,
@@ -86,12 +87,23 @@ class ExternalLauncherExecutor(Executor):
         self._call_timeout_s = config.parallel.timeout_s
         self._next_call = 0
         self._failure: ShardlineError | None = None
-        self._meeting: Meeting | None = meet(launched, config.parallel.startup_timeout_s)
+        # No driver watches this process: a phase that hangs (a plugin's hook, say) ends it.
+        guard = StartupGuard(self.rank, config.parallel.startup_timeout_s, "rendezvous")
+        self._meeting: Meeting | None = None
         self._context: WorkerContext | None = None
         try:
+            self._meeting = meet(launched, config.parallel.startup_timeout_s)
             rendezvous = self._meeting.rendezvous
             self._secret = rendezvous.secret
-            self._context = WorkerSetup(config).build(self.rank, self.world_size, rendezvous)
+            guard.phase("distributed init")
+            self._context = WorkerSetup(config).build(
+                self.rank,
+                self.world_size,
+                rendezvous,
+                on_phase=lambda ended: (
+                    guard.phase("model load") if ended == "distributed init" else None
+                ),
+            )
             self._store = connect_store(
                 rendezvous.with_prefix("rpc"), config.parallel.startup_timeout_s
             )
@@ -104,6 +116,8 @@ class ExternalLauncherExecutor(Executor):
                 abort_job_at_exit()
             self.shutdown()
             raise
+        finally:
+            guard.done()
 
     @property
     def output_rank(self) -> int:

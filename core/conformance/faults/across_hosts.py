@@ -19,7 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardline.conformance.faults.matrix import Result, Settings, judge_process
+from shardline.conformance.faults.matrix import (
+    Result,
+    Settings,
+    judge_process,
+    write_injection_distribution,
+)
 from shardline.conformance.faults.scenarios import PLAN_VARIABLE, Scenario
 from shardline.launch import hosts as simulated
 from shardline.launch.launchers import launcher_environment
@@ -55,6 +60,11 @@ def run_host_scenario(communicator: str, scenario: Scenario, settings: Settings)
         reports.mkdir()
         markers.mkdir()
         environ = launcher_environment()
+        if not scenario.step_fault:  # a start-up fault: the injection plugin plants it
+            write_injection_distribution(Path(scratch, "dist"))
+            environ["PYTHONPATH"] = os.pathsep.join(
+                [str(Path(scratch, "dist")), environ["PYTHONPATH"]]
+            )
         environ[PLAN_VARIABLE] = json.dumps(
             {"scenario": scenario.name, "victim": RANKS - 1, "markers": str(markers)}
         )
@@ -82,7 +92,10 @@ def run_host_scenario(communicator: str, scenario: Scenario, settings: Settings)
     if survivor is None:
         problems.append("rank 0 wrote no report")
     else:
-        problems += judge_process(scenario, "rank-0", settings.timeout_s, RANKS - 1, survivor)
+        deadline = (
+            settings.startup_timeout_s if scenario.deadline == "startup" else settings.timeout_s
+        )
+        problems += judge_process(scenario, "rank-0", deadline, RANKS - 1, survivor)
         for word in scenario.words:
             if word not in survivor.get("message", ""):
                 problems.append(f"rank 0's message does not mention {word!r}")
@@ -129,6 +142,9 @@ def _act(
     """Wait for the victim to pause in the step, do the scenario's action to its host, and
     (for a cut link or stopped processes) undo it once rank 0 has reported."""
     victim = made.hosts[-1].name
+    if not scenario.step_fault:
+        limit = settings.startup_timeout_s + 30
+        return [] if _wait_for(reports / "rank-0.json", limit) else ["rank 0 did not report"]
     if not _wait_for(markers / "in-step", settings.startup_timeout_s + 30):
         return ["the victim never reached the step"]
     action = scenario.host_action

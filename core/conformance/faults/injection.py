@@ -6,7 +6,8 @@ on the plan in ``SHARDLINE_FAULT_PLAN`` (JSON, set by the suite for that run onl
   which processes loaded it, e.g. despite an allow-list), and every rank's start a file
   ``joining-RANK`` holding the wall-clock time it began joining;
 - scenario "plugin raises on import" / "plugin left out by allow-list": importing raises;
-- scenario "rank never joins": rank ``victim`` hangs in ``shardline_rank_starting``.
+- scenarios "rank never joins" and "rank on h2 never joins": rank ``victim`` hangs in
+  ``shardline_rank_starting``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 from shardline.conformance.faults.runner import HANG_S
-from shardline.conformance.faults.scenarios import PLAN_VARIABLE
+from shardline.conformance.faults.scenarios import NEVER_JOINS, PLAN_VARIABLE
 from shardline.registry import hookimpl
 
 RAISES_ON_IMPORT = ("plugin raises on import", "plugin left out by allow-list")
@@ -33,5 +34,5 @@ if _plan.get("scenario") in RAISES_ON_IMPORT:
 def shardline_rank_starting(rank: int, world_size: int) -> None:
     if _plan.get("markers"):  # when this rank began joining (same host: comparable clocks)
         Path(_plan["markers"], f"joining-{rank}").write_text(repr(time.time()))
-    if _plan.get("scenario") == "rank never joins" and rank == _plan.get("victim"):
+    if _plan.get("scenario") in NEVER_JOINS and rank == _plan.get("victim"):
         time.sleep(HANG_S)

@@ -129,7 +129,7 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
         reports, markers, dist = (Path(scratch, name) for name in ("reports", "markers", "dist"))
         for folder in (reports, markers):
             folder.mkdir()
-        _write_injection_distribution(dist)
+        write_injection_distribution(dist)
         environ = launchers.launcher_environment()
         environ["PYTHONPATH"] = os.pathsep.join([str(dist), environ["PYTHONPATH"]])
         environ[PLAN_VARIABLE] = json.dumps(
@@ -281,7 +281,7 @@ def judge_process(
     return problems
 
 
-def _write_injection_distribution(folder: Path) -> None:
+def write_injection_distribution(folder: Path) -> None:
     """A distribution with only an entry point: ``fault_injection`` -> :mod:`.injection`."""
     info = folder / "shardline_fault_injection-0.dist-info"
     info.mkdir(parents=True)

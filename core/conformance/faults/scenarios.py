@@ -21,6 +21,8 @@ SHUTDOWN_LIMIT_S = 15.0
 #: carries its plan to the scenario's processes.
 INJECTION_ENTRY_POINT = "fault_injection"
 PLAN_VARIABLE = "SHARDLINE_FAULT_PLAN"
+#: The scenarios whose victim hangs in its ``shardline_rank_starting`` hook (:mod:`.injection`).
+NEVER_JOINS = ("rank never joins", "rank on h2 never joins")
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,16 @@ HOST_SCENARIOS: dict[str, Scenario] = {
             names_victim=True,
             words=("host h2",),
             host_action="take down",
+        ),
+        Scenario(
+            "rank on h2 never joins",
+            "the rank on h2 (its process up, its host announced) hangs before joining its worlds",
+            min_ranks=2,
+            step_fault=False,
+            deadline="startup",
+            errors=("CommTimeoutError",),
+            names_victim=True,
+            words=("rank 1 on host h2",),
         ),
         Scenario(
             "link down mid-step",
