@@ -36,6 +36,8 @@ from shardline.errors import HostsError
 
 #: Where ``shardline hosts`` keeps what it made, so that ``down`` can find it.
 STATE_DIR = Path("/run/shardline-hosts")
+#: The port of torchrun's static rendezvous on the first host (in that host's own network).
+TORCHRUN_PORT = 29500
 #: The most hosts one cluster may have (one /24, a process and a veth pair each).
 MAX_HOSTS = 64
 _COMMANDS = ("ip", "unshare", "nsenter", "taskset")
@@ -157,6 +159,32 @@ class SimulatedHosts:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
         return pids
+
+    def torchrun(self, hosts: int, per_host: int, program: Sequence[str]) -> list[list[str]]:
+        """One command per host for a world of ``per_host`` ranks on each of the first
+        ``hosts`` hosts: a torchrun agent inside the host (static rendezvous on the first
+        host's address, so host ``i`` holds ranks ``i * per_host ...``) running ``program``
+        (a script or ``-m module`` and its arguments). Start them all at once."""
+        first = self.hosts[0].address
+        return [
+            host.command(
+                [
+                    sys.executable, "-m", "torch.distributed.run",
+                    f"--nnodes={hosts}", f"--nproc-per-node={per_host}", f"--node-rank={node}",
+                    f"--master-addr={first}", f"--master-port={TORCHRUN_PORT}",
+                    f"--local-addr={host.address}", *program,
+                ]
+            )
+            for node, host in enumerate(self.hosts[:hosts])
+        ]  # fmt: skip
+
+    def mpiexec(self, hosts: int, per_host: int, argv: Sequence[str]) -> list[str]:
+        """The command (started from the first host) of an OpenMPI job of ``per_host``
+        ranks on each of the first ``hosts`` hosts, each running ``argv``."""
+        placement = ",".join(f"{host.name}:{per_host}" for host in self.hosts[:hosts])
+        mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+        command = [mpiexec, "--host", placement, "-n", str(hosts * per_host)]
+        return self.hosts[0].command([*command, *self.mpiexec_options(), *argv])
 
     def mpiexec_options(self) -> list[str]:
         """OpenMPI ``mpiexec`` options for a job over these hosts, started in one of them:

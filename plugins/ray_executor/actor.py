@@ -17,6 +17,7 @@ import pickle
 
 from shardline.interfaces import Rendezvous
 from shardline.sdk import EngineConfig, Spawner
+from shardline_ray.placement import RankPlace
 from shardline_ray.protocol import Died
 from shardline_ray.rank import rank_main
 
@@ -30,20 +31,16 @@ class RankActor:
     """One rank's actor (made a Ray actor class by the executor)."""
 
     def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        ranks_on_node: int,
-        config: EngineConfig,
-        rendezvous: Rendezvous,
+        self, place: RankPlace, world_size: int, config: EngineConfig, rendezvous: Rendezvous
     ) -> None:
-        """Start the rank's process; it reports phase "spawn" once it runs."""
-        self._spawner = Spawner(f"shardline-ray-{rank}-spawner")
+        """Start the process of the rank at ``place`` (its rank, local rank and the ranks on
+        its node); it reports phase "spawn" once it runs."""
+        self._spawner = Spawner(f"shardline-ray-{place.rank}-spawner")
         self._pipe, theirs = multiprocessing.Pipe()
         self._process = self._spawner.start(
             rank_main,
-            (rank, world_size, ranks_on_node, config, rendezvous, theirs.fileno()),
-            f"shardline-ray-rank-{rank}",
+            (place, world_size, config, rendezvous, theirs.fileno()),
+            f"shardline-ray-rank-{place.rank}",
             pass_fds=(theirs.fileno(),),
         )
         theirs.close()

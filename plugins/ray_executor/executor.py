@@ -57,6 +57,7 @@ from shardline.sdk import (
     missed_phase,
     serve_store,
 )
+from shardline_ray.placement import RankPlace
 from shardline_ray.protocol import PHASES, Call, Done, Failure, Phase, Reply
 
 #: How long the ranks get to leave by themselves at a clean shutdown.
@@ -135,7 +136,7 @@ class RayExecutor(Executor):
             raise
 
     @property
-    def places(self) -> list[Any]:
+    def places(self) -> list[RankPlace]:
         """Where each rank runs (:class:`~shardline_ray.placement.RankPlace`, by rank)."""
         return list(self._ranks.places) if self._ranks is not None else []
 

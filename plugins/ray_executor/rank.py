@@ -16,21 +16,23 @@ import cloudpickle
 from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
 from shardline.sdk import EngineConfig, WorkerSetup, share_cores
+from shardline_ray.placement import RankPlace
 from shardline_ray.protocol import Call, Done, Failure, Phase, Reply
 
 _NEXT_PHASE = {"distributed init": "model load", "model load": "ready"}
 
 
 def rank_main(
-    rank: int,
+    place: RankPlace,
     world_size: int,
-    ranks_on_node: int,
     config: EngineConfig,
     rendezvous: Rendezvous,
     pipe_fd: int,
 ) -> None:
+    """Run the rank at ``place``, talking to its actor over the pipe ``pipe_fd``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    share_cores(ranks_on_node)
+    share_cores(place.ranks_on_node)
+    rank = place.rank
     pipe = multiprocessing.connection.Connection(pipe_fd)
 
     def send(message: Any) -> None:

@@ -90,8 +90,9 @@ class RayRanks:
         return next(node.address for node in _live_nodes() if node.node_id == driver)
 
     def start(self, config: EngineConfig, rendezvous: Rendezvous) -> None:
-        """Create one actor per rank in its node's bundle; each starts its rank's process.
-        The rendezvous (with the job's secret) travels as the actors' creation argument."""
+        """Create one actor per rank in its node's bundle, given its place (rank, local rank,
+        ranks on its node); each starts its rank's process. The rendezvous (with the job's
+        secret) travels as the actors' creation argument."""
         actor_class = ray.remote(
             num_cpus=placement.RANK_CPUS,
             concurrency_groups={CONTROL_GROUP: CONTROL_THREADS},
@@ -102,7 +103,7 @@ class RayRanks:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._group, placement_group_bundle_index=place.bundle
                 )
-            ).remote(place.rank, self.world_size, place.ranks_on_node, config, rendezvous)
+            ).remote(place, self.world_size, config, rendezvous)
             self.actors.append(actor)
             self.watches.append(actor.watch.options(concurrency_group=CONTROL_GROUP).remote())
 

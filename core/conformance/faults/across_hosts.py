@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +31,6 @@ from shardline.launch.tether import tethered
 
 #: How long the processes of a finished scenario may take to end on their own, on every host.
 SETTLE_S = 30.0
-#: The static rendezvous port of torchrun's agent on the first host (its own network).
-MASTER_PORT = 29500
 #: Ranks (and hosts) of a host scenario's world; the victim is the last.
 RANKS = 2
 
@@ -70,9 +67,7 @@ def run_host_scenario(communicator: str, scenario: Scenario, settings: Settings)
         )
         agents = [
             subprocess.Popen(
-                tethered(
-                    host.command(_torchrun(made, node, communicator, scenario, settings, reports))
-                ),
+                tethered(command),
                 env=environ,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -80,7 +75,9 @@ def run_host_scenario(communicator: str, scenario: Scenario, settings: Settings)
                 text=True,
                 start_new_session=True,
             )
-            for node, host in enumerate(made.hosts)
+            for command in made.torchrun(
+                RANKS, 1, _program(communicator, scenario, settings, reports)
+            )
         ]
         problems = _act(made, scenario, settings, markers, reports)
         outputs, left = _settle(made, agents)
@@ -110,21 +107,9 @@ def run_host_scenario(communicator: str, scenario: Scenario, settings: Settings)
     return result
 
 
-def _torchrun(
-    made: simulated.SimulatedHosts,
-    node: int,
-    communicator: str,
-    scenario: Scenario,
-    settings: Settings,
-    reports: Path,
-) -> list[str]:
-    """One host's torchrun agent: static rendezvous on the first host, so node ``node`` is
-    rank ``node`` (one rank per host)."""
+def _program(communicator: str, scenario: Scenario, settings: Settings, reports: Path) -> list[str]:
+    """What each rank runs: one process of the scenario (:mod:`.rank_main`)."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={RANKS}", "--nproc-per-node=1", f"--node-rank={node}",
-        f"--master-addr={made.hosts[0].address}", f"--master-port={MASTER_PORT}",
-        f"--local-addr={made.hosts[node].address}",
         "-m", "shardline.conformance.faults.rank_main", scenario.name,
         "--executor=external_launcher", f"--communicator={communicator}", f"--ranks={RANKS}",
         f"--timeout={settings.timeout_s}", f"--startup-timeout={settings.startup_timeout_s}",
