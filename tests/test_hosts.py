@@ -159,3 +159,32 @@ def test_hosts_commands_make_enter_list_and_remove_a_cluster():
     finally:
         if cluster in simulated.clusters():
             simulated.SimulatedHosts.load(cluster).down()
+
+
+def test_bench_comm_measures_inside_one_host_beside_across_two(tmp_path):
+    report = tmp_path / "hosts.json"
+    measured = shardline(
+        "bench", "comm", "--across-hosts", "2", "-c", "gloo", "-b", "4", "-e", "64",
+        "-f", "16", "--ops", "all_reduce,p2p", "-w", "1", "-i", "3", "--json", str(report),
+        timeout=240,
+    )  # fmt: skip
+    assert measured.returncode == 0, measured.stderr
+    rows = json.loads(report.read_text())["results"]
+    cases = {(r["where"], r["operation"], r["bytes"]) for r in rows}
+    assert cases == {
+        (where, operation, size)
+        for where in ("inside 1 host", "across 2 hosts")
+        for operation in ("all_reduce", "p2p")
+        for size in (4, 64)
+    }
+    assert all(r["median_us"] > 0 for r in rows)
+    assert "across 2 hosts" in measured.stdout and "x" in measured.stdout.split("/ INSIDE")[1]
+
+
+def test_bench_comm_across_hosts_that_do_not_divide_the_ranks_is_refused():
+    refused = shardline("bench", "comm", "--across-hosts", "3", "-n", "2", "-c", "gloo")
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        "error: --across-hosts 3 with -n/ranks 2: allowed: 2 or more hosts that divide the "
+        "ranks evenly\n"
+    )

@@ -176,18 +176,27 @@ def bus_factor(operation: str, ranks: int) -> float:
     return 1.0
 
 
-def run(settings: BenchSettings, json_path: str | None) -> int:
+def communicator_launchers(settings: BenchSettings) -> dict[str, str | None]:
+    """Each communicator of ``settings`` -> the launcher its ranks need (None: any).
+    ConfigError when one is unknown or unavailable here, or p2p is asked of one rank."""
     registry = Registry.load()
+    launchers = {}
     for name in settings.communicators:
-        registry.get("communicator", name, "--communicators").load_available()
+        component = registry.get("communicator", name, "--communicators")
+        component.load_available()
+        capabilities = component.capabilities
+        launchers[name] = capabilities.launcher if capabilities is not None else None
     if "p2p" in settings.operations and settings.ranks < 2:
         raise ConfigError("-n = 1 with p2p: p2p needs 2 ranks; allowed: -n 2 or more")
+    return launchers
+
+
+def run(settings: BenchSettings, json_path: str | None) -> int:
+    launchers = communicator_launchers(settings)
     rows: list[dict] = []
     progress = sys.stderr.isatty()  # a live progress line on a terminal only
     plan = [(op, size) for op in settings.operations for size in sizes(settings)]
-    for name in settings.communicators:
-        capabilities = registry.get("communicator", name).capabilities
-        launcher = capabilities.launcher if capabilities is not None else None
+    for name, launcher in launchers.items():
         with LocalWorld(
             settings.ranks,
             CommunicatorSetup(name, settings.timeout_s),
@@ -196,7 +205,7 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
         ) as world:
             for done, (operation, nbytes) in enumerate(plan, 1):
                 if progress:
-                    line = f"{name}: {operation} {_human(nbytes)} ({done}/{len(plan)})"
+                    line = f"{name}: {operation} {human_size(nbytes)} ({done}/{len(plan)})"
                     print(f"\r{line:<60}", end="", file=sys.stderr, flush=True)
                 per_rank = [
                     samples
@@ -244,7 +253,7 @@ def _table(rows: list[dict], settings: BenchSettings) -> str:
     lines = []
     for operation in settings.operations:
         for nbytes in sizes(settings):
-            cells = [operation, _human(nbytes)]
+            cells = [operation, human_size(nbytes)]
             first = by_key[(names[0], operation, nbytes)]["median_us"]
             for name in names:
                 row = by_key[(name, operation, nbytes)]
@@ -262,7 +271,8 @@ def _table(rows: list[dict], settings: BenchSettings) -> str:
     return title + "\n" + render(tuple(header), lines)
 
 
-def _human(nbytes: int) -> str:
+def human_size(nbytes: int) -> str:
+    """``4B``, ``64K``, ``16M``: the largest power-of-1024 unit that divides ``nbytes``."""
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"

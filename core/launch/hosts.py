@@ -195,6 +195,10 @@ class SimulatedHosts:
             "--mca", "plm_rsh_agent", agent,
             "--mca", "btl_tcp_if_include", self.subnet,
             "--mca", "oob_tcp_if_include", self.subnet,
+            # Simulated hosts share one kernel: a packet between them is delivered by the
+            # sender CPU's softirq thread, which a rank busy-polling for its reply starves
+            # until the next scheduler tick (4 ms here, per message). Idle ranks yield.
+            "--mca", "mpi_yield_when_idle", "1",
         ]  # fmt: skip
 
     def save(self) -> Path:
