@@ -217,6 +217,7 @@ def test_schema_describes_every_section():
         "scheduler",
         "sampling",
         "parallel",
+        "serve",
         "plugins",
     }
     assert "tensor_parallel_size" in json.dumps(schema)

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_faults_command(commands)
     _add_bench_commands(commands)
     _add_run_command(commands)
+    _add_serve_command(commands)
     _add_demo_command(commands)
     _add_models_commands(commands)
     _add_hosts_commands(commands)
@@ -158,7 +159,19 @@ def _add_bench_comm(bench: argparse._SubParsersAction) -> None:
     comm.add_argument("-i", "--iters", type=int, default=20, help="timed iterations (20)")
     comm.add_argument("--dtype", default="float32", help="float32 (default), float16, ...")
     comm.add_argument("--timeout", type=float, default=60.0, help="per-operation deadline (s)")
+    _add_across_hosts(comm)
     comm.add_argument("--json", help="write the results here")
+
+
+def _add_across_hosts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--across-hosts",
+        type=int,
+        metavar="H",
+        help="measure with the ranks inside one simulated host and spread over H simulated "
+        "hosts, side by side (needs root and ip; started with torchrun, or mpiexec where the "
+        "communicator needs it)",
+    )
 
 
 def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
@@ -180,6 +193,7 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
         "--hf-threads", default="1,2", help="transformers thread counts ('' to skip; 1,2)"
     )
     decode.add_argument("--timeout", type=float, default=600.0, help="per case (s)")
+    _add_across_hosts(decode)
     decode.add_argument("--json", help="write the results here")
 
 
@@ -197,6 +211,29 @@ def _add_run_command(commands: argparse._SubParsersAction) -> None:
     run.add_argument("question", nargs="?", help="what to ask (default: a sample question)")
     run.add_argument(
         "--interactive", "-i", action="store_true", help="chat: read questions until Ctrl-D"
+    )
+
+
+def _add_serve_command(commands: argparse._SubParsersAction) -> None:
+    serve = _with_config(
+        commands.add_parser(
+            "serve",
+            help="serve the model over an OpenAI-compatible HTTP API (default: SmolLM2 on 2 ranks)",
+            description="Serve the configured model over HTTP: /v1/models, /v1/completions, "
+            "/v1/chat/completions, /v1/embeddings (streaming with server-sent events), /health "
+            "and /metrics. --config and --set apply over the built-in config of `shardline run`.",
+        )
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)"
+    )
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health",
     )
 
 
@@ -294,6 +331,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         models_cmd,
         plugins_cmd,
         run_cmd,
+        serve_cmd,
     )
 
     if args.command == "plugins":
@@ -316,12 +354,20 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
     if args.command == "bench" and args.bench_command == "decode":
         return _bench_decode(args)
     if args.command == "bench":
-        return bench_cmd.run(bench_cmd.settings_from(args), args.json)
+        settings = bench_cmd.settings_from(args)
+        if args.across_hosts is not None:
+            from shardline.cli import bench_hosts
+
+            return bench_hosts.run_comm(settings, args.across_hosts, args.json)
+        return bench_cmd.run(settings, args.json)
     if args.command == "run":
         if args.interactive and args.question:
             raise ConfigError("give a question or --interactive, not both")
         loaded = _warned(run_cmd.load_run_config(args.config, args.overrides))
         return run_cmd.run(loaded, args.question, args.interactive)
+    if args.command == "serve":
+        loaded = _warned(serve_cmd.load_serve_config(args.config, args.overrides))
+        return serve_cmd.run(loaded, args.host, args.port, args.api_key)
     if args.command == "demo":
         return demo_cmd.run(_load(args), args.rounds, args.hidden)
     if args.command == "models":
@@ -363,6 +409,10 @@ def _bench_decode(args: argparse.Namespace) -> int:
         threads,
         args.timeout,
     )
+    if args.across_hosts is not None:
+        from shardline.cli import bench_hosts
+
+        return bench_hosts.run_decode(cases, skipped, args.across_hosts, args.json)
     return bench_decode.run(cases, skipped, args.json)
 
 

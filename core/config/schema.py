@@ -170,6 +170,16 @@ class ParallelConfig(Section):
         return self.layout.world_size
 
 
+class ServeConfig(Section):
+    """``shardline serve``: how much it lets wait."""
+
+    max_waiting_requests: Count = Field(
+        default=128,
+        description="requests that may wait for a place in the running batch; beyond them a "
+        "request is refused at once (HTTP 503 with Retry-After)",
+    )
+
+
 class PluginsConfig(Section):
     """Which plugins load. ``SHARDLINE_PLUGINS`` (comma-separated names) overrides ``allow``."""
 
@@ -189,4 +199,5 @@ class EngineConfig(Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     sampling: SamplingConfig = SamplingConfig()
     parallel: ParallelConfig = ParallelConfig()
+    serve: ServeConfig = ServeConfig()
     plugins: PluginsConfig = PluginsConfig()

@@ -16,7 +16,7 @@ from shardline.config.loader import LoadedConfig
 from shardline.config.selection import check_config
 from shardline.engine.detokenizer import Detokenizer
 from shardline.engine.scheduler import Request, Scheduler
-from shardline.errors import CommTimeoutError, ConfigError
+from shardline.errors import CommTimeoutError, ConfigError, RequestError
 from shardline.interfaces import Executor
 from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from shardline.registry import Registry
@@ -69,6 +69,8 @@ class LLMEngine:
         self.capacity = checked.capacity
         checkpoint = open_checkpoint(config.model.path)
         self.tokenizer = load_tokenizer(checkpoint)
+        #: Token ids run from 0 to vocab_size - 1.
+        self.vocab_size = checkpoint.architecture.vocab_size
         self.config = config
         self.max_model_len = checked.capacity.max_model_len or _max_model_len(
             loaded, checkpoint.architecture.max_positions
@@ -103,7 +105,14 @@ class LLMEngine:
         sampling: SamplingParams,
         pooling: str | None = None,
     ) -> RequestOutput:
-        """Queue a request; its output object fills in as steps complete."""
+        """Queue a request; its output object fills in as steps complete. Raises
+        RequestError for a token id outside the vocabulary (and as the scheduler does)."""
+        outside = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise RequestError(
+                f"token id {outside[0]} is outside the vocabulary: ids run from 0 to "
+                f"{self.vocab_size - 1}"
+            )
         req_id = str(self._next_id)
         self._next_id += 1
         request = Request(req_id, list(prompt_token_ids), sampling, pooling)
@@ -149,6 +158,14 @@ class LLMEngine:
                 del self._outputs[request.req_id], self._detokenizers[request.req_id]
             changed.append((output, delta))
         return changed
+
+    def abort(self, req_id: str) -> None:
+        """Drop one request now (e.g. its client went away): its cache blocks are free for
+        the next step, and a step in flight that holds it is read without it. Unknown or
+        finished ids are ignored."""
+        self.scheduler.abort(req_id)
+        self._outputs.pop(req_id, None)
+        self._detokenizers.pop(req_id, None)
 
     def abort_all(self) -> None:
         """Drop every request (e.g. after a failed step or an interrupt)."""

@@ -74,11 +74,17 @@ class BlockPool:
     """The free KV-cache blocks (the same block ids index every rank's cache)."""
 
     def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks some request owns (0 when no request holds any)."""
+        return self.num_blocks - len(self._free)
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):

@@ -1,0 +1,104 @@
+"""The request bodies the server accepts (OpenAI's names and types; wrong types are refused,
+not coerced: ``"max_tokens": "5"`` is an error). Fields OpenAI defines that the server does
+not implement are accepted at their neutral value only (see :func:`refuse_unsupported`);
+unknown fields are ignored, as clients send newer ones."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardline.serve.errors import bad_request
+
+MAX_SEED = (1 << 63) - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    """What completions and chat completions share. None: the server's default (the
+    config's ``sampling`` section; ``max_tokens`` at most what the context leaves)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Generation):
+    """``POST /v1/completions``: one prompt, as text or token ids (a list holding one
+    prompt is taken too)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Generation):
+    """``POST /v1/chat/completions``: messages through the model's chat template.
+    ``max_completion_tokens`` is OpenAI's newer name of ``max_tokens``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    tools: list[Any] | None = None
+
+
+class EmbeddingRequest(_Body):
+    """``POST /v1/embeddings``: texts or token-id lists, one vector each."""
+
+    model: str
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+
+#: Fields the server accepts only at their neutral value: (field, neutral, what to say).
+_UNSUPPORTED = (
+    ("n", 1, "one choice per request; send n = 1 (or leave it out)"),
+    ("presence_penalty", 0.0, "penalties are not implemented; send 0"),
+    ("frequency_penalty", 0.0, "penalties are not implemented; send 0"),
+    ("logit_bias", None, "logit_bias is not implemented; leave it out"),
+    ("echo", False, "echo is not implemented; send false"),
+    ("best_of", None, "best_of is not implemented; leave it out"),
+    ("logprobs", None, "logprobs are not implemented; leave them out"),
+    ("suffix", None, "suffix is not implemented; leave it out"),
+    ("tools", None, "tool calls are not implemented; leave tools out"),
+)
+
+
+def refuse_unsupported(body: BaseModel) -> None:
+    """Raise a 400 naming the first field set to something the server does not implement."""
+    for name, neutral, advice in _UNSUPPORTED:
+        value = getattr(body, name, neutral)
+        neutral_value = value is None or value is False or value in ({}, []) or value == neutral
+        if not neutral_value:
+            raise bad_request(f"{name} = {value!r}: {advice}", name, "unsupported_value")

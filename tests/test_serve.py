@@ -1,0 +1,517 @@
+"""``shardline serve`` as clients meet it: a real server process (the tiny Llama with a
+character tokenizer and a chat template, TP=2 under mp), real HTTP, the official ``openai``
+client (sync, async, streaming) and raw server-sent events through httpx. Greedy text through
+the server equals ``LLM.generate`` offline; bad requests get OpenAI's error shape naming the
+field; the API key guards every endpoint but /health; a full queue answers 503 with
+Retry-After; a client that goes away frees its KV blocks at once; a worker killed with SIGKILL
+ends the open stream with an error event, /health says 503, and the server restarts its ranks
+and serves again. Every server is stopped, and its workers are gone, when its tests end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shardline.conformance.executors.checks import alive, wait_gone
+from support.cli import ROOT, SHARDLINE, shardline
+from support.tiny_llama import write_tiny_llama
+from support.tiny_tokenizer import add_tiny_tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+API_KEY = "test-key"
+START_S = 90.0
+PROMPTS = ["Hello", "The cat", "x", "Once upon a time"]
+TOKENS = 12
+#: Long enough to still be running when a test acts on it (~20 ms per step on 2 cores).
+LONG = 900
+
+
+def _overrides(model_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"model.path={model_dir}",
+        "parallel.tensor_parallel_size=2",
+        "parallel.distributed_executor_backend=mp",
+        "parallel.communicator=gloo",
+        "cache.block_size=16",
+        "cache.num_blocks=128",
+        "sampling.max_tokens=16",
+        *extra,
+    ]
+
+
+class Server:
+    """A ``shardline serve`` process on a free port (``--port 0``; the address is read from
+    its banner), stopped with SIGTERM at the end."""
+
+    def __init__(self, log: Path, overrides: list[str], *flags: str) -> None:
+        command = [SHARDLINE, "serve", "--port", "0", *flags]
+        for item in overrides:
+            command += ["--set", item]
+        self.log = log
+        self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=self._log_file, cwd=ROOT
+        )
+        self.url = self._wait_for_banner()
+
+    def _wait_for_banner(self) -> str:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            found = re.search(r"at (http://\S+)/v1 ", self.log.read_text())
+            if found:
+                return found.group(1)
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"the server did not start:\n{self.log.read_text()}")
+
+    def workers(self) -> list[int]:
+        """Live rank processes of this server (rank order)."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            rank = re.search(r"shardline-worker-(\d+)", command)
+            if rank and int(fields[1]) == self.process.pid and fields[0] != "Z":
+                found[int(rank.group(1))] = int(entry.name)
+        return [found[r] for r in sorted(found)]
+
+    def stop(self) -> None:
+        workers = self.workers()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        left = wait_gone(workers, 5.0)
+        for pid in alive(left):
+            os.kill(pid, signal.SIGKILL)
+        self._log_file.close()
+        assert left == [], f"workers {left} outlived the server"
+
+    def metric(self, name: str, labels: str = "", key: str | None = None) -> float:
+        """One sample of GET /metrics (0 when it is not there yet)."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
+        found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny Llama (context 1024) with tokenizer files: text, chat and long streams."""
+    directory = write_tiny_llama(tmp_path_factory.mktemp("served"), max_position_embeddings=1024)
+    return add_tiny_tokenizer(directory)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """``LLM.generate``, ``LLM.chat`` and ``LLM.embed`` on the server's config, greedy."""
+    from shardline.engine import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=TOKENS)
+    with LLM(overrides=_overrides(model_dir), environ={}) as llm:
+        chat = llm.chat([{"role": "user", "content": "hi"}], greedy)[0]
+        return {
+            "texts": [out.text for out in llm.generate(PROMPTS, greedy)],
+            "ids": llm.generate([[5, 6, 7]], greedy)[0].text,
+            "long": llm.generate("Hello", SamplingParams(max_tokens=40))[0].text,
+            "chat": chat.text,
+            "embeddings": [v.tolist() for v in llm.embed(["Hello", "abc"])],
+        }
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """A server with an API key, shared by the tests that leave it as they found it."""
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    running = Server(log, _overrides(model_dir), "--api-key", API_KEY)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def narrow_server(model_dir, tmp_path_factory):
+    """One request in the batch and one waiting at most: queue limits and worker deaths."""
+    log = tmp_path_factory.mktemp("narrow") / "serve.log"
+    overrides = _overrides(model_dir, "scheduler.max_num_seqs=1", "serve.max_waiting_requests=1")
+    running = Server(log, overrides)
+    yield running
+    running.stop()
+
+
+def _client(server: Server, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _sse(response: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of an event stream, as they arrive."""
+    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+# ---- the OpenAI client ---------------------------------------------------------------------
+
+
+def test_models_names_the_served_model(server, model_dir):
+    (card,) = _client(server).models.list().data
+    assert card.id == str(model_dir) and card.owned_by == "shardline"
+
+
+def test_completions_equal_offline_generate(server, model_dir, offline):
+    client = _client(server)
+    for prompt, expected in zip(PROMPTS, offline["texts"], strict=True):
+        result = client.completions.create(
+            model=str(model_dir), prompt=prompt, max_tokens=TOKENS, temperature=0
+        )
+        assert result.choices[0].text == expected
+        assert result.choices[0].finish_reason == "length"
+        assert result.usage.completion_tokens == TOKENS
+        assert result.usage.prompt_tokens == len(prompt)  # one token per character
+    by_ids = client.completions.create(
+        model=str(model_dir), prompt=[5, 6, 7], max_tokens=TOKENS, temperature=0
+    )
+    assert by_ids.choices[0].text == offline["ids"]
+
+
+def test_chat_completion_through_the_template_and_a_stop_string(server, model_dir, offline):
+    client = _client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    answer = client.chat.completions.create(
+        model=str(model_dir), messages=messages, max_tokens=TOKENS, temperature=0
+    )
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == offline["chat"]
+    assert answer.usage.prompt_tokens == len("user: hi\nassistant:")
+    stop = offline["long"][20:22]
+    stopped = client.completions.create(
+        model=str(model_dir), prompt="Hello", max_tokens=40, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == offline["long"][: offline["long"].index(stop)]
+
+
+def test_streaming_gives_each_token_as_made_and_usage_last(server, model_dir, offline):
+    client = _client(server)
+    chunks = list(
+        client.completions.create(
+            model=str(model_dir),
+            prompt=PROMPTS[0],
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == offline["texts"][0]
+    assert len(texts) == TOKENS  # one chunk per token: a character each
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == TOKENS
+    chat = list(
+        client.chat.completions.create(
+            model=str(model_dir),
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == offline["chat"]
+    assert chat[-1].choices[0].finish_reason == "length"
+
+
+def test_async_clients_share_the_running_batch(server, model_dir, offline):
+    async def ask_all():
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=30
+        )
+        async with client:
+            results = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=str(model_dir), prompt=p, max_tokens=TOKENS, temperature=0
+                    )
+                    for p in PROMPTS
+                )
+            )
+        return [r.choices[0].text for r in results]
+
+    assert asyncio.run(ask_all()) == offline["texts"]
+
+
+def test_a_request_joins_a_running_stream(server, model_dir, offline):
+    """Continuous batching: a short request arriving while a long stream runs is answered
+    while that stream goes on, not after it."""
+    long = {"model": str(model_dir), "prompt": "Hello", "max_tokens": LONG, "stream": True}
+    url = f"{server.url}/v1/completions"
+    with (
+        httpx.Client(timeout=30, headers=_auth()) as client,
+        client.stream("POST", url, json=long) as stream,
+    ):
+        events = stream.iter_lines()
+        while not next(events).startswith("data: "):
+            pass
+        short = _client(server).completions.create(
+            model=str(model_dir), prompt=PROMPTS[1], max_tokens=TOKENS, temperature=0
+        )
+        assert short.choices[0].text == offline["texts"][1]
+        chunk = json.loads(next(e for e in events if e.startswith("data: "))[6:])
+        assert chunk["choices"][0]["finish_reason"] is None  # the long one still runs
+
+
+def test_embeddings_equal_offline_embed(server, model_dir, offline):
+    result = _client(server).embeddings.create(model=str(model_dir), input=["Hello", "abc"])
+    assert [d.index for d in result.data] == [0, 1]
+    assert result.usage.prompt_tokens == 8
+    for got, expected in zip(result.data, offline["embeddings"], strict=True):
+        assert got.embedding == pytest.approx(expected, abs=1e-6)
+    as_floats = httpx.post(
+        f"{server.url}/v1/embeddings",
+        json={"model": str(model_dir), "input": "Hello", "encoding_format": "float"},
+        headers=_auth(),
+        timeout=30,
+    ).json()
+    assert as_floats["data"][0]["embedding"] == pytest.approx(offline["embeddings"][0], abs=1e-6)
+
+
+# ---- raw HTTP --------------------------------------------------------------------------------
+
+
+def test_raw_event_stream(server, model_dir, offline):
+    body = {"model": str(model_dir), "prompt": "Hello", "max_tokens": TOKENS, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=_auth(), timeout=30
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _sse(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == offline["texts"][0]
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "param", "fragment"),
+    [
+        ("completions", {"model": "gpt-4"}, "model", "serves"),
+        ("completions", {"prompt": "a" * 1024}, "prompt", "at most 1023 fit"),
+        ("completions", {"max_tokens": 0}, "max_tokens", "must be at least 1"),
+        ("completions", {"max_tokens": 1020}, "max_tokens", "at most 1019 can be generated"),
+        ("completions", {"max_tokens": "5"}, "max_tokens", "valid integer"),
+        ("completions", {"temperature": "hot"}, "temperature", "valid number"),
+        ("completions", {"prompt": 5}, "prompt", "allowed: str, list[int]"),
+        ("completions", {"prompt": [7, 100]}, "prompt", "outside the vocabulary"),
+        ("completions", {"n": 2}, "n", "one choice per request"),
+        ("completions", {"stop": [""]}, "stop", "empty stop string"),
+        ("completions", {"prompt": None}, "prompt", "allowed"),
+        ("chat/completions", {"messages": []}, "messages", "at least 1 item"),
+        ("chat/completions", {"messages": [{"content": "hi"}]}, "messages.0.role", "required"),
+        ("embeddings", {"input": ["a", ""]}, "input.1", "empty"),
+    ],
+)
+def test_bad_requests_get_openais_error_shape(server, model_dir, path, change, param, fragment):
+    body = {"model": str(model_dir), "prompt": "Hello", "max_tokens": 4}
+    if path == "chat/completions":
+        body = {"model": str(model_dir), "messages": [{"role": "user", "content": "hi"}]}
+    elif path == "embeddings":
+        body = {"model": str(model_dir), "input": "Hello"}
+    response = httpx.post(
+        f"{server.url}/v1/{path}", json=body | change, headers=_auth(), timeout=30
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert fragment in error["message"]
+
+
+def test_malformed_json_and_unknown_paths(server):
+    bad = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"{not json",
+        headers=_auth() | {"content-type": "application/json"},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    missing = httpx.get(f"{server.url}/v1/nothing", headers=_auth(), timeout=30)
+    assert missing.status_code == 404 and "/v1/nothing" in missing.json()["error"]["message"]
+
+
+def test_api_key_guards_everything_but_health(server, model_dir):
+    for key in (None, "wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("POST", "/v1/completions"),
+        ):
+            response = httpx.request(method, f"{server.url}{path}", headers=headers, timeout=30)
+            assert response.status_code == 401, (key, path)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").models.list()
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def test_disconnected_clients_free_their_kv_blocks_at_once(server, model_dir):
+    blocks = "shardline_kv_cache_blocks_used"
+    aborted = ("shardline_requests_finished_total", '{reason="abort"}')
+    assert server.metric(blocks, key=API_KEY) == 0  # idle
+    before = server.metric(*aborted, key=API_KEY)
+    body = {"model": str(model_dir), "prompt": "Hello", "max_tokens": LONG, "stream": True}
+    with httpx.Client(timeout=30, headers=_auth()) as client, contextlib.ExitStack() as open_:
+        readers = []  # kept: a reader collected early would close its stream
+        for _ in range(2):
+            response = open_.enter_context(
+                client.stream("POST", f"{server.url}/v1/completions", json=body)
+            )
+            readers.append(response.iter_lines())
+            while not next(readers[-1]).startswith("data: "):
+                pass
+        assert server.metric(blocks, key=API_KEY) >= 2  # a block each at least
+    with pytest.raises(httpx.ReadTimeout):  # a client that stops waiting for a whole answer
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json=body | {"stream": False},
+            headers=_auth(),
+            timeout=httpx.Timeout(30, read=0.5),
+        )
+    deadline = time.monotonic() + 3.0
+    while server.metric(blocks, key=API_KEY) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric(blocks, key=API_KEY) == 0
+    assert server.metric(*aborted, key=API_KEY) == before + 3
+    assert server.metric("shardline_requests_running", key=API_KEY) == 0
+
+
+def test_metrics_report_tokens_and_latencies(server):
+    for name in (
+        "shardline_prompt_tokens_total",
+        "shardline_generation_tokens_total",
+        "shardline_time_to_first_token_seconds_count",
+        "shardline_inter_token_latency_seconds_count",
+        "shardline_kv_cache_blocks_total",
+    ):
+        assert server.metric(name, key=API_KEY) > 0, name
+    assert server.metric("shardline_engine_restarts_total", key=API_KEY) == 0
+
+
+# ---- limits and failures ---------------------------------------------------------------------
+
+
+def test_a_full_queue_answers_503_with_retry_after(narrow_server, model_dir):
+    long = {"model": str(model_dir), "prompt": "Hello", "max_tokens": LONG, "stream": True}
+    url = f"{narrow_server.url}/v1/completions"
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", url, json=long) as running:
+            lines = running.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass  # in the batch, which holds one
+            with client.stream("POST", url, json=long) as waiting:
+                assert waiting.status_code == 200  # queued: the one place in the queue
+                refused = client.post(url, json=long | {"stream": False})
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+    deadline = time.monotonic() + 3.0
+    while narrow_server.metric("shardline_kv_cache_blocks_used") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert narrow_server.metric("shardline_kv_cache_blocks_used") == 0
+
+
+def test_a_killed_worker_fails_open_requests_then_the_server_recovers(
+    narrow_server, model_dir, offline
+):
+    url = narrow_server.url
+    long = {"model": str(model_dir), "prompt": "Hello", "max_tokens": LONG, "stream": True}
+    metrics = f"{url}/metrics"
+    old_workers = narrow_server.workers()
+    assert len(old_workers) == 2
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", f"{url}/v1/completions", json=long) as stream:
+                events = stream.aiter_lines()
+                while not (await anext(events)).startswith("data: "):
+                    pass
+                queued = asyncio.ensure_future(
+                    client.post(f"{url}/v1/completions", json=long | {"stream": False})
+                )
+                while "shardline_requests_waiting 1.0" not in (await client.get(metrics)).text:
+                    await asyncio.sleep(0.02)  # the queued request waits in the engine
+                os.kill(old_workers[1], signal.SIGKILL)
+                killed = time.monotonic()
+                async for line in events:
+                    if line.startswith('data: {"error"'):
+                        error_at = time.monotonic() - killed
+                        error = json.loads(line[6:])["error"]
+                        break
+                health = await client.get(f"{url}/health")
+                refused = await client.post(f"{url}/v1/completions", json=long)
+                rest = [line async for line in events if line.startswith("data: ")]
+            return error, error_at, await queued, health, refused, rest
+
+    error, error_at, queued, health, refused, rest = asyncio.run(scenario())
+    assert error["code"] == "engine_failed" and "rank 1" in error["message"]
+    assert error_at < 2.0
+    assert rest == ["data: [DONE]"]
+    assert queued.status_code == 503 and queued.json()["error"]["code"] == "engine_failed"
+    assert health.status_code == 503
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert wait_gone(old_workers, 5.0) == []
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, narrow_server.log.read_text()
+        time.sleep(0.2)
+    assert narrow_server.metric("shardline_engine_restarts_total") == 1
+    assert narrow_server.metric("shardline_requests_finished_total", '{reason="error"}') == 2
+    again = _client(narrow_server).completions.create(
+        model=str(model_dir), prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0
+    )
+    assert again.choices[0].text == offline["texts"][0]
+    assert len(narrow_server.workers()) == 2
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+def test_a_port_in_use_is_one_clear_line(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = shardline("serve", "--port", str(port), "--set", f"model.path={model_dir}")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: --port = {port}: 127.0.0.1:{port} is already in use; stop what listens there "
+        "or give another --port"
+    )
+    empty_key = shardline("serve", "--api-key", " ", "--set", f"model.path={model_dir}")
+    assert empty_key.returncode == 2 and empty_key.stderr.startswith("error: --api-key is empty")
