@@ -188,3 +188,27 @@ def test_bench_comm_across_hosts_that_do_not_divide_the_ranks_is_refused():
         "error: --across-hosts 3 with -n/ranks 2: allowed: 2 or more hosts that divide the "
         "ranks evenly\n"
     )
+
+
+def test_mpiexec_pipeline_stages_on_two_hosts_send_without_a_poller(
+    two_hosts, tiny_llama_dir, tiny_llama_greedy
+):
+    """One stage per host over MPI's TCP transport, every message above its eager limit: a
+    send left pending while its rank waits for the next step never reaches the next stage
+    (MPI advances only when polled), so the stage sends before it returns."""
+    h1 = two_hosts.host("h1")
+    environ = launcher_environment()
+    environ["PYTHONPATH"] = f"{ROOT / 'tests'}:{environ['PYTHONPATH']}"
+    command = h1.command(
+        [
+            str(Path(sys.executable).with_name("mpiexec")), "--host", "h1:1,h2:1", "-n", "2",
+            *two_hosts.mpiexec_options(), "--mca", "btl_tcp_eager_limit", "256",
+            sys.executable, "-m", "support.launched_driver", str(tiny_llama_dir), "1", "2",
+            "parallel.communicator=mpi", "parallel.timeout_s=20",
+        ]
+    )  # fmt: skip
+    run = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (report,) = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert json.loads(report)["tokens"] == tiny_llama_greedy
+    assert [host.started() for host in two_hosts.hosts] == [[], []]

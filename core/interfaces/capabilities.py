@@ -28,6 +28,9 @@ class Capabilities:
     - ``same_host_only``: every rank of a group must run on one host.
     - ``async_p2p``: ``isend``/``irecv`` return before the peer posts the matching call, so
       two ranks may ``isend`` to each other and then ``irecv``. When False they may block.
+    - ``progresses_alone``: a started operation completes without further calls from its
+      rank. False (MPI over TCP): it advances only while its rank waits on or polls it, so a
+      rank must not leave a send pending while it waits for something else.
     - ``launcher``: the launcher that must start the ranks (``"mpiexec"`` for MPI); None:
       any process can join through the rendezvous store.
     """
@@ -39,6 +42,7 @@ class Capabilities:
     max_world_size: int | None = None
     same_host_only: bool = True
     async_p2p: bool = False
+    progresses_alone: bool = True
     launcher: str | None = None
 
     def unsupported_reason(

@@ -47,8 +47,9 @@ class Worker:
         3. a rank that is not in the first stage starts receiving the previous stage's
            intermediate tensors; the wait happens when the model first touches them;
         4. run the ModelRunner;
-        5. intermediate tensors are sent on asynchronously (handles kept for step 1) and
-           None is returned; otherwise only the output rank returns the output.
+        5. intermediate tensors are sent on asynchronously (handles kept for step 1; sent
+           before returning where the communicator does not progress alone) and None is
+           returned; otherwise only the output rank returns the output.
         """
         pp = self.state.pp
         if self._pp_send_work is not None:
@@ -66,6 +67,11 @@ class Worker:
             if pp.is_last_rank:
                 raise RuntimeError("the last pipeline stage returned intermediate tensors")
             self._pp_send_work = pp.isend_tensor_dict(output.tensors, all_gather_group=gather_group)
+            if not pp.data.capabilities.progresses_alone:
+                # Nobody would move the send on while this rank waits for its next step,
+                # and the next stage would wait for it forever.
+                self._pp_send_work.wait()
+                self._pp_send_work = None
             return None
         return output if self.state.is_output_rank else None
 

@@ -13,6 +13,7 @@ MPI_CAPABILITIES = Capabilities(
     reduce_ops=frozenset({"sum", "max", "min"}),
     same_host_only=False,
     async_p2p=True,
+    progresses_alone=False,
     launcher="mpiexec",
 )
 
