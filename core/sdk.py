@@ -27,7 +27,8 @@ Executors
     ``failed_in_phase`` (start-up errors in the common words); ``Spawner``, ``ChildProcess``
     (single processes that end with their parent); ``share_cores`` (a rank's share of
     torch threads);
-    ``LaunchedRank``, ``detect_launcher`` (a rank's place under torchrun or mpiexec);
+    ``LaunchedRank``, ``detect_launcher``, ``local_rank`` (a rank's place under torchrun or
+    mpiexec; its rank on its host);
     ``abort_job_at_exit`` (end an mpiexec job instead of hanging in MPI_Finalize);
     ``StartupGuard`` (end a rank no driver watches when a start-up phase hangs);
     ``WATCHDOG_REPORT_S`` (how long a rank's collective-timeout diagnosis takes after its
@@ -78,6 +79,7 @@ _WHERE = {
     "share_cores": "shardline.launch.threads",
     "LaunchedRank": "shardline.launch.launcher_env",
     "detect_launcher": "shardline.launch.launcher_env",
+    "local_rank": "shardline.launch.launcher_env",
     "abort_job_at_exit": "shardline.launch.mpi_job",
     "StartupGuard": "shardline.launch.startup_guard",
     "CausalLMRunner": "shardline.worker.model_runner",

@@ -9,9 +9,15 @@ import pytest
 import torch
 
 from shardline.config import load_config
-from shardline.config.capacity import PROCESS_BYTES, HostMemory
+from shardline.config.capacity import (
+    PROCESS_BYTES,
+    HostMemory,
+    HostRanks,
+    plan_device_capacity,
+)
 from shardline.config.selection import check_config
 from shardline.errors import ConfigError
+from shardline.models.llama_runner import LlamaModelRunner
 from shardline.registry import Registry
 from support.cli import shardline
 
@@ -136,3 +142,37 @@ def test_commands_refuse_more_rank_processes_than_the_host_holds(arguments):
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "1000 rank processes need 250.0 GiB (256.0 MiB each" in line, line
+
+
+def test_ranks_on_devices_of_their_own_are_each_planned_against_their_device(tiny_llama_dir):
+    """parallel.device = cuda: each rank's weights and KV cache go to its own device, so the
+    device with the least free memory sizes an auto cache, and a device too small for its
+    rank is named."""
+    loaded = loaded_with(tiny_llama_dir)
+    placement = HostRanks((0, 1), frozenset({0, 1}), "2 ranks on this host")
+    free = {0: 8 * GIB, 1: GIB // 64}
+
+    def memory_of(index):
+        return HostMemory(free[index], f"free memory of fake device {index}")
+
+    plan = LlamaModelRunner.plan(loaded.config)
+    auto = loaded_with(tiny_llama_dir, "cache.num_blocks=auto", "scheduler.max_num_seqs=65536")
+    tight = plan_device_capacity(auto, plan, placement, memory_of)
+    roomy = plan_device_capacity(auto, plan, HostRanks((0,), frozenset({0}), "one rank"), memory_of)
+    # Device 1 (1/64 GiB) holds fewer blocks than device 0 (8 GiB) alone would.
+    assert 0 < tight.num_blocks < roomy.num_blocks
+    assert tight.host.source == "free memory of fake device 1"
+    assert tight.placement.ranks == (1,)
+    # Each rank's share alone counts against its device: no process bytes there.
+    assert tight.total == tight.shares[0].peak
+    with pytest.raises(ConfigError, match=r"free memory of fake device 1"):
+        plan_device_capacity(
+            loaded_with(tiny_llama_dir, "cache.num_blocks=100000"), plan, placement, memory_of
+        )
+
+
+def loaded_with(tiny_llama_dir, *overrides):
+    return load_config(
+        overrides=[f"model.path={tiny_llama_dir}", "parallel.tensor_parallel_size=2", *overrides],
+        environ={},
+    )

@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from shardline.config import load_config
 from shardline.config.schema import EngineConfig
@@ -150,11 +151,6 @@ def test_capability_mismatch_is_refused_with_the_alternatives():
     ("assignment", "expected"),
     [
         (
-            "parallel.device=cuda",
-            "--set parallel.device=cuda: parallel.device = 'cuda': the model, KV cache and "
-            "sampler still run on the CPU (GPU execution is not implemented yet); allowed: cpu",
-        ),
-        (
             "parallel.data_parallel_size=2",
             "--set parallel.data_parallel_size=2: parallel.data_parallel_size = 2: the "
             "data-parallel groups would be built but nothing uses them: every rank runs the same "
@@ -167,6 +163,21 @@ def test_settings_that_run_nothing_yet_are_refused_with_the_reason(assignment, e
     with pytest.raises(ConfigError) as error:
         check_config(loaded, Registry.load(), {})
     assert expected in str(error.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA devices")
+def test_cuda_is_refused_on_a_host_without_cuda_naming_why():
+    loaded = load_config(
+        overrides=["parallel.device=cuda", "parallel.communicator=auto"], environ={}
+    )
+    with pytest.raises(ConfigError) as error:
+        check_config(loaded, Registry.load(), {})
+    message = str(error.value)
+    assert (
+        "--set parallel.device=cuda: parallel.device = 'cuda': this host has no CUDA device "
+        "(torch.cuda.is_available() is False"
+    ) in message
+    assert message.rstrip().endswith("allowed: cpu") or "allowed: cpu\n" in message
 
 
 def test_the_settings_that_run_are_accepted():

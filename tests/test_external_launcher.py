@@ -5,11 +5,13 @@ with no process or shared-memory segment left."""
 import json
 
 import pytest
+import torch
 
 from shardline.config import load_config
 from shardline.errors import ConfigError
-from shardline.launch.launcher_env import LaunchedRank
+from shardline.launch.launcher_env import LaunchedRank, local_rank
 from shardline.launch.launchers import run_launched
+from shardline.worker.model_runner import rank_device
 from shardline_executors.external_launcher import ExternalLauncherExecutor
 
 TORCHRUN = {
@@ -43,6 +45,19 @@ def test_mpiexec_variables():
     assert openmpi.local_rank == 1 and openmpi.master_addr is None and not openmpi.agent_store
     mpich = LaunchedRank.from_environ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_PORT": "7000"})
     assert (mpich.launcher, mpich.rank, mpich.master_port) == ("mpiexec (MPICH/PMI)", 0, 7000)
+
+
+def test_a_rank_computes_on_the_device_of_its_local_rank():
+    second_host = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    }
+    assert local_rank(3, second_host) == 1
+    assert rank_device("cuda", 3, second_host) == torch.device("cuda", 1)
+    # Without a launcher every rank is on this host: the world rank is the local rank.
+    assert local_rank(2, {}) == 2 and rank_device("cuda", 2, {}) == torch.device("cuda", 2)
+    assert rank_device("cpu", 3, second_host) == torch.device("cpu")
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,13 @@ import pytest
 import torch
 
 from shardline.interfaces.step import SamplingParams
-from shardline.worker.sampler import make_generator, sample
+from shardline.worker.sampler import make_generator, sample_rows
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5, 1.0])
+
+
+def sample(logits, params, generator):
+    return sample_rows(logits[None], [params], [generator])[0]
 
 
 def _draws(params, count=300):
@@ -16,6 +20,15 @@ def _draws(params, count=300):
 
 def test_greedy_is_argmax():
     assert sample(LOGITS, SamplingParams(), make_generator(SamplingParams())) == 1
+
+
+def test_a_batch_of_rows_draws_as_each_row_alone():
+    rows = torch.stack([LOGITS, LOGITS.flip(0), LOGITS * 3])
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=5), SamplingParams()]
+    batched = sample_rows(rows, params, [make_generator(p) for p in params])
+    alone = [sample(row, p, make_generator(p)) for row, p in zip(rows, params, strict=True)]
+    assert batched == alone
+    assert batched[0] == 1 and batched[2] == 1
 
 
 def test_same_seed_same_draws_different_seed_different_draws():

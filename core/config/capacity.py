@@ -2,6 +2,9 @@
 allocated: the model's plan (:meth:`ModelRunner.plan`) for the ranks that run on this host,
 plus a process each, against the memory the host has and ``cache.memory_fraction``.
 
+With ``parallel.device = cuda`` each rank is planned against the free memory of its own
+device instead (:func:`plan_device_capacity`).
+
 ``cache.num_blocks: auto`` is sized here: the largest KV cache the budget leaves, at most
 what ``scheduler.max_num_seqs`` sequences of ``max_model_len`` tokens can use.
 """
@@ -9,7 +12,7 @@ what ``scheduler.max_num_seqs`` sequences of ``max_model_len`` tokens can use.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +61,14 @@ class HostMemory:
                 available = max(0, int(limit_text) - usage)
                 source = f"the cgroup limit ({limit_file})"
         return cls(available, source)
+
+    @classmethod
+    def of_device(cls, index: int) -> HostMemory:
+        """The free memory of ``cuda:{index}`` now (``torch.cuda.mem_get_info``)."""
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(index)
+        return cls(free, f"free memory of cuda:{index}")
 
 
 def _mem_available() -> int:
@@ -227,6 +238,31 @@ def plan_capacity(
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return result
+
+
+def plan_device_capacity(
+    loaded: LoadedConfig,
+    plan: ModelPlan | None,
+    placement: HostRanks,
+    memory_of: Callable[[int], HostMemory] = HostMemory.of_device,
+) -> CapacityPlan:
+    """The plan of ranks that each hold their weights, KV cache and activations on a device of
+    their own (``parallel.device = cuda``: the ``i``-th rank on this host on ``cuda:i``, whose
+    memory is ``memory_of(i)``). Each rank is planned against its device alone (its process
+    stays on the host, checked by :func:`check_rank_processes`); the tightest plan is
+    returned: the fewest KV blocks (``auto`` gives every rank that many), then the least
+    headroom. A rank that does not fit raises ConfigError, as :func:`plan_capacity` does."""
+    check_rank_processes(len(placement.new_processes), "the ranks on this host")
+    plans = [
+        plan_capacity(
+            loaded,
+            plan,
+            HostRanks((rank,), frozenset(), f"rank {rank} on cuda:{index}, a device of its own"),
+            memory_of(index),
+        )
+        for index, rank in enumerate(placement.ranks)
+    ]
+    return min(plans, key=lambda p: (int(p.num_blocks), p.headroom))
 
 
 class _NoModel(ModelPlan):

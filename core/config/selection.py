@@ -11,11 +11,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardline.config.capacity import CapacityPlan, HostMemory, plan_capacity, ranks_on_this_host
+from shardline.config.capacity import (
+    CapacityPlan,
+    HostMemory,
+    plan_capacity,
+    plan_device_capacity,
+    ranks_on_this_host,
+)
 from shardline.config.loader import LoadedConfig
 from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError, echo
-from shardline.launch.launcher_env import detect_launcher
+from shardline.launch.launcher_env import LaunchedRank, detect_launcher
 from shardline.registry import Component, Registry
 
 
@@ -220,7 +226,7 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
             continue
         communicators.append(choose_communicator(config, registry, field_name, executor, environ))
     return [
-        choose_device(config),
+        choose_device(config, environ),
         choose_data_parallel_size(config),
         *communicators,
         executor,
@@ -230,19 +236,57 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
 
 #: Why the settings that run nothing yet are refused (verdicts shared by the problem and the
 #: alternatives ``shardline explain`` lists).
-GPU_NOT_IMPLEMENTED = (
-    "the model, KV cache and sampler still run on the CPU (GPU execution is not implemented yet)"
-)
 DATA_PARALLEL_NOT_IMPLEMENTED = (
     "the data-parallel groups would be built but nothing uses them: every rank runs the same "
     "step (data-parallel replicas are not implemented yet)"
 )
 
 
-def choose_device(config: EngineConfig) -> Decision:
-    """``parallel.device``: only ``cpu`` runs; ``cuda`` is refused until the model, KV cache
-    and sampler move to the device."""
-    return _only_implemented("parallel.device", config.parallel.device, "cpu", GPU_NOT_IMPLEMENTED)
+def choose_device(config: EngineConfig, environ: Mapping[str, str]) -> Decision:
+    """``parallel.device``: ``cpu`` always runs; ``cuda`` where this host has a CUDA build of
+    torch and a device for each of its ranks (rank ``r`` uses ``cuda:{local rank}``)."""
+    field_name = "parallel.device"
+    if config.parallel.device == "cpu":
+        return Decision(
+            field_name, "cpu", "configured", [("cpu", "chosen"), ("cuda", "not selected")]
+        )
+    problem = _cuda_problem(config, environ)
+    if problem is None:
+        return Decision(
+            field_name, "cuda", "configured", [("cuda", "chosen"), ("cpu", "not selected")]
+        )
+    return Decision(
+        field_name,
+        "cuda",
+        "configured",
+        [("cpu", "runs; not selected"), ("cuda", "chosen")],
+        f"{field_name} = 'cuda': {problem}; allowed: cpu",
+    )
+
+
+def _cuda_problem(config: EngineConfig, environ: Mapping[str, str]) -> str | None:
+    """Why this host cannot give each of its ranks a CUDA device, or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "" if torch.version.cuda else f"; torch {torch.__version__} is a CPU build"
+        return f"this host has no CUDA device (torch.cuda.is_available() is False{build})"
+    ranks = ranks_per_host(config, environ)
+    count = torch.cuda.device_count()
+    if ranks > count:
+        return (
+            f"{ranks} ranks on this host need a CUDA device each (one rank per device), and "
+            f"this host has {count}"
+        )
+    return None
+
+
+def ranks_per_host(config: EngineConfig, environ: Mapping[str, str]) -> int:
+    """The ranks on this host: its launcher's local world, else an even share of the world
+    over ``parallel.nnodes`` hosts."""
+    if detect_launcher(environ) is not None:
+        return LaunchedRank.from_environ(environ).local_world_size
+    return max(1, config.parallel.world_size // config.parallel.nnodes)
 
 
 def choose_data_parallel_size(config: EngineConfig) -> Decision:
@@ -379,7 +423,8 @@ def capacity_plan(
     host: HostMemory | None = None,
 ) -> CapacityPlan:
     """The memory plan of the ranks on this host (``config``: resolved by ``decisions``),
-    with the model runner's plan when ``model.path`` exists. Raises ConfigError."""
+    with the model runner's plan when ``model.path`` exists, against ``host`` (read when not
+    given) or, for ``parallel.device = cuda``, each rank's device. Raises ConfigError."""
     chosen = {d.field: d.chosen for d in decisions}
     plan = None
     path = config.model.path
@@ -396,6 +441,8 @@ def capacity_plan(
         "executor", chosen["parallel.distributed_executor_backend"], "executor"
     ).load()
     placement = ranks_on_this_host(config, executor, environ)
+    if config.parallel.device == "cuda":
+        return plan_device_capacity(loaded, plan, placement)
     return plan_capacity(loaded, plan, placement, host or HostMemory.read())
 
 

@@ -154,3 +154,12 @@ def _job_secret(environ: Mapping[str, str]) -> bytes | None:
             field="SHARDLINE_JOB_SECRET",
         )
     return hashlib.sha256(value.encode()).digest()
+
+
+def local_rank(rank: int, environ: Mapping[str, str] = os.environ) -> int:
+    """This process's rank on its host: the launcher's local rank (torchrun, mpiexec), or,
+    with no launcher, ``rank`` itself (every rank of the world on this host)."""
+    try:
+        return LaunchedRank.from_environ(environ).local_rank
+    except ConfigError:
+        return rank

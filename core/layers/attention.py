@@ -28,12 +28,14 @@ class DecodeBatch:
 
 @dataclass
 class AttentionMetadata:
-    """Where each sequence's queries are in the batch and where its keys live in the cache."""
+    """Where each sequence's queries are in the batch and where its keys live in the cache;
+    ``device`` is the cache's (where tensors built from the lists go)."""
 
     query_start_loc: list[int]
     seq_lens: list[int]
     slot_mapping: torch.Tensor
     block_tables: list[list[int]]
+    device: torch.device | str = "cpu"
     _decode: dict[int, DecodeBatch | None] = field(default_factory=dict, repr=False)
 
     def decode_batch(self, block_size: int) -> DecodeBatch | None:
@@ -49,19 +51,20 @@ class AttentionMetadata:
         if not single:
             return None
         longest = max(self.seq_lens[i] for i in single)
-        positions = torch.arange(longest)
+        positions = torch.arange(longest, device="cpu")
         slots, visible = [], []
         for i in single:
-            table = torch.tensor(self.block_tables[i], dtype=torch.long)
+            table = torch.tensor(self.block_tables[i], dtype=torch.long, device="cpu")
             valid = positions < self.seq_lens[i]
             blocks = table[(positions // block_size).clamp(max=len(table) - 1)]
             slots.append(torch.where(valid, blocks * block_size + positions % block_size, 0))
             visible.append(valid)
         visible_mask = torch.stack(visible)[:, None, None, :]
+        # Built on the host from the lists, then moved to the device once per step.
         return DecodeBatch(
-            torch.tensor([starts[i] for i in single], dtype=torch.long),
-            torch.stack(slots),
-            None if bool(visible_mask.all()) else visible_mask,
+            torch.tensor([starts[i] for i in single], dtype=torch.long, device=self.device),
+            torch.stack(slots).to(self.device),
+            None if bool(visible_mask.all()) else visible_mask.to(self.device),
         )
 
 
@@ -82,7 +85,7 @@ class KVCache:
 
     def read(self, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` keys and values of a sequence stored in ``blocks``."""
-        index = torch.tensor(blocks, dtype=torch.long)
+        index = torch.tensor(blocks, dtype=torch.long, device=self.key.device)
         key = self.key[index].reshape(-1, *self.key.shape[2:])[:length]
         value = self.value[index].reshape(-1, *self.value.shape[2:])[:length]
         return key, value
@@ -115,9 +118,9 @@ def paged_attention(
         values = values.transpose(0, 1).index_select(0, kv_index)
         n_q = end - start
         # Query t sits at position seq_len - n_q + t and sees keys up to there.
-        visible = torch.arange(seq_len).unsqueeze(0) <= (
-            seq_len - n_q + torch.arange(n_q)
-        ).unsqueeze(1)
+        key_positions = torch.arange(seq_len, device=q.device)
+        query_positions = seq_len - n_q + torch.arange(n_q, device=q.device)
+        visible = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
         attended = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=visible, scale=scale
         )

@@ -24,12 +24,9 @@ class RotaryEmbedding:
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``: ``[N, heads, d]``, ``k``: ``[N, kv_heads, d]``, ``positions``: ``[N]``."""
-        if positions.numel() and int(positions.max()) >= self.max_positions:
-            raise ValueError(
-                f"position {int(positions.max())} is past the model's context "
-                f"of {self.max_positions} tokens"
-            )
+        """``q``: ``[N, heads, d]``, ``k``: ``[N, kv_heads, d]``, ``positions``: ``[N]``, each
+        below ``max_positions`` (the caller checks: reading them here would wait for the
+        device)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -193,6 +193,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | IntermediateTensors:
         """First stage: from ``input_ids``; others: from ``intermediate``. Returns the final
         normalized hidden states ``[N, hidden]`` on the last stage, else IntermediateTensors."""
+        longest = max(metadata.seq_lens, default=0)
+        if longest > self.arch.max_positions:
+            raise ValueError(
+                f"position {longest - 1} is past the model's context "
+                f"of {self.arch.max_positions} tokens"
+            )
         if self.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None
         else:

@@ -138,7 +138,10 @@ class GGUFTensor:
         if len(self.shape) == 1:
             return torch.from_numpy(np.array(self._raw.data[row_start:row_stop], dtype=np.float32))
         col_start, col_stop, _ = cols.indices(self.shape[1])
-        out = torch.empty(row_stop - row_start, col_stop - col_start, dtype=torch.float32)
+        # On the host whatever torch's default device: the caller copies the shard to its own.
+        out = torch.empty(
+            row_stop - row_start, col_stop - col_start, dtype=torch.float32, device="cpu"
+        )
         # Dequantize a bounded number of rows at a time: the transient buffers of
         # dequantization stay small whatever the tensor's size.
         for first in range(row_start, row_stop, _ROWS_PER_CHUNK):

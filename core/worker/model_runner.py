@@ -2,11 +2,17 @@
 KV cache, logits, sampling and pooling, for any model that runs one pipeline stage over a
 paged cache (:class:`CausalLM`). A model family says only how to build and load its model
 (:meth:`CausalLMRunner.build_model`); the Llama family is
-:class:`shardline.models.llama_runner.LlamaModelRunner`."""
+:class:`shardline.models.llama_runner.LlamaModelRunner`.
+
+The rank's device (:func:`rank_device`) is data: the model and its cache are built with it
+as torch's default device, each step's inputs are moved there once, and only the sampled
+token ids (and pooled vectors) come back to the host."""
 
 from __future__ import annotations
 
 import abc
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,8 +22,17 @@ from shardline.config.schema import EngineConfig
 from shardline.distributed import ParallelState
 from shardline.interfaces import IntermediateTensors, ModelRunner
 from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from shardline.launch.launcher_env import local_rank
 from shardline.layers.attention import AttentionMetadata, KVCache
-from shardline.worker.sampler import make_generator, sample
+from shardline.worker.sampler import make_generator, sample_rows
+
+
+def rank_device(kind: str, rank: int, environ: Mapping[str, str] = os.environ) -> torch.device:
+    """Where ``rank`` computes for ``parallel.device = kind``: the CPU, or the CUDA device of
+    its rank on its host (``cuda:{local_rank}``, the launcher's local rank in ``environ``)."""
+    if kind == "cuda":
+        return torch.device("cuda", local_rank(rank, environ))
+    return torch.device(kind)
 
 
 class CausalLM(Protocol):
@@ -63,17 +78,22 @@ class CausalLMRunner(ModelRunner):
         self.requests: dict[str, RequestState] = {}
         self.model: CausalLM | None = None
         self.kv_caches: dict[int, KVCache] = {}
+        self.device = rank_device(config.parallel.device, state.rank)
 
     @abc.abstractmethod
     def build_model(self) -> CausalLM:
         """This rank's stage of the model, with only this rank's shard of the weights loaded
-        (``self.config.model``, ``self.state``)."""
+        (``self.config.model``, ``self.state``). Called with ``self.device`` as torch's
+        default device: tensors made without a device argument land there."""
 
     def load_model(self) -> None:
-        self.model = self.build_model()
-        self.kv_caches = self.model.make_kv_caches(
-            self.config.cache.num_blocks, self.config.cache.block_size
-        )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with self.device:
+            self.model = self.build_model()
+            self.kv_caches = self.model.make_kv_caches(
+                self.config.cache.num_blocks, self.config.cache.block_size
+            )
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, intermediate_tensors: IntermediateTensors | None
@@ -83,9 +103,7 @@ class CausalLMRunner(ModelRunner):
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return None
-        req_ids, input_ids, positions, metadata, sample_rows = self._prepare_inputs(
-            scheduler_output
-        )
+        req_ids, input_ids, positions, metadata, final_rows = self._prepare_inputs(scheduler_output)
         output = self.model(input_ids, positions, metadata, self.kv_caches, intermediate_tensors)
         if isinstance(output, IntermediateTensors):
             return output
@@ -93,18 +111,23 @@ class CausalLMRunner(ModelRunner):
         if any(pooling):
             if not all(pooling):
                 raise ValueError("a step mixes embedding (pooling) and generating requests")
-            return self._pool_hidden(output, req_ids, metadata.query_start_loc, sample_rows)
-        rows = [row for row in sample_rows if row is not None]
-        logits = self.model.compute_logits(output[rows]) if rows else None
-        sampled: list[int | None] = []
-        picked = 0
-        for req_id, row in zip(req_ids, sample_rows, strict=True):
-            if row is None:
-                sampled.append(None)
-                continue
-            request = self.requests[req_id]
-            sampled.append(sample(logits[picked], request.sampling, request.generator))
-            picked += 1
+            return self._pool_hidden(output, req_ids, metadata.query_start_loc, final_rows)
+        rows = [row for row in final_rows if row is not None]
+        if not rows:
+            return ModelRunnerOutput(req_ids, [None] * len(req_ids))
+        finishing = [
+            self.requests[req_id]
+            for req_id, row in zip(req_ids, final_rows, strict=True)
+            if row is not None
+        ]
+        drawn = iter(
+            sample_rows(
+                self.model.compute_logits(output[rows]),
+                [request.sampling for request in finishing],
+                [request.generator for request in finishing],
+            )
+        )
+        sampled = [None if row is None else next(drawn) for row in final_rows]
         return ModelRunnerOutput(req_ids, sampled)
 
     def _pool_hidden(
@@ -134,7 +157,7 @@ class CausalLMRunner(ModelRunner):
                 vector = rows[-1].clone()
             if self.config.model.normalize_embeddings:
                 vector = torch.nn.functional.normalize(vector, dim=0)
-            vectors.append(vector)
+            vectors.append(vector.cpu())
         return ModelRunnerOutput(req_ids, [None] * len(req_ids), pooled=vectors)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -145,7 +168,7 @@ class CausalLMRunner(ModelRunner):
                 list(new.prompt_token_ids),
                 list(new.block_ids),
                 new.sampling,
-                make_generator(new.sampling),
+                make_generator(new.sampling, self.device),
                 pooling=new.pooling,
             )
         for cached in scheduler_output.cached_requests:
@@ -159,11 +182,12 @@ class CausalLMRunner(ModelRunner):
             request.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
-        """Flattened token ids and positions, attention metadata, and for each request the
-        batch row whose logits are sampled (None for a prompt chunk that is not the last)."""
+        """Flattened token ids and positions and the attention metadata, on the rank's device,
+        and for each request the batch row whose logits are sampled (None for a prompt chunk
+        that is not the last)."""
         block_size = self.config.cache.block_size
         req_ids, tokens, positions, slots = [], [], [], []
-        starts, seq_lens, tables, sample_rows = [0], [], [], []
+        starts, seq_lens, tables, final_rows = [0], [], [], []
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             first = request.num_computed_tokens
@@ -188,15 +212,16 @@ class CausalLMRunner(ModelRunner):
             starts.append(starts[-1] + count)
             seq_lens.append(seq_len)
             tables.append(request.block_ids)
-            sample_rows.append(starts[-1] - 1 if seq_len == len(request.token_ids) else None)
+            final_rows.append(starts[-1] - 1 if seq_len == len(request.token_ids) else None)
             request.num_computed_tokens = seq_len
+        device = self.device
         metadata = AttentionMetadata(
-            starts, seq_lens, torch.tensor(slots, dtype=torch.long), tables
+            starts, seq_lens, torch.tensor(slots, dtype=torch.long, device=device), tables, device
         )
         return (
             req_ids,
-            torch.tensor(tokens, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
             metadata,
-            sample_rows,
+            final_rows,
         )

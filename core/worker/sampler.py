@@ -1,21 +1,42 @@
-"""Turning logits into tokens: greedy, or temperature + top-k + top-p with a seeded draw."""
+"""Turning logits into tokens: greedy, or temperature + top-k + top-p with a seeded draw.
+
+Sampling runs where the logits are (the rank's device); only the chosen token ids come back
+to the host, once per step (:func:`sample_rows`).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from shardline.interfaces.step import SamplingParams
 
 
-def make_generator(params: SamplingParams) -> torch.Generator:
-    """The request's own random stream; every rank that samples creates it identically."""
-    return torch.Generator().manual_seed(params.seed)
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    """The request's own random stream on ``device``; every rank that samples creates it
+    identically."""
+    return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from ``[vocab]`` logits. Deterministic given the generator's state."""
+def sample_rows(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> list[int]:
+    """One token id per row of ``[rows, vocab]`` logits (row ``i`` with ``params[i]`` and
+    ``generators[i]``), drawn on the logits' device and read back in one transfer."""
+    if all(p.temperature == 0 for p in params):
+        return torch.argmax(logits, dim=-1).tolist()
+    drawn = [_draw(row, p, g) for row, p, g in zip(logits, params, generators, strict=True)]
+    return torch.stack(drawn).tolist()
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """The token id drawn from ``[vocab]`` logits, as a 0-d tensor on their device;
+    deterministic given the generator's state."""
     if params.temperature == 0:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     scores = logits.float() / params.temperature
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
@@ -27,4 +48,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = (cumulative - torch.softmax(ordered, dim=-1)) >= params.top_p
         scores = scores.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
     probabilities = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probabilities, 1, generator=generator))
+    return torch.multinomial(probabilities, 1, generator=generator)[0]

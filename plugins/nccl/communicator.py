@@ -21,18 +21,9 @@ import torch
 import torch.distributed as dist
 from shardline_nccl.plugin import NCCL_CAPABILITIES
 
-from shardline.errors import BackendUnavailableError, ConfigError
+from shardline.errors import BackendUnavailableError
 from shardline.interfaces import CommunicatorBackend, Rendezvous
-from shardline.sdk import LaunchedRank, ProcessGroupCommunicator, connect_store
-
-
-def local_rank(rank: int) -> int:
-    """This process's rank on its host, as its launcher (torchrun, mpiexec) set it; without a
-    launcher, the world rank (a local world on one host)."""
-    try:
-        return LaunchedRank.from_environ(os.environ).local_rank
-    except ConfigError:
-        return rank
+from shardline.sdk import ProcessGroupCommunicator, connect_store, local_rank
 
 
 class NcclBackend(CommunicatorBackend):
