@@ -5,8 +5,9 @@
   refuses two ranks on one device), its report in ``DIR/nccl-conformance.json``;
 - SmolLM2-135M's greedy tokens (3 chat questions, 32 new tokens, each question alone) on the
   device against HF transformers on the same device and prompt ids: float32 must be equal,
-  bfloat16 agreement is reported; with two devices also at TP=2 (``mp`` executor);
-- decode tokens/s beside transformers, float32 and bfloat16. Batch 1: between the first and
+  the agreement of bfloat16 and float16 (``--dtypes``) is reported; with two devices float32
+  also at TP=2 (``mp`` executor);
+- decode tokens/s beside transformers, in each dtype. Batch 1: between the first and
   the last token of one request of ``--tokens`` tokens (end of sequence ignored), after the
   answers above warmed up. Concurrent: ``--concurrent`` requests at once (transformers: one
   left-padded batched ``generate``), all generated tokens over the wall time;
@@ -14,7 +15,7 @@
   transformers, in each case.
 
     python benchmarks/gpu_check.py --out DIR [--model PATH_OR_NAME] [--device cuda|cpu]
-        [--wheels DIR] [--tokens 64] [--concurrent 16]
+        [--wheels DIR] [--tokens 64] [--concurrent 16] [--dtypes float32,bfloat16,float16]
 
 Installs nothing by hand: where ``shardline`` is not installed, the script installs this
 checkout (and the wheels in ``--wheels``, offline, without their dependencies) into a temporary
@@ -54,7 +55,8 @@ RESULT_MARK = "GPU-CHECK-RESULT "
 BOOTSTRAPPED = "SHARDLINE_GPU_CHECK_BOOTSTRAPPED"
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
 ANSWER_TOKENS = 32
-DTYPES = ("float32", "bfloat16")
+#: float32 first: its tokens must equal transformers'; the lower precisions report agreement.
+DTYPES = ("float32", "bfloat16", "float16")
 #: Per device: seconds for everything after the bootstrap install, and at most for one case
 #: within that. On cuda the run ends within 8 minutes; on the CPU (which only tests this
 #: script) a case can take minutes.
@@ -501,7 +503,8 @@ def check(args: argparse.Namespace) -> int:
     plan = [("shardline", "float32", 1), ("transformers", "float32", 1)]
     if args.device == "cuda" and torch.cuda.device_count() >= 2:
         plan.append(("shardline", "float32", 2))
-    plan += [("shardline", "bfloat16", 1), ("transformers", "bfloat16", 1)]
+    for dtype in args.dtypes[1:]:
+        plan += [("shardline", dtype, 1), ("transformers", dtype, 1)]
     parts: dict[str, dict] = {}
     with open(out / "gpu_check.log", "w", encoding="utf-8") as log:
         rows, parts["nccl suite"] = run_suite(args, budget, log)
@@ -514,7 +517,7 @@ def check(args: argparse.Namespace) -> int:
                 else run_part(args, budget, log, engine, dtype, tp)
             )
             progress(name, parts[name])
-    for dtype in DTYPES:
+    for dtype in args.dtypes:
         reference = parts[f"transformers {dtype}"]
         for tp in (1, 2):
             ours = parts.get(f"shardline {dtype} tp{tp}")
@@ -540,6 +543,17 @@ def check(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+def dtypes(text: str) -> list[str]:
+    """``--dtypes``: a comma-separated list of DTYPES starting with float32."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DTYPES]
+    if unknown or not names or names[0] != "float32":
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: allowed: float32 first, then any of {', '.join(DTYPES[1:])}"
+        )
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -559,6 +573,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--concurrent", type=int, default=16, help="requests at once in the concurrent measurement"
+    )
+    parser.add_argument(
+        "--dtypes",
+        type=dtypes,
+        default=list(DTYPES),
+        help=f"model dtypes to check, float32 first (default: {','.join(DTYPES)})",
     )
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help=argparse.SUPPRESS)

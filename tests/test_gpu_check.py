@@ -20,6 +20,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     model = add_tiny_tokenizer(write_tiny_llama(tmp_path / "model", max_position_embeddings=1024))
     out = tmp_path / "out"
     options = ["--device", "cpu", "--model", str(model), "--tokens", "8", "--concurrent", "2"]
+    options += ["--dtypes", "float32,bfloat16"]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out), *options],
         capture_output=True,

@@ -7,8 +7,9 @@ there and the results copied back), so the conformance suite runs unchanged on a
 Blocking waits are enabled (``TORCH_NCCL_BLOCKING_WAIT``) so that a deadline raises
 ``CommTimeoutError`` in the waiting call instead of a watchdog aborting the process.
 
-Not yet run on a GPU by this project (no GPU on the development machine): on a GPU host, run
-``python benchmarks/nccl_check.py``.
+Run on one GPU by ``benchmarks/gpu_check.py`` (the suite at world size 1, and the model's data
+plane); with several devices ``benchmarks/nccl_check.py`` runs the suite and a bandwidth
+comparison with gloo.
 """
 
 from __future__ import annotations
