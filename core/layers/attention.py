@@ -13,6 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def attention_kernels():
+    """The scaled-dot-product kernels attention may use, as a context for a whole step:
+    flash, memory-efficient or math, never cuDNN's, which builds a new graph for every new
+    sequence length (each decode step, each prompt length) in float16 and bfloat16."""
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
 
 
 @dataclass

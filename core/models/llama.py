@@ -16,7 +16,12 @@ from torch import nn
 from shardline.distributed import GroupCoordinator, ParallelState
 from shardline.errors import ConfigError
 from shardline.interfaces import IntermediateTensors
-from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
+from shardline.layers.attention import (
+    AttentionMetadata,
+    KVCache,
+    attention_kernels,
+    paged_attention,
+)
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardline.layers.linear import (
     MergedColumnParallelLinear,
@@ -203,10 +208,11 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
-        for i in self.layer_range:
-            hidden, residual = self.layers[str(i)](
-                hidden, residual, positions, metadata, kv_caches[i]
-            )
+        with attention_kernels():
+            for i in self.layer_range:
+                hidden, residual = self.layers[str(i)](
+                    hidden, residual, positions, metadata, kv_caches[i]
+                )
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)
