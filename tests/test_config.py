@@ -147,22 +147,30 @@ def test_capability_mismatch_is_refused_with_the_alternatives():
     )
 
 
-@pytest.mark.parametrize(
-    ("assignment", "expected"),
-    [
-        (
-            "parallel.data_parallel_size=2",
-            "--set parallel.data_parallel_size=2: parallel.data_parallel_size = 2: the "
-            "data-parallel groups would be built but nothing uses them: every rank runs the same "
-            "step (data-parallel replicas are not implemented yet); allowed: 1",
-        ),
-    ],
-)
-def test_settings_that_run_nothing_yet_are_refused_with_the_reason(assignment, expected):
-    loaded = load_config(overrides=[assignment], environ={})
+def test_data_parallel_replicas_are_refused_only_under_a_launcher():
+    torchrun = {
+        "TORCHELASTIC_RUN_ID": "x",
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    dp2 = ["parallel.data_parallel_size=2"]
+    checked = check_config(load_config(overrides=dp2, environ={}), Registry.load(), {})
+    decisions = {d.field: d for d in checked.decisions}
+    assert decisions["parallel.data_parallel_size"].problem is None
+    # Two replicas of one rank each: two rank processes (mp), both counted on this host.
+    assert decisions["parallel.distributed_executor_backend"].chosen == "mp"
+    assert len(checked.capacity.placement.ranks) == 2
     with pytest.raises(ConfigError) as error:
-        check_config(loaded, Registry.load(), {})
-    assert expected in str(error.value)
+        check_config(load_config(overrides=dp2, environ=torchrun), Registry.load(), torchrun)
+    assert (
+        "--set parallel.data_parallel_size=2: parallel.data_parallel_size = 2: the executor "
+        "'external_launcher' runs the ranks a launcher started, one engine per process, and "
+        "cannot start replicas; allowed: 1 here"
+    ) in str(error.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA devices")

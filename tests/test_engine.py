@@ -63,7 +63,7 @@ def test_generate_and_embed_match_transformers(tiny_llama_dir, reference, tp, pp
         execute = engine.executor.execute_model
 
         def counting(step):
-            depth.append(len(engine._in_flight) + 1)
+            depth.append(len(engine.replicas[0].in_flight) + 1)
             return execute(step)
 
         engine.executor.execute_model = counting
@@ -79,6 +79,51 @@ def test_generate_and_embed_match_transformers(tiny_llama_dir, reference, tp, pp
             assert (parameters, cache) == (planned[rank].memory.weights, planned[rank].kv_cache)
     for got, want in zip(embeddings, _expected_embeddings(hidden, "last"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _rank(worker):
+    return worker.rank
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
+def test_data_parallel_replicas_share_the_requests_and_give_the_same_tokens(
+    tiny_llama_dir, reference, tp
+):
+    tokens, hidden = reference
+    with _llm(tiny_llama_dir, tp, 1, "parallel.data_parallel_size=2") as llm:
+        engine = llm.engine
+        steps = [0, 0]
+        for replica in engine.replicas:
+            execute = replica.executor.execute_model
+
+            def counting(step, execute=execute, index=replica.index):
+                steps[index] += 1
+                return execute(step)
+
+            replica.executor.execute_model = counting
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == tokens
+        assert all(count > 0 for count in steps), f"steps per replica: {steps}"
+        # Each replica is a world of its own: tp ranks, each with its own KV cache.
+        assert [sorted(r.executor.collective_rpc(_rank)) for r in engine.replicas] == [
+            list(range(tp))
+        ] * 2
+        embeddings = llm.embed(PROMPTS)
+    for got, want in zip(embeddings, _expected_embeddings(hidden, "last"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_new_request_goes_to_the_replica_with_the_least_outstanding_work(tiny_llama_dir):
+    with _llm(tiny_llama_dir, 1, 1, "parallel.data_parallel_size=2") as llm:
+        engine = llm.engine
+        long = engine.add_request([1, 2, 3], SamplingParams(max_tokens=30))
+        short = [engine.add_request([4, 5], SamplingParams(max_tokens=3)) for _ in range(3)]
+        where = {r.req_id: engine._replica_of[r.req_id].index for r in [long, *short]}
+        # 33 tokens of work on replica 0; the short ones (5 each) fill replica 1 first.
+        assert where == {long.req_id: 0, short[0].req_id: 1, short[1].req_id: 1, short[2].req_id: 1}
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.load().blocks_used == 0
 
 
 def test_mean_pooling_and_unnormalized_embeddings(tiny_llama_dir, reference):
@@ -129,7 +174,8 @@ def test_a_steps_own_timeout_reaches_the_caller_with_its_diagnosis():
     from shardline.engine.engine import LLMEngine
     from shardline.errors import CommTimeoutError
 
-    engine = SimpleNamespace(config=SimpleNamespace(parallel=SimpleNamespace(timeout_s=0.1)))
+    engine = LLMEngine.__new__(LLMEngine)
+    engine.config = SimpleNamespace(parallel=SimpleNamespace(timeout_s=0.1))
     failed: Future = Future()
     failed.set_exception(CommTimeoutError("all_reduce: rank 1 on host h2 did not report"))
     with pytest.raises(CommTimeoutError, match="rank 1 on host h2 did not report"):

@@ -13,6 +13,7 @@ time, prefill included. transformers: ``generate`` with a streamer timing each t
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ from pathlib import Path
 from shardline.cli.table import render
 from shardline.errors import ConfigError
 
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+#: Layout name -> (tensor, pipeline, data) parallel sizes.
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
 QUESTION = "Write a long story about a lighthouse keeper and a storm."
 RESULT_MARK = "BENCH-DECODE-RESULT "
 
@@ -59,7 +61,8 @@ def plan(
             raise ConfigError(f"--layouts: {name!r} is not a layout; allowed: {', '.join(LAYOUTS)}")
     cases = []
     for layout in layouts:
-        for communicator in ["-"] if LAYOUTS[layout] == (1, 1) else communicators:
+        tp, pp, _ = LAYOUTS[layout]
+        for communicator in ["-"] if tp * pp == 1 else communicators:
             launcher = communicators.get(communicator)
             cases.append(
                 Case(
@@ -111,7 +114,7 @@ def run_case(case: Case) -> dict:
     from shardline.launch.launchers import launcher_command, launcher_environment
 
     program = ["-m", "shardline.cli.bench_decode", json.dumps(asdict(case))]
-    ranks = LAYOUTS[case.layout][0] * LAYOUTS[case.layout][1]
+    ranks = math.prod(LAYOUTS[case.layout])
     command = (
         [*launcher_command(case.launcher, ranks), *program]
         if case.launcher
@@ -224,15 +227,16 @@ def _find(rows: list[dict], **match) -> dict | None:
 def _measure_shardline(case: Case) -> dict | None:
     from shardline.engine import LLM, SamplingParams
 
-    tp, pp = LAYOUTS[case.layout]
+    tp, pp, dp = LAYOUTS[case.layout]
     overrides = [
         f"model.path={case.model}",
         f"parallel.tensor_parallel_size={tp}",
         f"parallel.pipeline_parallel_size={pp}",
+        f"parallel.data_parallel_size={dp}",
     ]
     if case.communicator != "-":
         overrides.append(f"parallel.communicator={case.communicator}")
-    if tp * pp > 1 and case.launcher is None:
+    if tp * pp * dp > 1 and case.launcher is None:
         overrides.append("parallel.distributed_executor_backend=mp")
     with LLM(overrides=overrides) as llm:
         conversation = [{"role": "user", "content": QUESTION}]

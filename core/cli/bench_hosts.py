@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -272,8 +273,7 @@ def run_decode(
 
 
 def _ranks(case: bench_decode.Case) -> int:
-    tp, pp = bench_decode.LAYOUTS[case.layout]
-    return tp * pp
+    return math.prod(bench_decode.LAYOUTS[case.layout])
 
 
 def _decode_table(rows: list[dict], hosts: int) -> str:

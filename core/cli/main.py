@@ -185,7 +185,9 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
     decode.add_argument("--model", default="smollm2-135m", help="catalog name, GGUF or HF dir")
     decode.add_argument("--tokens", type=int, default=64, help="tokens per request (64)")
     decode.add_argument("--concurrent", type=int, default=16, help="concurrent requests (16)")
-    decode.add_argument("--layouts", default="tp1,tp2,pp2", help="of tp1, tp2, pp2 (all)")
+    decode.add_argument(
+        "--layouts", default="tp1,tp2,pp2", help="of tp1, tp2, pp2, dp2 (2 replicas of tp1)"
+    )
     decode.add_argument(
         "--communicators", default="gloo,mpi,custom_ar", help="for tp2/pp2 (gloo,mpi,custom_ar)"
     )

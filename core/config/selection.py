@@ -227,19 +227,11 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
         communicators.append(choose_communicator(config, registry, field_name, executor, environ))
     return [
         choose_device(config, environ),
-        choose_data_parallel_size(config),
+        choose_data_parallel_size(config, registry, executor),
         *communicators,
         executor,
         choose_model_runner(config, registry),
     ]
-
-
-#: Why the settings that run nothing yet are refused (verdicts shared by the problem and the
-#: alternatives ``shardline explain`` lists).
-DATA_PARALLEL_NOT_IMPLEMENTED = (
-    "the data-parallel groups would be built but nothing uses them: every rank runs the same "
-    "step (data-parallel replicas are not implemented yet)"
-)
 
 
 def choose_device(config: EngineConfig, environ: Mapping[str, str]) -> Decision:
@@ -289,22 +281,35 @@ def ranks_per_host(config: EngineConfig, environ: Mapping[str, str]) -> int:
     return max(1, config.parallel.world_size // config.parallel.nnodes)
 
 
-def choose_data_parallel_size(config: EngineConfig) -> Decision:
-    """``parallel.data_parallel_size``: only 1 runs; more replicas are refused until each
-    replica serves requests of its own."""
+def choose_data_parallel_size(
+    config: EngineConfig, registry: Registry, executor: Decision
+) -> Decision:
+    """``parallel.data_parallel_size``: N replicas of the TP x PP layout, each with ranks of
+    its own started by the executor. A launched world (``external_launcher``) has one
+    engine per process and cannot start replicas: there, more than 1 is refused."""
+    field_name = "parallel.data_parallel_size"
     size = config.parallel.data_parallel_size
-    return _only_implemented("parallel.data_parallel_size", size, 1, DATA_PARALLEL_NOT_IMPLEMENTED)
-
-
-def _only_implemented(field_name: str, value: object, runs: object, why_not: str) -> Decision:
-    """The decision on a setting of which only the value ``runs`` is implemented yet; any
-    other value is a problem naming ``why_not`` and ``runs`` as what is allowed."""
-    if value == runs:
-        alternatives = [(str(runs), "chosen"), ("others", f"not implemented: {why_not}")]
-        return Decision(field_name, str(value), "configured", alternatives)
-    alternatives = [(str(runs), "runs; not selected"), (str(value), "chosen")]
-    problem = f"{field_name} = {echo(value)}: {why_not}; allowed: {runs}"
-    return Decision(field_name, str(value), "configured", alternatives, problem)
+    layout = config.parallel
+    what = (
+        f"{size} replicas x {layout.tensor_parallel_size * layout.pipeline_parallel_size} "
+        "ranks (tp x pp), each replica its own scheduler and KV cache"
+    )
+    if size == 1:
+        return Decision(field_name, "1", "configured", [("1", "chosen: one replica")])
+    launched = False
+    if executor.problem is None:
+        launched = registry.get("executor", executor.chosen, executor.field).load().launched
+    if not launched:
+        return Decision(field_name, str(size), "configured", [(str(size), f"chosen: {what}")])
+    return Decision(
+        field_name,
+        str(size),
+        "configured",
+        [(str(size), "chosen"), ("1", "runs under a launcher")],
+        f"{field_name} = {size}: the executor {executor.chosen!r} runs the ranks a launcher "
+        "started, one engine per process, and cannot start replicas; allowed: 1 here (start "
+        "one job per replica), or an executor that starts its ranks (mp, ray)",
+    )
 
 
 def _choose_auto_communicator(

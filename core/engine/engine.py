@@ -1,13 +1,15 @@
 """The engine: a scheduler feeding an executor, with as many steps in flight as there are
 pipeline stages, and text out of the sampled tokens (incremental detokenization, stop
-strings)."""
+strings). With ``parallel.data_parallel_size`` N, N replicas of the TP x PP layout, each with
+its own ranks (executor), scheduler and KV cache, step side by side; a new request goes to the
+replica with the least outstanding work."""
 
 from __future__ import annotations
 
 import os
 from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,13 +47,52 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-class LLMEngine:
-    """Owns the executor (and through it every rank), the scheduler and the tokenizer.
+class Replica:
+    """One data-parallel replica of the TP x PP layout: its ranks (``executor``), its
+    ``scheduler`` (and so its KV cache), and its steps in flight (one per pipeline stage at
+    most)."""
 
-    ``step`` runs at most one step to completion and returns the outputs that changed; the
-    caller adds requests and steps until nothing is unfinished. Under a launcher every
-    process runs its own engine; they stay identical because scheduling is deterministic
-    and every process gets the same step results.
+    def __init__(self, index: int, executor: Executor, scheduler: Scheduler, depth: int) -> None:
+        self.index = index
+        self.executor = executor
+        self.scheduler = scheduler
+        self.pipeline_depth = depth
+        self.in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
+
+    def fill(self) -> None:
+        """Start steps until every pipeline stage has one or nothing is schedulable."""
+        while len(self.in_flight) < self.pipeline_depth and self.scheduler.has_schedulable():
+            share = None
+            if self.pipeline_depth > 1:
+                unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+                share = max(1, -(-unfinished // self.pipeline_depth))
+            step = self.scheduler.schedule(share)
+            if step.total_num_scheduled_tokens == 0:
+                break
+            self.in_flight.append((step, self.executor.execute_model(step)))
+
+    def outstanding_tokens(self) -> int:
+        """Tokens its unfinished requests still have to compute: prompt tokens not yet in
+        the cache and tokens still to generate (at most ``max_tokens``)."""
+        return sum(
+            len(r.prompt_token_ids)
+            - min(r.num_computed_tokens, len(r.prompt_token_ids))
+            + (0 if r.pooling else max(0, r.sampling.max_tokens - len(r.output_token_ids)))
+            for r in self.scheduler.requests.values()
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
+
+
+class LLMEngine:
+    """Owns the replicas (their executors, and through them every rank), their schedulers
+    and the tokenizer.
+
+    ``step`` runs steps to completion and returns the outputs that changed; the caller adds
+    requests and steps until nothing is unfinished. Under a launcher every process runs its
+    own engine; they stay identical because scheduling is deterministic and every process
+    gets the same step results.
     """
 
     def __init__(
@@ -75,24 +116,52 @@ class LLMEngine:
         self.max_model_len = checked.capacity.max_model_len or _max_model_len(
             loaded, checkpoint.architecture.max_positions
         )
-        self.scheduler = Scheduler(
+        executor_class = registry.get(
+            "executor",
+            config.parallel.distributed_executor_backend,
+            "parallel.distributed_executor_backend",
+        ).load_available()
+        replica_config = config.model_copy(
+            update={"parallel": config.parallel.model_copy(update={"data_parallel_size": 1})}
+        )
+        self.replicas: list[Replica] = []
+        try:
+            for index in range(config.parallel.data_parallel_size):
+                self.replicas.append(
+                    Replica(
+                        index,
+                        executor_class(replica_config),
+                        self._new_scheduler(),
+                        config.parallel.pipeline_parallel_size,
+                    )
+                )
+        except BaseException:
+            self.shutdown()
+            raise
+        self._outputs: dict[str, RequestOutput] = {}
+        self._detokenizers: dict[str, Detokenizer] = {}
+        self._replica_of: dict[str, Replica] = {}
+        self._next_id = 0
+
+    def _new_scheduler(self) -> Scheduler:
+        config = self.config
+        return Scheduler(
             config.scheduler,
             block_size=config.cache.block_size,
             num_blocks=config.cache.num_blocks,
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else set(),
         )
-        executor_class = registry.get(
-            "executor",
-            config.parallel.distributed_executor_backend,
-            "parallel.distributed_executor_backend",
-        ).load_available()
-        self.executor: Executor = executor_class(config)
-        self.pipeline_depth = config.parallel.pipeline_parallel_size
-        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
-        self._outputs: dict[str, RequestOutput] = {}
-        self._detokenizers: dict[str, Detokenizer] = {}
-        self._next_id = 0
+
+    @property
+    def executor(self) -> Executor:
+        """The first replica's executor (the only one unless ``data_parallel_size`` > 1)."""
+        return self.replicas[0].executor
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's scheduler (the only one unless ``data_parallel_size`` > 1)."""
+        return self.replicas[0].scheduler
 
     @property
     def reports_results(self) -> bool:
@@ -105,91 +174,151 @@ class LLMEngine:
         sampling: SamplingParams,
         pooling: str | None = None,
     ) -> RequestOutput:
-        """Queue a request; its output object fills in as steps complete. Raises
-        RequestError for a token id outside the vocabulary (and as the scheduler does)."""
+        """Queue a request on the replica with the least outstanding work (the first of
+        equals); its output object fills in as steps complete. Raises RequestError for a
+        token id outside the vocabulary (and as the scheduler does)."""
         outside = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if outside:
             raise RequestError(
                 f"token id {outside[0]} is outside the vocabulary: ids run from 0 to "
                 f"{self.vocab_size - 1}"
             )
+        replica = min(self.replicas, key=lambda r: (r.outstanding_tokens(), r.index))
         req_id = str(self._next_id)
-        self._next_id += 1
         request = Request(req_id, list(prompt_token_ids), sampling, pooling)
-        self.scheduler.add_request(request)
+        replica.scheduler.add_request(request)
+        self._next_id += 1
         output = RequestOutput(req_id, request.prompt_token_ids)
         self._outputs[req_id] = output
         self._detokenizers[req_id] = Detokenizer(self.tokenizer, sampling.stop)
+        self._replica_of[req_id] = replica
         return output
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._in_flight)
+        return any(replica.has_unfinished() for replica in self.replicas)
 
     def step(self) -> list[tuple[RequestOutput, str]]:
-        """Fill the pipeline with steps (one per stage at most), wait for the oldest, and
+        """Fill every replica's pipeline with steps (one per stage at most), wait for the
+        oldest step of some replica (with several replicas, whichever finishes first), and
         return each changed request's output with the text it gained."""
-        while len(self._in_flight) < self.pipeline_depth and self.scheduler.has_schedulable():
-            share = None
-            if self.pipeline_depth > 1:
-                unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
-                share = max(1, -(-unfinished // self.pipeline_depth))
-            step = self.scheduler.schedule(share)
-            if step.total_num_scheduled_tokens == 0:
-                break
-            self._in_flight.append((step, self.executor.execute_model(step)))
-        if not self._in_flight:
+        for replica in self.replicas:
+            replica.fill()
+        busy = [replica for replica in self.replicas if replica.in_flight]
+        if not busy:
             return []
-        step, pending = self._in_flight.popleft()
-        result = self._wait(pending)
+        ready = busy
+        if len(busy) > 1:
+            oldest = {replica.in_flight[0][1]: replica for replica in busy}
+            done, _ = wait(oldest, timeout=self._step_limit_s(), return_when=FIRST_COMPLETED)
+            if not done:
+                raise self._step_timeout()
+            ready = [oldest[future] for future in done]
         changed = []
-        for request in self.scheduler.update(step, result):
+        for replica in ready:
+            step, pending = replica.in_flight.popleft()
+            changed += self._apply(replica, step, self._wait(pending))
+        return changed
+
+    def _apply(
+        self, replica: Replica, step: SchedulerOutput, result: ModelRunnerOutput | None
+    ) -> list[tuple[RequestOutput, str]]:
+        """A finished step's results into its replica's scheduler and the outputs."""
+        changed = []
+        for request in replica.scheduler.update(step, result):
             output = self._outputs[request.req_id]
             output.token_ids = list(request.output_token_ids)
             detokenizer = self._detokenizers[request.req_id]
             delta, stopped = detokenizer.update(output.token_ids)
             if stopped and not request.finished:
-                self.scheduler.finish(request, "stop")
+                replica.scheduler.finish(request, "stop")
             if request.finished and not stopped:
                 delta += detokenizer.finish(output.token_ids)
             output.text += delta
             if request.finished:
                 output.finish_reason = request.finish_reason
                 output.embedding = request.embedding
-                del self._outputs[request.req_id], self._detokenizers[request.req_id]
+                self._forget(request.req_id)
             changed.append((output, delta))
         return changed
+
+    def _forget(self, req_id: str) -> None:
+        self._outputs.pop(req_id, None)
+        self._detokenizers.pop(req_id, None)
+        self._replica_of.pop(req_id, None)
 
     def abort(self, req_id: str) -> None:
         """Drop one request now (e.g. its client went away): its cache blocks are free for
         the next step, and a step in flight that holds it is read without it. Unknown or
         finished ids are ignored."""
-        self.scheduler.abort(req_id)
-        self._outputs.pop(req_id, None)
-        self._detokenizers.pop(req_id, None)
+        replica = self._replica_of.get(req_id)
+        if replica is not None:
+            replica.scheduler.abort(req_id)
+        self._forget(req_id)
 
     def abort_all(self) -> None:
         """Drop every request (e.g. after a failed step or an interrupt)."""
-        for req_id in list(self.scheduler.requests):
-            self.scheduler.abort(req_id)
-        self._in_flight.clear()
+        for replica in self.replicas:
+            for req_id in list(replica.scheduler.requests):
+                replica.scheduler.abort(req_id)
+            replica.in_flight.clear()
         self._outputs.clear()
         self._detokenizers.clear()
+        self._replica_of.clear()
+
+    def check_health(self) -> None:
+        """Raise as the executors do when a rank of any replica is gone."""
+        for replica in self.replicas:
+            replica.executor.check_health()
+
+    def load(self) -> EngineLoad:
+        """Requests waiting and running, and KV-cache blocks used and in all, over the
+        replicas."""
+        schedulers = [replica.scheduler for replica in self.replicas]
+        return EngineLoad(
+            waiting=sum(len(s.waiting) for s in schedulers),
+            running=sum(len(s.running) for s in schedulers),
+            blocks_used=sum(s.blocks.num_used for s in schedulers),
+            blocks_total=sum(s.blocks.num_blocks for s in schedulers),
+        )
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Shut every replica's executor down (all of them, even when one fails)."""
+        failures = []
+        for replica in self.replicas:
+            try:
+                replica.executor.shutdown()
+            except Exception as error:
+                failures.append(error)
+        if failures:
+            raise failures[0]
+
+    def _step_limit_s(self) -> float:
+        return self.config.parallel.timeout_s + STEP_GRACE_S
+
+    def _step_timeout(self) -> CommTimeoutError:
+        return CommTimeoutError(
+            f"execute_model: no result from the output rank within {self._step_limit_s():g} s",
+            op="execute_model",
+        )
 
     def _wait(self, pending: Future[ModelRunnerOutput | None]) -> ModelRunnerOutput | None:
-        limit = self.config.parallel.timeout_s + STEP_GRACE_S
         try:
-            return pending.result(timeout=limit)
+            return pending.result(timeout=self._step_limit_s())
         except FutureTimeout:
             if pending.done():
                 # The step's own CommTimeoutError (a TimeoutError too): keep its diagnosis.
                 raise
-            raise CommTimeoutError(
-                f"execute_model: no result from the output rank within {limit:g} s",
-                op="execute_model",
-            ) from None
+            raise self._step_timeout() from None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now, over all replicas."""
+
+    waiting: int
+    running: int
+    blocks_used: int
+    blocks_total: int
 
 
 def _max_model_len(loaded: LoadedConfig, model_positions: int) -> int:

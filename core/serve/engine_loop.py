@@ -101,7 +101,7 @@ class EngineLoop:
         self._failure: str | None = None  # why the engine is down; None while it serves
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="shardline-engine", daemon=True)
-        metrics.kv_blocks_total.set(self.engine.scheduler.blocks.num_blocks)
+        metrics.kv_blocks_total.set(self.engine.load().blocks_total)
 
     def start(self) -> None:
         self._thread.start()
@@ -145,7 +145,7 @@ class EngineLoop:
                 return False
             engine = self.engine
         try:
-            engine.executor.check_health()
+            engine.check_health()
         except Exception:
             return False
         return True
@@ -178,7 +178,7 @@ class EngineLoop:
                     for output, delta in changed:
                         self._deliver(output, delta, now)
                 else:
-                    self.engine.executor.check_health()
+                    self.engine.check_health()
                 self._publish()
             except Exception as error:
                 if not self._restart(error):
@@ -210,7 +210,7 @@ class EngineLoop:
             ticket.req_id = output.req_id
             self._active[output.req_id] = ticket
             self.metrics.prompt_tokens.inc(len(ticket.prompt_token_ids))
-        self._num_waiting = len(self.engine.scheduler.waiting)
+        self._num_waiting = self.engine.load().waiting
 
     def _deliver(self, output: RequestOutput, delta: str, now: float) -> None:
         """Hand one request's gains of a step to its handler; time its tokens."""
@@ -235,13 +235,13 @@ class EngineLoop:
             )
 
     def _publish(self) -> None:
-        scheduler = self.engine.scheduler
+        load = self.engine.load()
         with self._cond:
-            self._num_waiting = len(scheduler.waiting)
+            self._num_waiting = load.waiting
             waiting = self._num_waiting + len(self._inbox)
-        self.metrics.requests_running.set(len(scheduler.running))
+        self.metrics.requests_running.set(load.running)
         self.metrics.requests_waiting.set(waiting)
-        self.metrics.kv_blocks_used.set(scheduler.blocks.num_used)
+        self.metrics.kv_blocks_used.set(load.blocks_used)
 
     def _restart(self, error: Exception) -> bool:
         """After a failed step or a dead rank: fail every open request, start a new engine
