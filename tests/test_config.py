@@ -147,6 +147,23 @@ def test_capability_mismatch_is_refused_with_the_alternatives():
     )
 
 
+def test_a_replicas_config_describes_its_own_world():
+    overrides = ["parallel.data_parallel_size=3", "parallel.tensor_parallel_size=2"]
+    parallel = load_config(overrides=overrides, environ={}).config.parallel
+    assert (parallel.world_size, parallel.worlds_side_by_side) == (6, 1)
+    replica = parallel.replica(2)
+    assert (replica.world_size, replica.worlds_side_by_side) == (2, 3)
+    assert replica.layout.data_parallel_size == 1
+    with pytest.raises(ValueError, match=r"data_parallel_rank = 3: allowed: 0..2"):
+        parallel.replica(3)
+    with pytest.raises(ConfigError, match="the engine sets it in each replica's config"):
+        check_config(
+            load_config(overrides=["parallel.data_parallel_rank=0"], environ={}),
+            Registry.load(),
+            {},
+        )
+
+
 def test_data_parallel_replicas_are_refused_only_under_a_launcher():
     torchrun = {
         "TORCHELASTIC_RUN_ID": "x",

@@ -3,9 +3,12 @@ tokens with chunked prefill, preemption and concurrent requests, under uni, TP=2
 (two batches in flight); ``LLM.embed`` gives transformers' final hidden states pooled (last
 token, mean) through the runner's pool step, under the same layouts."""
 
+import os
+
 import pytest
 import torch
 
+from shardline.comm.waiting import host_cores
 from shardline.engine import LLM, SamplingParams
 from shardline.errors import RequestError
 from support.memory_probe import bytes_held
@@ -85,6 +88,10 @@ def _rank(worker):
     return worker.rank
 
 
+def _threads(worker):
+    return torch.get_num_threads()
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
 def test_data_parallel_replicas_share_the_requests_and_give_the_same_tokens(
     tiny_llama_dir, reference, tp
@@ -108,6 +115,12 @@ def test_data_parallel_replicas_share_the_requests_and_give_the_same_tokens(
         assert [sorted(r.executor.collective_rpc(_rank)) for r in engine.replicas] == [
             list(range(tp))
         ] * 2
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Every rank of both replicas shares the host's cores: 2 x tp ranks here.
+            share = max(1, host_cores() // (2 * tp))
+            assert {t for r in engine.replicas for t in r.executor.collective_rpc(_threads)} == {
+                share
+            }
         embeddings = llm.embed(PROMPTS)
     for got, want in zip(embeddings, _expected_embeddings(hidden, "last"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -134,6 +134,7 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     )
     _add_bench_comm(bench)
     _add_bench_decode(bench)
+    _add_bench_serve(bench)
 
 
 def _add_bench_comm(bench: argparse._SubParsersAction) -> None:
@@ -197,6 +198,86 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
     decode.add_argument("--timeout", type=float, default=600.0, help="per case (s)")
     _add_across_hosts(decode)
     decode.add_argument("--json", help="write the results here")
+
+
+def _add_bench_serve(bench: argparse._SubParsersAction) -> None:
+    serve = bench.add_parser(
+        "serve",
+        help="load a running OpenAI-compatible server: TTFT, TPOT, ITL, E2E and throughput",
+        description="Send streamed requests to a running OpenAI-compatible server (shardline "
+        "serve, vLLM, ...) over HTTP, arriving as a Poisson process, and report request and "
+        "token throughput and the mean and p50/p90/p99 of time to first token, time per "
+        "output token, inter-token latency and end-to-end latency. Exit code 1 when a "
+        "request failed.",
+    )
+    serve.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="the server (default http://127.0.0.1:8000; a trailing /v1 is fine)",
+    )
+    serve.add_argument(
+        "--model", metavar="NAME", help="model to ask for (default: the first of GET /v1/models)"
+    )
+    serve.add_argument(
+        "--api-key", metavar="KEY", help="sent as a bearer token (default: $OPENAI_API_KEY)"
+    )
+    serve.add_argument(
+        "-n", "--num-requests", type=int, metavar="N", default=64, help="requests (64)"
+    )
+    serve.add_argument(
+        "--dataset",
+        default="random",
+        metavar="random|chat",
+        help="random (default): --input-len random token ids as a /v1/completions prompt; "
+        "chat: 20 built-in questions to /v1/chat/completions",
+    )
+    serve.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        metavar="TOKENS",
+        help="prompt tokens of the random dataset (128)",
+    )
+    serve.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        metavar="V",
+        help="random token ids are below this; at most the model's vocabulary (32000)",
+    )
+    serve.add_argument(
+        "--output-len",
+        type=int,
+        default=64,
+        metavar="TOKENS",
+        help="max_tokens of every request (64), sent with ignore_eos: exactly this many where "
+        "the server honours it (vLLM); Shardline ignores it and may stop early at end of text",
+    )
+    serve.add_argument(
+        "--request-rate",
+        default="inf",
+        metavar="R",
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    serve.add_argument(
+        "--max-concurrency",
+        type=int,
+        metavar="C",
+        help="at most C requests open at once (default: no limit)",
+    )
+    serve.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed of prompts and arrivals (0)"
+    )
+    serve.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds one request may take (600)",
+    )
+    serve.add_argument(
+        "--json", metavar="FILE", help="write the summary and every request's record here"
+    )
 
 
 def _add_run_command(commands: argparse._SubParsersAction) -> None:
@@ -355,6 +436,10 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         return faults_cmd.run(args)
     if args.command == "bench" and args.bench_command == "decode":
         return _bench_decode(args)
+    if args.command == "bench" and args.bench_command == "serve":
+        from shardline.cli import bench_serve
+
+        return bench_serve.run(bench_serve.settings_from(args), args.json)
     if args.command == "bench":
         settings = bench_cmd.settings_from(args)
         if args.across_hosts is not None:

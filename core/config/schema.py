@@ -110,6 +110,11 @@ class ParallelConfig(Section):
     external_data_parallel_size: ParallelSize = Field(
         default=1, description="replicas driven by separate engines"
     )
+    data_parallel_rank: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = Field(
+        default=None,
+        description="set by the engine, not by users: this config is the world of replica "
+        "data_parallel_rank of data_parallel_size (its layout has one replica); None: the job",
+    )
     nnodes: ParallelSize = Field(default=1, description="hosts the ranks run on")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="device of the tensors")
     distributed_executor_backend: Name = Field(
@@ -145,6 +150,16 @@ class ParallelConfig(Section):
     )
 
     @model_validator(mode="after")
+    def _replica_rank_in_range(self) -> ParallelConfig:
+        rank = self.data_parallel_rank
+        if rank is not None and rank >= self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank = {rank}: allowed: 0..{self.data_parallel_size - 1} "
+                f"(data_parallel_size = {self.data_parallel_size})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _bounded_world(self) -> ParallelConfig:
         if self.world_size > MAX_WORLD_SIZE:
             raise ValueError(
@@ -160,14 +175,27 @@ class ParallelConfig(Section):
         return ParallelLayout(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size,
+            data_parallel_size=1
+            if self.data_parallel_rank is not None
+            else self.data_parallel_size,
             external_data_parallel_size=self.external_data_parallel_size,
         )
 
     @property
     def world_size(self) -> int:
-        """Ranks in all: tensor x pipeline x data x external data parallel sizes."""
+        """Ranks in this world: tensor x pipeline x data x external data parallel sizes (one
+        replica's when ``data_parallel_rank`` is set)."""
         return self.layout.world_size
+
+    @property
+    def worlds_side_by_side(self) -> int:
+        """How many worlds like this one the job runs at once (``data_parallel_size`` for a
+        replica's config, else 1): a rank's share of the host's cores counts them all."""
+        return self.data_parallel_size if self.data_parallel_rank is not None else 1
+
+    def replica(self, index: int) -> ParallelConfig:
+        """The config of data-parallel replica ``index``'s world."""
+        return type(self).model_validate({**self.model_dump(), "data_parallel_rank": index})
 
 
 class ServeConfig(Section):

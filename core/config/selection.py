@@ -396,6 +396,12 @@ def check_config(
         for d in decisions
         if is_error(d, config, starts_here)
     ]
+    if config.parallel.data_parallel_rank is not None:
+        problems.append(
+            f"{loaded.source_of('parallel.data_parallel_rank')}: parallel.data_parallel_rank = "
+            f"{config.parallel.data_parallel_rank}: the engine sets it in each replica's config; "
+            "allowed: leave it unset"
+        )
     if config.parallel.world_size % config.parallel.nnodes:
         problems.append(
             f"{loaded.source_of('parallel.nnodes')}: parallel.nnodes = {config.parallel.nnodes}: "

@@ -121,12 +121,12 @@ class LLMEngine:
             config.parallel.distributed_executor_backend,
             "parallel.distributed_executor_backend",
         ).load_available()
-        replica_config = config.model_copy(
-            update={"parallel": config.parallel.model_copy(update={"data_parallel_size": 1})}
-        )
         self.replicas: list[Replica] = []
         try:
             for index in range(config.parallel.data_parallel_size):
+                replica_config = config.model_copy(
+                    update={"parallel": config.parallel.replica(index)}
+                )
                 self.replicas.append(
                     Replica(
                         index,

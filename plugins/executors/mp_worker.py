@@ -41,7 +41,7 @@ def worker_main(
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_beating(heartbeats, rank)
-    share_cores(world_size)
+    share_cores(world_size * config.parallel.worlds_side_by_side)
     segments = [calls.name, replies.name, heartbeats]
     threading.Thread(target=_exit_with_parent, args=(parent_pid, segments), daemon=True).start()
     doorbell = multiprocessing.connection.Connection(doorbell_fd, writable=False)
