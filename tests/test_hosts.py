@@ -7,6 +7,7 @@ import json
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,11 @@ def test_taking_hosts_down_kills_everything_in_them_and_removes_them():
     h1 = made.host("h1")
     sleeper = subprocess.Popen(h1.command(["sleep", "600"]))
     try:
+        # The process joins the host once nsenter has entered its namespaces (a moment on
+        # a loaded machine).
+        deadline = time.monotonic() + 10
+        while h1.started() != [sleeper.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert h1.started() == [sleeper.pid]
         made.down()
         assert sleeper.wait(5) == -9
