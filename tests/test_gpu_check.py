@@ -20,7 +20,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     model = add_tiny_tokenizer(write_tiny_llama(tmp_path / "model", max_position_embeddings=1024))
     out = tmp_path / "out"
     options = ["--device", "cpu", "--model", str(model), "--tokens", "8", "--concurrent", "2"]
-    options += ["--dtypes", "float32,bfloat16"]
+    options += ["--dtypes", "float32"]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out), *options],
         capture_output=True,
@@ -34,19 +34,15 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert "nccl unavailable" in rows["nccl suite"]["detail"]
     assert rows["tokens float32 tp1"]["status"] == "passed"
     assert rows["tokens float32 tp1"]["detail"] == "3/3 equal"
-    assert rows["tokens bfloat16 tp1"]["status"] in {"equal", "differs"}
-    for dtype in ("float32", "bfloat16"):
-        for kind in ("batch-1", "2 concurrent"):
-            speed = rows[f"decode {dtype} tp1 {kind} tok/s"]
-            assert speed["status"] == "ok"
-            assert float(speed["shardline"]) > 0 and float(speed["transformers"]) > 0
-        assert rows[f"peak device memory {dtype} tp1"]["shardline"] == "-"
+    for kind in ("batch-1", "2 concurrent"):
+        speed = rows[f"decode float32 tp1 {kind} tok/s"]
+        assert speed["status"] == "ok"
+        assert float(speed["shardline"]) > 0 and float(speed["transformers"]) > 0
+    assert rows["peak device memory float32 tp1"]["shardline"] == "-"
     assert set(report["parts"]) == {
         "nccl suite",
         "shardline float32 tp1",
         "transformers float32",
-        "shardline bfloat16 tp1",
-        "transformers bfloat16",
     }
     assert report["passed"] is True
     assert report["environment"]["device"] == "cpu"
