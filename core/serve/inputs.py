@@ -140,6 +140,7 @@ def sampling_params(
         seed=secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed,
         max_tokens=max_tokens,
         stop=tuple(stop),
+        ignore_eos=body.ignore_eos,
     )
 
 

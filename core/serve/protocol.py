@@ -35,6 +35,8 @@ class _Generation(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    #: Not OpenAI's: vLLM's extension, which benchmarks send to get exactly max_tokens tokens.
+    ignore_eos: bool = False
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
