@@ -5,10 +5,11 @@ measured.
 ``--num-requests`` requests arrive as a Poisson process at ``--request-rate`` per second (inf:
 all at once), at most ``--max-concurrency`` of them open at a time. Every request streams
 (``stream_options.include_usage``) ``max_tokens = --output-len`` greedy tokens with
-``ignore_eos`` (honoured by servers that know it, such as vLLM; ignored by Shardline's, which
-may end a request early at end-of-sequence). Per request: TTFT (sent to the first chunk with
-text), ITL (the gaps between successive chunks with text), E2E (sent to the end of the
-stream), TPOT ((E2E - TTFT) / (output tokens - 1)) and the tokens its ``usage`` reports.
+``ignore_eos`` (vLLM's extension, which Shardline's server honours too: exactly that many
+tokens; a server without it may end a request early at end-of-sequence). Per request: TTFT
+(sent to the first chunk with text), ITL (the gaps between successive chunks with text), E2E
+(sent to the end of the stream), TPOT ((E2E - TTFT) / (output tokens - 1)) and the tokens its
+``usage`` reports.
 Throughputs count the successful requests over the run's duration (first request sent to last
 one ended).
 """

@@ -251,7 +251,7 @@ def _add_bench_serve(bench: argparse._SubParsersAction) -> None:
         default=64,
         metavar="TOKENS",
         help="max_tokens of every request (64), sent with ignore_eos: exactly this many where "
-        "the server honours it (vLLM); Shardline ignores it and may stop early at end of text",
+        "the server honours it (shardline serve, vLLM)",
     )
     serve.add_argument(
         "--request-rate",

@@ -1,0 +1,85 @@
+"""A ``shardline serve`` process as tests drive it: on a free port, its address read from its
+banner, stopped with SIGTERM and every rank process checked gone."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from shardline.conformance.executors.checks import alive, wait_gone
+from support.cli import ROOT, SHARDLINE
+
+#: Seconds a server may take to print its banner.
+START_S = 90.0
+
+
+class Server:
+    """A ``shardline serve`` process on a free port (``--port 0``; the address is read from
+    its banner), stopped with SIGTERM at the end."""
+
+    def __init__(self, log: Path, overrides: list[str], *flags: str) -> None:
+        command = [SHARDLINE, "serve", "--port", "0", *flags]
+        for item in overrides:
+            command += ["--set", item]
+        self.log = log
+        self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=self._log_file, cwd=ROOT
+        )
+        self.url = self._wait_for_banner()
+
+    def _wait_for_banner(self) -> str:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            found = re.search(r"at (http://\S+)/v1 ", self.log.read_text())
+            if found:
+                return found.group(1)
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"the server did not start:\n{self.log.read_text()}")
+
+    def workers(self) -> list[int]:
+        """Live rank processes of this server (rank order)."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            rank = re.search(r"shardline-worker-(\d+)", command)
+            if rank and int(fields[1]) == self.process.pid and fields[0] != "Z":
+                found[int(rank.group(1))] = int(entry.name)
+        return [found[r] for r in sorted(found)]
+
+    def stop(self) -> None:
+        workers = self.workers()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        left = wait_gone(workers, 5.0)
+        for pid in alive(left):
+            os.kill(pid, signal.SIGKILL)
+        self._log_file.close()
+        assert left == [], f"workers {left} outlived the server"
+
+    def metric(self, name: str, labels: str = "", key: str | None = None) -> float:
+        """One sample of GET /metrics (0 when it is not there yet)."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
+        found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
