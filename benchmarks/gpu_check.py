@@ -164,10 +164,8 @@ def transformers_part(args: argparse.Namespace) -> dict:
     (Shardline's tokenizer and chat template), batch-1 decode tokens/s timed by a streamer,
     and ``args.concurrent`` prompts as one left-padded batched ``generate``."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
 
-    from shardline.cli.bench_decode import QUESTION
+    from shardline.cli.bench_decode import QUESTION, load_transformers, token_stamps
     from shardline.weights import load_tokenizer, open_checkpoint
 
     device = torch.device(args.device)
@@ -179,13 +177,7 @@ def transformers_part(args: argparse.Namespace) -> dict:
             tokenizer.apply_chat_template([{"role": "user", "content": question}])
         )
 
-    path = Path(args.model)
-    dtype = getattr(torch, args.dtype)
-    if path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    model = model.to(device)
+    model = load_transformers(args.model, getattr(torch, args.dtype)).to(device)
 
     answers = []
     for question in QUESTIONS:
@@ -193,18 +185,8 @@ def transformers_part(args: argparse.Namespace) -> dict:
         out = model.generate(ids, max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=pad)
         answers.append(out[0, ids.shape[1] :].tolist())
 
-    class Stamps(BaseStreamer):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
     fixed = {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "do_sample": False}
-    stamps = Stamps()
+    stamps = token_stamps()
     model.generate(
         torch.tensor([prompt(QUESTION)], device=device), streamer=stamps, pad_token_id=pad, **fixed
     )

@@ -17,6 +17,7 @@ import pytest
 from shardline.conformance.executors.checks import alive, mapped_segments, wait_gone
 from support.cli import SHARDLINE
 from support.fake_plugins import install_plugin
+from support.processes import child_commands
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,18 +51,7 @@ if os.environ.get("STALL_STARTUP") == "1":
 
 def _children(pid: int, name: str) -> list[int]:
     """Live children of ``pid`` whose command line mentions ``name``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z" and name in command:
-            found.append(int(entry.name))
-    return found
+    return [child for child, command in child_commands(pid).items() if name in command]
 
 
 def _wait_for(condition, seconds: float, what: str):

@@ -261,10 +261,39 @@ def _measure_shardline(case: Case) -> dict | None:
         }
 
 
+def load_transformers(path: str, dtype):
+    """HF transformers' model of ``path``: an HF directory or a GGUF file (dequantized by
+    transformers), in torch dtype ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    location = Path(path)
+    if location.is_dir():
+        return AutoModelForCausalLM.from_pretrained(location, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(
+        location.parent, gguf_file=location.name, dtype=dtype
+    )
+
+
+def token_stamps():
+    """A streamer for transformers' ``generate`` that records when each ``put`` comes
+    (``.times``; the first put is the prompt)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class TokenStamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    return TokenStamps()
+
+
 def _measure_transformers(case: Case) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
 
     from shardline.catalog import resolve_model_path
     from shardline.weights import load_tokenizer, open_checkpoint
@@ -275,27 +304,11 @@ def _measure_transformers(case: Case) -> dict:
     prompt = tokenizer.encode(
         tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     )
-    location = Path(path)
-    if location.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            location.parent, gguf_file=location.name, dtype=torch.float32
-        )
-
-    class Stamps(BaseStreamer):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
+    model = load_transformers(path, torch.float32)
 
     ids = torch.tensor([prompt])
     model.generate(ids, max_new_tokens=4, do_sample=False)
-    stamps = Stamps()
+    stamps = token_stamps()
     model.generate(
         ids,
         max_new_tokens=case.tokens,

@@ -21,7 +21,7 @@ from shardline.config.capacity import (
 from shardline.config.loader import LoadedConfig
 from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError, echo
-from shardline.launch.launcher_env import LaunchedRank, detect_launcher
+from shardline.launch.launcher_env import detect_launcher
 from shardline.registry import Component, Registry
 
 
@@ -226,7 +226,7 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
             continue
         communicators.append(choose_communicator(config, registry, field_name, executor, environ))
     return [
-        choose_device(config, environ),
+        choose_device(config, registry, executor, environ),
         choose_data_parallel_size(config, registry, executor),
         *communicators,
         executor,
@@ -234,15 +234,18 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
     ]
 
 
-def choose_device(config: EngineConfig, environ: Mapping[str, str]) -> Decision:
+def choose_device(
+    config: EngineConfig, registry: Registry, executor: Decision, environ: Mapping[str, str]
+) -> Decision:
     """``parallel.device``: ``cpu`` always runs; ``cuda`` where this host has a CUDA build of
-    torch and a device for each of its ranks (rank ``r`` uses ``cuda:{local rank}``)."""
+    torch and a device for each of its ranks (rank ``r`` uses ``cuda:{local rank}``; the
+    ranks here as ``executor`` places them)."""
     field_name = "parallel.device"
     if config.parallel.device == "cpu":
         return Decision(
             field_name, "cpu", "configured", [("cpu", "chosen"), ("cuda", "not selected")]
         )
-    problem = _cuda_problem(config, environ)
+    problem = _cuda_problem(config, registry, executor, environ)
     if problem is None:
         return Decision(
             field_name, "cuda", "configured", [("cuda", "chosen"), ("cpu", "not selected")]
@@ -256,14 +259,19 @@ def choose_device(config: EngineConfig, environ: Mapping[str, str]) -> Decision:
     )
 
 
-def _cuda_problem(config: EngineConfig, environ: Mapping[str, str]) -> str | None:
+def _cuda_problem(
+    config: EngineConfig, registry: Registry, executor: Decision, environ: Mapping[str, str]
+) -> str | None:
     """Why this host cannot give each of its ranks a CUDA device, or None."""
     import torch
 
     if not torch.cuda.is_available():
         build = "" if torch.version.cuda else f"; torch {torch.__version__} is a CPU build"
         return f"this host has no CUDA device (torch.cuda.is_available() is False{build})"
-    ranks = ranks_per_host(config, environ)
+    if executor.problem is not None:
+        return None  # the executor's own problem is reported; the ranks here are unknown
+    executor_class = registry.get("executor", executor.chosen, executor.field).load()
+    ranks = len(ranks_on_this_host(config, executor_class, environ).ranks)
     count = torch.cuda.device_count()
     if ranks > count:
         return (
@@ -271,14 +279,6 @@ def _cuda_problem(config: EngineConfig, environ: Mapping[str, str]) -> str | Non
             f"this host has {count}"
         )
     return None
-
-
-def ranks_per_host(config: EngineConfig, environ: Mapping[str, str]) -> int:
-    """The ranks on this host: its launcher's local world, else an even share of the world
-    over ``parallel.nnodes`` hosts."""
-    if detect_launcher(environ) is not None:
-        return LaunchedRank.from_environ(environ).local_world_size
-    return max(1, config.parallel.world_size // config.parallel.nnodes)
 
 
 def choose_data_parallel_size(

@@ -14,6 +14,7 @@ import httpx
 
 from shardline.conformance.executors.checks import alive, wait_gone
 from support.cli import ROOT, SHARDLINE
+from support.processes import child_commands
 
 #: Seconds a server may take to print its banner.
 START_S = 90.0
@@ -49,17 +50,10 @@ class Server:
     def workers(self) -> list[int]:
         """Live rank processes of this server (rank order)."""
         found = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
+        for child, command in child_commands(self.process.pid).items():
             rank = re.search(r"shardline-worker-(\d+)", command)
-            if rank and int(fields[1]) == self.process.pid and fields[0] != "Z":
-                found[int(rank.group(1))] = int(entry.name)
+            if rank:
+                found[int(rank.group(1))] = child
         return [found[r] for r in sorted(found)]
 
     def stop(self) -> None:
