@@ -54,7 +54,8 @@ class RequestError(ShardlineError, ValueError):
 
 
 class HostsError(ShardlineError, RuntimeError):
-    """Simulated hosts cannot be made here (no root, no ``ip``), or making them failed."""
+    """Simulated hosts cannot be made here (no root, no ``ip``), making them failed, or what
+    an executor brings up on hosts (``Executor.prepare_hosts``) did not start."""
 
 
 class PluginError(ShardlineError):

@@ -1,23 +1,19 @@
 """The ray executor: where ranks go (pure placement rules); transformers' greedy tokens under
 TP=2 and TP=2 x PP=2 on a Ray instance the module shares; a Ray instance the executor starts
 itself and stops, leaving nothing; a killed actor failing the step; without ray, the reason
-it is unavailable; and a two-host Ray cluster on simulated hosts (``ray start --head`` in one,
-``ray start --address`` in the other): TP=2 with one rank on each host, and TP=2 inside each
-host x PP=2 across them, then nothing left in either host. The executor contract itself is
+it is unavailable; and a two-host Ray cluster on simulated hosts (the executor's own
+``prepare_hosts``: ``ray start --head`` in one, ``ray start --address`` in the other): TP=2
+with one rank on each host, and TP=2 inside each host x PP=2 across them, then nothing left
+in either host. The executor contract itself is
 checked by the executor conformance suite (tests/test_executor_conformance.py)."""
 
 import contextlib
 import importlib.util
 import json
 import os
-import queue
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,6 +26,7 @@ from shardline.errors import PeerLostError
 from shardline.launch import hosts as simulated
 from shardline.launch.launchers import launcher_environment
 from shardline.registry import Registry
+from shardline_ray.cluster import HEAD_PORT
 from shardline_ray.placement import Node, bundles, groups_across_nodes, place_ranks
 from support.cli import ROOT
 from support.greedy_driver import GREEDY_TOKENS, run_script
@@ -192,92 +189,24 @@ def test_without_a_cluster_the_executor_starts_a_ray_instance_and_stops_it(
 
 # ---- a Ray cluster of two simulated hosts ---------------------------------------------------
 
-RAY = str(Path(sys.executable).with_name("ray"))
-RAY_PORT = 6390
-
-
-def _ray_node(host, options, environ, deadline_s=90.0):
-    """``ray start --block OPTIONS`` inside ``host``, once Ray says it runs (SIGTERM ends it
-    and every process it started)."""
-    process = subprocess.Popen(
-        host.command([RAY, "start", "--block", "--disable-usage-stats", "--num-cpus=2", *options]),
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.SimpleQueue = queue.SimpleQueue()
-
-    def read() -> None:  # all along, so that the node never blocks on a full pipe
-        for line in process.stdout:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    output = [""]
-    deadline = time.monotonic() + deadline_s
-    while "Ray runtime started" not in output[-1]:
-        try:
-            output.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
-        except queue.Empty:
-            output.append("(no word within the deadline)")
-        if output[-1] in ("", "(no word within the deadline)"):
-            _stop(process)
-            raise AssertionError(f"ray start in {host.name} failed:\n{''.join(output)[-3000:]}")
-    return process
-
-
-def _stop(process):
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """Two simulated hosts, a Ray head in h1 and a Ray worker node in h2, with token
-    authentication (a token of the test's own, in every node's and the driver's environment);
-    yields the hosts and the driver's environment. Afterwards the nodes are stopped, the
-    worker first (as ``ray stop`` would be run: its agents report to the head before they
-    leave), and nothing may be left in either host."""
+    """Two simulated hosts with the Ray executor's cluster on them (the head in h1, a worker
+    node in h2: :func:`shardline_ray.cluster.cluster_on`); yields the hosts and the driver's
+    environment. Once the cluster is stopped, nothing may be left in either host."""
     if RAY_MISSING:
         pytest.skip("the ray package is not installed")
     if simulated.unavailable_reason() is not None:
         pytest.skip(simulated.unavailable_reason())
-    folder = tempfile.mkdtemp(prefix="shardline-ray-")
-    with simulated.SimulatedHosts.up(2) as hosts, contextlib.ExitStack() as nodes:
-        h1, h2 = hosts.hosts
-        environ = {
-            **launcher_environment(),
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": secrets.token_hex(32),
-        }
-        environ.pop("RAY_ADDRESS", None)
-        head = _ray_node(
-            h1,
-            ["--head", f"--port={RAY_PORT}", f"--node-ip-address={h1.address}",
-             f"--temp-dir={folder}", "--include-dashboard=false"],
-            environ,
-        )  # fmt: skip
-        nodes.callback(_stop_node, head, h1)
-        worker = _ray_node(
-            h2, [f"--address={h1.address}:{RAY_PORT}", f"--node-ip-address={h2.address}"], environ
-        )
-        nodes.callback(_stop_node, worker, h2)
-        environ["RAY_ADDRESS"] = f"{h1.address}:{RAY_PORT}"
-        environ["PYTHONPATH"] = f"{TESTS}:{environ['PYTHONPATH']}"
-        yield hosts, environ
-    shutil.rmtree(folder, ignore_errors=True)
+    from shardline_ray.executor import RayExecutor
 
-
-def _stop_node(process, host):
-    _stop(process)
-    left = wait_gone(host.started(), 30.0)
-    assert left == [], f"left in {host.name}: {[_command(pid) for pid in left]}"
+    with simulated.SimulatedHosts.up(2) as hosts:
+        with RayExecutor.prepare_hosts(hosts.hosts, launcher_environment()) as environ:
+            environ["PYTHONPATH"] = f"{TESTS}:{environ['PYTHONPATH']}"
+            yield hosts, environ
+        left = {host.name: [_command(pid) for pid in host.started()] for host in hosts.hosts}
+    assert left == {"h1": [], "h2": []}
 
 
 @needs_ray
@@ -311,7 +240,7 @@ def test_a_two_host_ray_cluster_gives_transformers_tokens(
     report = json.loads(driver.stdout.splitlines()[-1])
     assert report["tokens"] == tiny_llama_greedy
     assert report["hosts"] == hosts_by_rank
-    assert report["connection"] == f"the Ray cluster at {h1.address}:{RAY_PORT} (RAY_ADDRESS)"
+    assert report["connection"] == f"the Ray cluster at {h1.address}:{HEAD_PORT} (RAY_ADDRESS)"
     assert wait_gone(report["ranks"], 5.0) == []
 
 

@@ -3,7 +3,7 @@
 from shardline.interfaces.capabilities import Capabilities
 from shardline.interfaces.communicator import Communicator, ReduceOp
 from shardline.interfaces.communicator_backend import CommunicatorBackend, Rendezvous
-from shardline.interfaces.executor import Executor
+from shardline.interfaces.executor import Executor, Host
 from shardline.interfaces.intermediate import IntermediateTensors
 from shardline.interfaces.model_runner import ModelPlan, ModelRunner, RankMemory
 from shardline.interfaces.step import (
@@ -21,6 +21,7 @@ __all__ = [
     "Communicator",
     "CommunicatorBackend",
     "Executor",
+    "Host",
     "IntermediateTensors",
     "ModelPlan",
     "ModelRunner",

@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from shardline.interfaces.step import ModelRunnerOutput, SchedulerOutput
+
+
+class Host(Protocol):
+    """A host an executor may start processes in (see :meth:`Executor.prepare_hosts`): its
+    ``name`` (its hostname) and ``address`` (the one the other hosts reach it at);
+    ``command(argv)`` is ``argv`` made to run inside it, and ``started()`` the pids of the
+    processes started in it. Simulated hosts (``shardline hosts``) are such hosts."""
+
+    name: str
+    address: str
+
+    def command(self, argv: Sequence[str]) -> list[str]: ...
+
+    def started(self) -> list[int]: ...
 
 
 class Executor(abc.ABC):
@@ -49,6 +64,10 @@ class Executor(abc.ABC):
     - **Errors.** An exception in a rank reaches the caller as ``WorkerError`` (rank, type,
       message, traceback, and ``origin``: the exception itself when it is one of
       Shardline's typed errors).
+
+    An executor that places ranks through a cluster manager of its own (Ray's nodes, say)
+    says how to bring one up on given hosts with :meth:`prepare_hosts`, so that harnesses
+    (``shardline faults --across-hosts``) can run its driver over hosts they made.
     """
 
     max_world_size: int | None = None
@@ -63,6 +82,20 @@ class Executor(abc.ABC):
         on which address, and whether other hosts can reach it), for ``shardline explain``.
         Nothing is started."""
         return "not described by this executor"
+
+    @classmethod
+    def prepare_hosts(
+        cls, hosts: Sequence[Host], environ: Mapping[str, str]
+    ) -> contextlib.AbstractContextManager[dict[str, str]]:
+        """A context manager that brings up on ``hosts`` what this executor's driver needs to
+        place ranks on every one of them (a cluster manager's daemons: the leader in
+        ``hosts[0]``), started with ``environ`` (the ranks inherit it), and yields the
+        environment of a driver run inside ``hosts[0]`` with ``parallel.nnodes`` =
+        ``len(hosts)``. Leaving it stops all it started there and waits (bounded) until those
+        processes have ended. Raises ``HostsError`` naming the host when something cannot
+        start. The default brings up nothing and yields ``environ``. For harnesses only: the
+        engine never calls it."""
+        return contextlib.nullcontext(dict(environ))
 
     @property
     def reports_results(self) -> bool:

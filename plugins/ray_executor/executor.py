@@ -34,7 +34,7 @@ import pickle
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +48,7 @@ from shardline.errors import (
     ShardlineError,
     WorkerError,
 )
-from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
+from shardline.interfaces import Executor, Host, ModelRunnerOutput, SchedulerOutput
 from shardline.sdk import (
     WATCHDOG_REPORT_S,
     EngineConfig,
@@ -57,6 +57,7 @@ from shardline.sdk import (
     missed_phase,
     serve_store,
 )
+from shardline_ray import cluster
 from shardline_ray.placement import RankPlace
 from shardline_ray.protocol import PHASES, Call, Done, Failure, Phase, Reply
 
@@ -96,6 +97,15 @@ class RayExecutor(Executor):
             "served by this process: on 127.0.0.1 when Ray places every rank on this node, "
             "else on the address Ray knows this node by (the other nodes must reach it)"
         )
+
+    @classmethod
+    def prepare_hosts(
+        cls, hosts: Sequence[Host], environ: Mapping[str, str]
+    ) -> contextlib.AbstractContextManager[dict[str, str]]:
+        """A Ray cluster on ``hosts``: the head in the first, a worker node in each other
+        (:func:`shardline_ray.cluster.cluster_on`); yields the driver's environment
+        (``RAY_ADDRESS`` and the cluster's token)."""
+        return cluster.cluster_on(hosts, environ)
 
     def __init__(self, config: EngineConfig) -> None:
         # ray is an optional dependency: imported when an executor starts.
