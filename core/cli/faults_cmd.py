@@ -16,6 +16,8 @@ from shardline.errors import ConfigError
 from shardline.registry import Registry
 
 _CELLS = {"passed": "pass", "failed": "FAIL", "unsupported": "-"}
+#: The executor ``--across-hosts`` runs when ``--executors`` is not given.
+DEFAULT_HOST_EXECUTOR = "external_launcher"
 
 
 def _names(raw: str | None, field: str, known: list[str]) -> list[str]:
@@ -91,17 +93,26 @@ def _progress(result: matrix.Result) -> None:
 def _across_hosts(
     args: argparse.Namespace, registry: Registry, settings: matrix.Settings
 ) -> tuple[list[matrix.Result], list[str], list[Scenario]]:
-    """The host scenarios on fresh simulated hosts, for each communicator torchrun can start
-    (default: every installed one that is available here and needs no other launcher)."""
-    if args.executors is not None:
-        raise ConfigError(
-            "--executors does not apply with --across-hosts: the worlds run under "
-            "external_launcher, one torchrun agent per host",
-            field="--executors",
-        )
+    """The host scenarios on fresh simulated hosts, for each executor whose ranks can span
+    hosts (default: external_launcher, under torchrun) and each communicator that needs no
+    launcher of its own (default: every installed one available here)."""
     reason = across_hosts.unavailable_reason()
     if reason is not None:
         raise ConfigError(f"--across-hosts: {reason}", field="--across-hosts")
+    unfit = {
+        component.name: component.unavailable_reason()
+        or across_hosts.executor_unfit_reason(component.name, component.load())
+        for component in registry.components("executor")
+    }
+    executors = _names(args.executors or DEFAULT_HOST_EXECUTOR, "--executors", list(unfit))
+    for name in executors:
+        if unfit.get(name):
+            fit = [other for other, reason in unfit.items() if reason is None]
+            raise ConfigError(
+                f"--executors = {args.executors!r}: {unfit[name]}; allowed with "
+                f"--across-hosts: {', '.join(fit)}",
+                field="--executors",
+            )
     fitting = [
         component.name
         for component in registry.components("communicator")
@@ -112,11 +123,15 @@ def _across_hosts(
     names = _names(args.scenarios, "--scenarios", list(HOST_SCENARIOS))
     scenarios = [HOST_SCENARIOS[name] for name in names]
     results = []
-    for communicator in communicators:
-        for scenario in scenarios:
-            result = across_hosts.run_host_scenario(communicator, scenario, settings)
-            _progress(result)
-            results.append(result)
+    for executor in executors:
+        executor_class = registry.get("executor", executor).load()
+        for communicator in communicators:
+            for scenario in scenarios:
+                result = across_hosts.run_host_scenario(
+                    executor, executor_class, communicator, scenario, settings
+                )
+                _progress(result)
+                results.append(result)
     labels = list(dict.fromkeys(result.combination for result in results))
     return results, labels, scenarios
 

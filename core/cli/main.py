@@ -123,7 +123,9 @@ def _add_faults_command(commands: argparse._SubParsersAction) -> None:
         "--across-hosts",
         action="store_true",
         help="the host scenarios instead (a host killed, cut off or stopped mid-step) on "
-        "fresh simulated hosts, one rank each, under torchrun (needs root)",
+        "fresh simulated hosts, one rank each (needs root); --executors: those whose ranks "
+        "span hosts (default external_launcher, under torchrun; ray: a Ray cluster on the "
+        "hosts, the driver in the first)",
     )
     faults.add_argument("--json", help="write the report here")
 

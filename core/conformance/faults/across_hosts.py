@@ -1,11 +1,18 @@
-"""Host faults: a world of one rank per simulated host (:mod:`shardline.launch.hosts`),
-started by torchrun with one agent per host, and the second host killed, cut off or stopped
-while its rank pauses in a step (:data:`~.scenarios.HOST_SCENARIOS`).
+"""Host faults: a world of one rank per simulated host (:mod:`shardline.launch.hosts`), and
+the second host killed, taken down, cut off or stopped while its rank pauses in a step, or
+its rank never joining (:data:`~.scenarios.HOST_SCENARIOS`).
 
-Pass: rank 0 (on the first host) raises a typed error of an expected kind within the
-deadline + 1 s, naming the victim's rank and host; its executor shuts down cleanly; and once
-the run ends no process is left on any host, nor anything in any host's ``/dev/shm``.
-Each scenario gets fresh hosts, which are taken down afterwards.
+How the world starts depends on the executor: a launched one (``external_launcher``) under
+torchrun, one agent per host; a driver-owned one whose ranks span hosts (``ray``) from a
+driver in the first host, over what the executor's ``prepare_hosts`` brings up on the hosts
+(Ray: a head node in h1, a worker node in h2), with ``parallel.nnodes`` = 2.
+
+Pass: the survivor (rank 0, on the first host, or the driver there) raises a typed error of
+an expected kind within the deadline + 1 s, naming the victim's rank and host; its executor
+shuts down cleanly; and once the run ends (and what ``prepare_hosts`` brought up is
+stopped) no process is left on any host, nor anything in any host's ``/dev/shm``. Start-up
+faults are timed from when the last rank began joining. Each scenario gets fresh hosts,
+which are taken down afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +33,8 @@ from shardline.conformance.faults.matrix import (
     write_injection_distribution,
 )
 from shardline.conformance.faults.scenarios import PLAN_VARIABLE, Scenario
+from shardline.errors import HostsError
+from shardline.interfaces import Executor
 from shardline.launch import hosts as simulated
 from shardline.launch.launchers import launcher_environment
 from shardline.launch.tether import tethered
@@ -40,62 +50,68 @@ def unavailable_reason() -> str | None:
     return simulated.unavailable_reason()
 
 
-def run_host_scenario(communicator: str, scenario: Scenario, settings: Settings) -> Result:
-    """Run ``scenario`` on fresh hosts with ``communicator`` on both planes, and judge it."""
-    label = f"external_launcher (torchrun, {RANKS} hosts) x {communicator}"
-    result = Result(scenario.name, label, "unsupported")
-    reason = unavailable_reason()
+def combination_label(name: str, executor: type[Executor], communicator: str) -> str:
+    """The report's name for ``executor`` (registered as ``name``) x ``communicator``."""
+    via = "torchrun, " if executor.launched else ""
+    return f"{name} ({via}{RANKS} hosts) x {communicator}"
+
+
+def executor_unfit_reason(name: str, executor: type[Executor]) -> str | None:
+    """Why the host scenarios cannot run executor ``name``, or None."""
+    if executor.launched or executor.spans_hosts:
+        return None
+    return f"executor {name} runs every rank on the driver's host (spans_hosts is false)"
+
+
+def run_host_scenario(
+    name: str, executor: type[Executor], communicator: str, scenario: Scenario, settings: Settings
+) -> Result:
+    """Run ``scenario`` on fresh hosts with executor ``executor`` (registered as ``name``)
+    and ``communicator`` on both planes, and judge it."""
+    result = Result(scenario.name, combination_label(name, executor, communicator), "unsupported")
+    reason = unavailable_reason() or executor_unfit_reason(name, executor)
     if reason is not None:
         result.reason = reason
         return result
+    survivor_role = "rank-0" if executor.launched else "driver"
     began = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="shardline-host-faults-") as scratch,
         simulated.SimulatedHosts.up(RANKS) as made,
     ):
-        reports, markers = Path(scratch, "reports"), Path(scratch, "markers")
-        reports.mkdir()
-        markers.mkdir()
-        environ = launcher_environment()
-        if not scenario.step_fault:  # a start-up fault: the injection plugin plants it
-            write_injection_distribution(Path(scratch, "dist"))
-            environ["PYTHONPATH"] = os.pathsep.join(
-                [str(Path(scratch, "dist")), environ["PYTHONPATH"]]
+        folders = {part: Path(scratch, part) for part in ("reports", "markers", "logs")}
+        for folder in folders.values():
+            folder.mkdir()
+        environ = _environment(scenario, Path(scratch), folders["markers"])
+        program = _program(name, communicator, scenario, settings, folders["reports"])
+        if executor.launched:
+            started = _start(
+                made.torchrun(RANKS, 1, [*program, "--launched"]), environ, folders["logs"]
             )
-        environ[PLAN_VARIABLE] = json.dumps(
-            {"scenario": scenario.name, "victim": RANKS - 1, "markers": str(markers)}
-        )
-        agents = [
-            subprocess.Popen(
-                tethered(command),
-                env=environ,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
+            problems = _act(made, scenario, settings, folders, survivor_role)
+        else:
+            started, problems = _drive(
+                made, executor, program, environ, scenario, settings, folders
             )
-            for command in made.torchrun(
-                RANKS, 1, _program(communicator, scenario, settings, reports)
-            )
-        ]
-        problems = _act(made, scenario, settings, markers, reports)
-        outputs, left = _settle(made, agents)
+        outputs, left = _settle(made, started)
         segments = {host.name: _shm_entries(host) for host in made.hosts}
-        processes = [json.loads(path.read_text()) for path in sorted(reports.glob("*.json"))]
+        processes = [json.loads(p.read_text()) for p in sorted(folders["reports"].glob("*.json"))]
+        joined_at = [float(path.read_text()) for path in folders["markers"].glob("joining-*")]
     result.seconds = round(time.monotonic() - began, 1)
     result.processes = processes
-    survivor = next((p for p in processes if p["role"] == "rank-0"), None)
+    survivor = next((p for p in processes if p["role"] == survivor_role), None)
     if survivor is None:
-        problems.append("rank 0 wrote no report")
+        problems.append(f"{survivor_role} wrote no report")
     else:
-        deadline = (
-            settings.startup_timeout_s if scenario.deadline == "startup" else settings.timeout_s
-        )
-        problems += judge_process(scenario, "rank-0", deadline, RANKS - 1, survivor)
+        deadline = settings.timeout_s
+        if scenario.deadline == "startup":
+            deadline = settings.startup_timeout_s
+            if "failed_at" in survivor and joined_at:
+                survivor["elapsed_s"] = round(survivor["failed_at"] - max(joined_at), 3)
+        problems += judge_process(scenario, survivor_role, deadline, RANKS - 1, survivor)
         for word in scenario.words:
             if word not in survivor.get("message", ""):
-                problems.append(f"rank 0's message does not mention {word!r}")
+                problems.append(f"{survivor_role}'s message does not mention {word!r}")
     if left:
         problems.append(f"processes left on the hosts {SETTLE_S:g} s after the run: {left}")
     if any(segments.values()):
@@ -107,30 +123,100 @@ def run_host_scenario(communicator: str, scenario: Scenario, settings: Settings)
     return result
 
 
-def _program(communicator: str, scenario: Scenario, settings: Settings, reports: Path) -> list[str]:
-    """What each rank runs: one process of the scenario (:mod:`.rank_main`)."""
+def _environment(scenario: Scenario, scratch: Path, markers: Path) -> dict[str, str]:
+    """The world's environment: the fault plan, and for a start-up fault the injection
+    plugin on the import path (:mod:`.injection`)."""
+    environ = launcher_environment()
+    if not scenario.step_fault:
+        write_injection_distribution(scratch / "dist")
+        environ["PYTHONPATH"] = os.pathsep.join([str(scratch / "dist"), environ["PYTHONPATH"]])
+    environ[PLAN_VARIABLE] = json.dumps(
+        {"scenario": scenario.name, "victim": RANKS - 1, "markers": str(markers)}
+    )
+    return environ
+
+
+def _program(
+    executor: str, communicator: str, scenario: Scenario, settings: Settings, reports: Path
+) -> list[str]:
+    """What each launched rank, or the driver, runs: one process of the scenario
+    (:mod:`.rank_main`)."""
     return [
         "-m", "shardline.conformance.faults.rank_main", scenario.name,
-        "--executor=external_launcher", f"--communicator={communicator}", f"--ranks={RANKS}",
-        f"--timeout={settings.timeout_s}", f"--startup-timeout={settings.startup_timeout_s}",
-        f"--reports={reports}", "--launched",
+        f"--executor={executor}", f"--communicator={communicator}", f"--ranks={RANKS}",
+        f"--nnodes={RANKS}", f"--timeout={settings.timeout_s}",
+        f"--startup-timeout={settings.startup_timeout_s}", f"--reports={reports}",
     ]  # fmt: skip
+
+
+def _start(
+    commands: list[list[str]], environ: dict[str, str], logs: Path
+) -> list[tuple[subprocess.Popen, Path]]:
+    """Start ``commands`` at once, each tethered to this process, in a session of its own,
+    writing to a log file of its own; the processes and their logs."""
+    started = []
+    for index, command in enumerate(commands):
+        log = logs / f"{index}.log"
+        with log.open("w") as output:
+            process = subprocess.Popen(
+                tethered(command),
+                env=environ,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        started.append((process, log))
+    return started
+
+
+def _drive(
+    made: simulated.SimulatedHosts,
+    executor: type[Executor],
+    program: list[str],
+    environ: dict[str, str],
+    scenario: Scenario,
+    settings: Settings,
+    folders: dict[str, Path],
+) -> tuple[list[tuple[subprocess.Popen, Path]], list[str]]:
+    """Bring up what ``executor`` needs on the hosts, run the driver in the first one, act on
+    the second, and wait (at most :data:`SETTLE_S`) for the driver to end before what was
+    brought up is stopped. The driver process and its log, and what went wrong."""
+    first = made.hosts[0]
+    started: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        with executor.prepare_hosts(made.hosts, environ) as driver_environ:
+            started = _start(
+                [first.command([sys.executable, *program])], driver_environ, folders["logs"]
+            )
+            problems = _act(made, scenario, settings, folders, "driver")
+            (driver, _), *_ = started
+            try:
+                driver.wait(SETTLE_S)
+            except subprocess.TimeoutExpired:
+                problems.append(f"the driver did not end within {SETTLE_S:g} s of its report")
+                driver.kill()
+                driver.wait()
+    except HostsError as error:
+        problems = [f"the executor's prepare_hosts failed: {error}"]
+    return started, problems
 
 
 def _act(
     made: simulated.SimulatedHosts,
     scenario: Scenario,
     settings: Settings,
-    markers: Path,
-    reports: Path,
+    folders: dict[str, Path],
+    survivor_role: str,
 ) -> list[str]:
     """Wait for the victim to pause in the step, do the scenario's action to its host, and
-    (for a cut link or stopped processes) undo it once rank 0 has reported."""
+    (for a cut link or stopped processes) undo it once the survivor has reported."""
     victim = made.hosts[-1].name
+    report = folders["reports"] / f"{survivor_role}.json"
     if not scenario.step_fault:
-        limit = settings.startup_timeout_s + 30
-        return [] if _wait_for(reports / "rank-0.json", limit) else ["rank 0 did not report"]
-    if not _wait_for(markers / "in-step", settings.startup_timeout_s + 30):
+        limit = settings.startup_timeout_s + 60
+        return [] if _wait_for(report, limit) else [f"{survivor_role} did not report"]
+    if not _wait_for(folders["markers"] / "in-step", settings.startup_timeout_s + 60):
         return ["the victim never reached the step"]
     action = scenario.host_action
     if action == "kill":
@@ -141,12 +227,12 @@ def _act(
         made.set_link(victim, up=False)
     elif action == "stop":
         made.signal_host(victim, signal.SIGSTOP)
-    reported = _wait_for(reports / "rank-0.json", settings.timeout_s + 30)
+    reported = _wait_for(report, settings.timeout_s + 30)
     if action == "link":
         made.set_link(victim, up=True)
     elif action == "stop":
         made.signal_host(victim, signal.SIGCONT)
-    return [] if reported else ["rank 0 did not report within the deadline + 30 s"]
+    return [] if reported else [f"{survivor_role} did not report within the deadline + 30 s"]
 
 
 def _kill_all(made: simulated.SimulatedHosts, name: str) -> None:
@@ -158,10 +244,10 @@ def _kill_all(made: simulated.SimulatedHosts, name: str) -> None:
 
 
 def _settle(
-    made: simulated.SimulatedHosts, agents: list[subprocess.Popen]
+    made: simulated.SimulatedHosts, started: list[tuple[subprocess.Popen, Path]]
 ) -> tuple[list[str], dict[str, list[str]]]:
-    """Give every process on the hosts :data:`SETTLE_S` to end; the agents' output, and what
-    was still running then (host -> commands; killed since)."""
+    """Give every process on the hosts :data:`SETTLE_S` to end; the outputs of ``started``,
+    and what was still running then (host -> commands; killed since)."""
     deadline = time.monotonic() + SETTLE_S
     while time.monotonic() < deadline and any(host.started() for host in made.hosts):
         time.sleep(0.1)
@@ -173,12 +259,13 @@ def _settle(
     for host in made.hosts:
         _kill_all(made, host.name)
     outputs = []
-    for agent in agents:
+    for process, log in started:
         try:
-            outputs.append(agent.communicate(timeout=10)[0] or "")
+            process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            os.killpg(agent.pid, signal.SIGKILL)
-            outputs.append(agent.communicate()[0] or "")
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        outputs.append(log.read_text(errors="replace"))
     return outputs, left
 
 

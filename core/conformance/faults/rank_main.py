@@ -2,7 +2,7 @@
 launched world (the suite starts it; see :mod:`.matrix`)::
 
     python -m shardline.conformance.faults.rank_main SCENARIO --executor E --communicator C
-        --ranks N --timeout T --startup-timeout S --reports DIR
+        --ranks N [--nnodes H] --timeout T --startup-timeout S --reports DIR
 
 It builds the world, arms the fault, runs one step, and writes what happened to
 ``DIR/ROLE.json`` (ROLE: ``driver`` or ``rank-R``): the outcome, the error's kind and
@@ -43,10 +43,14 @@ def fault_config(
     ranks: int,
     timeout_s: float,
     startup_timeout_s: float,
+    nnodes: int = 1,
 ) -> EngineConfig:
+    """The scenario world's config: ``ranks`` tensor-parallel ranks over ``nnodes`` hosts,
+    ``communicator`` on both planes, the fault runner."""
     overrides = [
         f"model.runner={FAULT_RUNNER}",
         f"parallel.tensor_parallel_size={ranks}",
+        f"parallel.nnodes={nnodes}",
         f"parallel.distributed_executor_backend={executor}",
         f"parallel.communicator={communicator}",
         f"parallel.control_communicator={communicator}",
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
             args.ranks,
             args.timeout,
             args.startup_timeout,
+            args.nnodes,
         )
         registry = Registry.for_plugins(config.plugins)
         executor_class = registry.get("executor", args.executor).load_available()
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor", required=True)
     parser.add_argument("--communicator", required=True)
     parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span")
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--startup-timeout", type=float, required=True)
     parser.add_argument("--launched", action="store_true", help="one rank of a launched world")
