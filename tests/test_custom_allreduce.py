@@ -1,5 +1,6 @@
 """The custom all-reduce: the whole conformance suite at world sizes 1-4, the shared path
-taken on one host for one-shot and two-shot sizes, and no /dev/shm segment left, not even
+taken on one host for one-shot and two-shot sizes (one shot in C and in Python: every dtype
+and op, the same bits on every rank), and no /dev/shm segment left, not even
 while the world runs or after a rank is killed."""
 
 import ast
@@ -45,23 +46,46 @@ def test_custom_ar_passes_the_whole_suite(tmp_path, own_shm):
     assert own_shm.entries() == []
 
 
+@pytest.fixture(params=["native", "python"])
+def one_shot_path(request, monkeypatch):
+    """Both one-shot paths: C (the extension, built by the install) and the pure-Python
+    fallback (``SHARDLINE_NATIVE=0``, inherited by the rank processes)."""
+    if request.param == "python":
+        monkeypatch.setenv("SHARDLINE_NATIVE", "0")
+    else:
+        pytest.importorskip("shardline_custom_allreduce._native", reason="extension not built")
+        monkeypatch.delenv("SHARDLINE_NATIVE", raising=False)
+    return request.param
+
+
 @pytest.mark.timeout(180)
-def test_shared_path_one_shot_and_two_shot():
+def test_shared_path_one_shot_and_two_shot(one_shot_path):
     with LocalWorld(3, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
         for count, dtype in ((5, "float32"), (1000, "bfloat16"), ((1 << 20) + 3, "float32")):
             results = world.run(allreduce_checks.paths_and_results, count, dtype)
             inputs = [(torch.arange(count) % 7 + r).to(getattr(torch, dtype)) for r in range(3)]
             expected_sum = torch.stack(inputs).sum(0).to(getattr(torch, dtype))
             expected_max = torch.stack(inputs).amax(0)
-            for shared, total, largest in results:
-                assert shared
+            for shared, native, total, largest in results:
+                assert shared and native == (one_shot_path == "native")
                 assert torch.equal(total, expected_sum) and torch.equal(largest, expected_max)
+        per_rank = world.run(allreduce_checks.every_dtype_and_op)
+        for key, result in per_rank[0].items():
+            expected = allreduce_checks.expected_reduction(3, *key)
+            assert result.shape == expected.shape and result.dtype == expected.dtype, key
+            assert result.is_contiguous(), key
+            # The same bits on every rank, and torch's (NaN where any rank has one).
+            for other in per_rank[1:]:
+                assert torch.equal(
+                    other[key].view(-1).view(torch.uint8), result.view(-1).view(torch.uint8)
+                ), key
+            assert torch.equal(result.nan_to_num(7.0), expected.nan_to_num(7.0)), key
         shared, names = world.run(allreduce_checks.segments_while_mapped, world.rendezvous.job)[0]
         assert shared and names == []  # unlinked as soon as every rank mapped it
 
 
 @pytest.mark.timeout(180)
-def test_ranks_running_ahead_never_see_a_slot_overwritten():
+def test_ranks_running_ahead_never_see_a_slot_overwritten(one_shot_path):
     with LocalWorld(3, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
         assert world.run(allreduce_checks.back_to_back, 400, 1) == [[], [], []]
 

@@ -45,6 +45,7 @@ OTHER_VARIABLES = frozenset(
         "SHARDLINE_TEST_MODELS",
         "SHARDLINE_LOCAL_WORLD_AUTHKEY",
         "SHARDLINE_FAULT_PLAN",
+        "SHARDLINE_NATIVE",
     }
 )
 #: The largest config file read; real ones are a few hundred bytes.

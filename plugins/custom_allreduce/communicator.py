@@ -21,7 +21,10 @@ once its input is in place and waits until every rank has announced c.
   every large slot, and one that arrived at a later call has copied the result.
 
 Per tensor shape the views and the reduction are prepared once (a small cache), so a small
-all-reduce costs a copy, a flag write, a poll and a reduction. Waits follow the group's
+all-reduce costs a copy, a flag write, a poll and a reduction. The one-shot path runs in C
+(``_native.OneShot``: copy in, release-store the flag, spin on acquire loads, reduce into a
+new tensor) when the extension is built and ``SHARDLINE_NATIVE`` is not ``0``; for dtypes it
+lacks, and otherwise, in Python (numpy or torch), with the same bits. Waits follow the group's
 :class:`~shardline.comm.waiting.Polling` (more ranks than cores: yield the CPU at once, so 4
 ranks on 2 cores stay in tens of µs) and end at the group's deadline with ``CommTimeoutError``.
 The segment is created 0600 and unlinked as soon as every rank has mapped it, so nothing is
@@ -36,9 +39,10 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -66,6 +70,18 @@ _COMBINE = {
     ReduceOp.MAX: torch.maximum,
     ReduceOp.MIN: torch.minimum,
 }
+
+
+def native_module(environ: Mapping[str, str]) -> ModuleType | None:
+    """The C one-shot path (``_native``), or None where it was not built or
+    ``SHARDLINE_NATIVE=0`` in ``environ`` forces the pure-Python path."""
+    if environ.get("SHARDLINE_NATIVE", "1") == "0":
+        return None
+    try:
+        from shardline_custom_allreduce import _native
+    except ImportError:
+        return None
+    return _native
 
 
 def host_identity() -> str:
@@ -103,19 +119,25 @@ class CustomAllReduceBackend(CommunicatorBackend):
         base_backend = registry.get("communicator", self.base).load_available()()
         base = base_backend.init_world(rank, world_size, rendezvous.with_prefix("base"), timeout_s)
         # A shared world has all its ranks on this host.
-        world = _World(Polling.for_ranks_on_host(world_size), rendezvous.job, rendezvous.secret)
+        world = _World(
+            Polling.for_ranks_on_host(world_size),
+            rendezvous.job,
+            rendezvous.secret,
+            native_module(os.environ),
+        )
         return CustomAllReduceCommunicator.create(base, world)
 
 
 @dataclass(frozen=True)
 class _World:
     """What every group of one custom_ar world shares: how waits use the CPU, the job's name
-    (segments are ``shardline-<job>-ar-...``) and its secret (host identities travel as
-    signed objects)."""
+    (segments are ``shardline-<job>-ar-...``), its secret (host identities travel as
+    signed objects) and the C one-shot path (None: Python only)."""
 
     polling: Polling
     job: str
     secret: bytes
+    native: ModuleType | None
 
 
 class CustomAllReduceCommunicator(DelegatingCommunicator):
@@ -129,7 +151,7 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         self._polling = world.polling
         self._rank = base.rank
         self._calls = 0
-        self._plans: dict[tuple, _OneShot | str] = {}
+        self._plans: dict[tuple, Any] = {}
 
     @classmethod
     def create(cls, base: Communicator, world: _World) -> CustomAllReduceCommunicator:
@@ -166,6 +188,11 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         """Whether all-reduces can take the shared-memory path (one host, world > 1)."""
         return self._segment is not None
 
+    @property
+    def native(self) -> bool:
+        """Whether the one-shot path runs in C (for the dtypes it has)."""
+        return self._segment is not None and self._world.native is not None
+
     # ---- the shared-memory all-reduce -----------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
@@ -184,6 +211,14 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         self._calls = call = self._calls + 1
         if plan is _TWO_SHOT:
             return self._two_shot(tensor, ReduceOp(op), call)
+        if type(plan) is not _OneShot:  # the C one-shot path: input contiguous, then one call
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            result = plan.run(tensor, call)
+            if result is None:
+                self._wait_all(_ARRIVED, call, "all_reduce", lambda: plan.arrived(call))
+                result = plan.finish(tensor, call)
+            return result
         parity = call & 1
         plan.inputs[parity][self._rank].copy_(tensor.detach() if tensor.requires_grad else tensor)
         segment.announce(_ARRIVED, self._rank, call)
@@ -191,15 +226,31 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
             self._wait_all(_ARRIVED, call, "all_reduce")
         return plan.reduce(parity)
 
-    def _plan(self, tensor: torch.Tensor, op: ReduceOp) -> _OneShot | str:
+    def _plan(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
         """How an all-reduce of tensors like ``tensor`` runs: on the base, in two shots, or
-        in one shot with views prepared for its shape."""
+        in one shot, in C (a ``_native.OneShot``) or with views prepared for its shape."""
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0 or nbytes > SLOT_BYTES:
             return _BASE
         if nbytes > ONE_SHOT_MAX_BYTES:
             return _TWO_SHOT
         segment, count, shape = self._segment, tensor.numel(), tuple(tensor.shape)
+        native, dtype_name = self._world.native, str(tensor.dtype).removeprefix("torch.")
+        if native is not None and dtype_name in native.DTYPES:
+            return native.OneShot(
+                memory=segment.memory,
+                flags_offset=segment.flag_offset(_ARRIVED, 0),
+                flag_stride=_LINE,
+                slots_offset=segment.small_offset(0, 0),
+                slot_bytes=ONE_SHOT_MAX_BYTES,
+                world_size=self.world_size,
+                rank=self._rank,
+                dtype=dtype_name,
+                op=op.value,
+                nbytes=nbytes,
+                spin_checks=self._polling.spin_checks,
+                empty_like=torch.empty_like,
+            )
         peers = range(self.world_size)
         inputs = tuple(
             tuple(
@@ -235,12 +286,15 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         self._wait_all(_REDUCED, call, "all_reduce")
         return segment.result(dtype, count).clone().reshape(tensor.shape)
 
-    def _wait_all(self, phase: int, call: int, op: str) -> None:
-        """Wait until every rank announced ``phase`` of ``call`` (spin, yield, then sleep)."""
+    def _wait_all(
+        self, phase: int, call: int, op: str, ready: Callable[[], bool] | None = None
+    ) -> None:
+        """Wait until every rank announced ``phase`` of ``call`` (spin, yield, then sleep);
+        ``ready`` checks it (default: the segment's flags read from Python)."""
         segment = self._segment
         try:
             wait_until(
-                lambda: segment.all_at(phase, call),
+                ready or (lambda: segment.all_at(phase, call)),
                 time.monotonic() + self.timeout_s,
                 f"custom_ar {op}",
                 yield_for_s=_YIELD_S,
@@ -261,6 +315,7 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
 
     def close(self) -> None:
         segment, self._segment = self._segment, None
+        self._plans.clear()  # C plans hold the mapping until they go
         if segment is not None:
             segment.close()
         self.inner.close()
@@ -346,12 +401,24 @@ class _Segment:
     def name(self) -> str:
         return self._path.name
 
+    @property
+    def memory(self) -> mmap.mmap:
+        return self._memory
+
+    def flag_offset(self, phase: int, rank: int) -> int:
+        """Byte offset of ``rank``'s flag for ``phase``."""
+        return self._indices[phase][rank] * 8
+
+    def small_offset(self, parity: int, rank: int) -> int:
+        """Byte offset of ``rank``'s small slot of set ``parity``."""
+        return self._small + (parity * self._world_size + rank) * ONE_SHOT_MAX_BYTES
+
     def unlink(self) -> None:
         self._path.unlink(missing_ok=True)
 
     def small_tensor(self, parity: int, rank: int, dtype: torch.dtype, count: int) -> torch.Tensor:
         """``rank``'s small slot of set ``parity``: its first ``count`` elements."""
-        offset = self._small + (parity * self._world_size + rank) * ONE_SHOT_MAX_BYTES
+        offset = self.small_offset(parity, rank)
         return torch.frombuffer(self._memory, dtype=dtype, count=count, offset=offset)
 
     def large(self, index: int, dtype: torch.dtype, count: int) -> torch.Tensor:

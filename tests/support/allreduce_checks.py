@@ -12,12 +12,54 @@ from support.segments import job_segments
 
 
 def paths_and_results(ctx, count: int, dtype: str):
-    """Whether the shared path is on, and all-reduce results (sum, max) of rank-dependent
-    inputs of ``count`` elements (one-shot below 256 KiB, two-shot above)."""
+    """Whether the shared path is on, whether it runs in C, and all-reduce results (sum, max)
+    of rank-dependent inputs of ``count`` elements (one-shot below 256 KiB, two-shot above)."""
     comm = ctx.comm
     torch_dtype = getattr(torch, dtype)
     values = (torch.arange(count) % 7 + comm.rank).to(torch_dtype)
-    return comm.shared, comm.all_reduce(values), comm.all_reduce(values, "max")
+    return comm.shared, comm.native, comm.all_reduce(values), comm.all_reduce(values, "max")
+
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8")
+
+
+def rank_values(rank: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rank-dependent values with fractions, ties, a NaN (floats) and wrap-around (uint8)."""
+    generator = torch.Generator().manual_seed(rank)
+    values = torch.randn(shape, generator=generator, dtype=torch.float64) * 100
+    if dtype.startswith(("float", "bfloat")):
+        values.view(-1)[rank] = float("nan")
+        values.view(-1)[-1] = 0.5
+    return values.to(getattr(torch, dtype)) if dtype != "uint8" else (values % 256).to(torch.uint8)
+
+
+def every_dtype_and_op(ctx):
+    """All-reduce results for every dtype x op of a small input, of its transpose (not
+    contiguous) and of a 0-d one (keys: dtype, op, case)."""
+    comm = ctx.comm
+    results = {}
+    for dtype in DTYPES:
+        for op in ("sum", "max", "min"):
+            matrix = rank_values(comm.rank, dtype, (6, 5))
+            results[dtype, op, "small"] = comm.all_reduce(matrix, op)
+            results[dtype, op, "strided"] = comm.all_reduce(matrix.t(), op)
+            results[dtype, op, "scalar"] = comm.all_reduce(matrix[1, 1], op)
+    return results
+
+
+def expected_reduction(world_size: int, dtype: str, op: str, case: str) -> torch.Tensor:
+    """What every rank must get: the ranks' inputs combined in rank order, one op at a time."""
+    combine = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+    inputs = [rank_values(rank, dtype, (6, 5)) for rank in range(world_size)]
+    inputs = {
+        "small": inputs,
+        "strided": [value.t() for value in inputs],
+        "scalar": [value[1, 1] for value in inputs],
+    }[case]
+    total = inputs[0]
+    for value in inputs[1:]:
+        total = combine(total, value)
+    return total
 
 
 def segments_while_mapped(ctx, job: str):
