@@ -19,7 +19,7 @@ import math
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from shardline.cli import bench_cmd, bench_decode
@@ -63,20 +63,31 @@ def places(ranks: int, hosts: int) -> Iterator[tuple[Place, Place]]:
         )
 
 
-def launch(place: Place, launcher: str | None, program: Sequence[str], timeout_s: float) -> str:
+def launch(
+    place: Place,
+    launcher: str | None,
+    program: Sequence[str],
+    timeout_s: float,
+    environ: Mapping[str, str] | None = None,
+) -> str:
     """Run ``program`` (``-m module`` or a script, and its arguments) on every rank of
-    ``place`` under ``launcher`` ("mpiexec", or torchrun for anything else); every launch
-    command's standard output joined. Raises RuntimeError naming the exit codes and the last
-    error lines when a command fails or outlives ``timeout_s``."""
+    ``place`` under ``launcher`` ("mpiexec", or torchrun for anything else), or, with
+    "driver", once in the place's first host (a driver whose executor places the ranks);
+    every launch command's standard output joined. ``environ``: the commands' environment
+    (default :func:`~shardline.launch.launchers.launcher_environment`). Raises RuntimeError
+    naming the exit codes and the last error lines when a command fails or outlives
+    ``timeout_s``."""
     made = place.cluster
     if launcher == "mpiexec":
         commands = [made.mpiexec(place.hosts, place.per_host, [sys.executable, *program])]
+    elif launcher == "driver":
+        commands = [made.hosts[0].command([sys.executable, *program])]
     else:
         commands = made.torchrun(place.hosts, place.per_host, program)
     started = [
         subprocess.Popen(
             command,
-            env=launcher_environment(),
+            env=dict(environ) if environ is not None else launcher_environment(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
