@@ -4,17 +4,22 @@ Starts the mp executor with 2 workers (TP=2) on the given model, then times ``ex
 with a small scheduler output that schedules no tokens (so the time is the executor's: the
 broadcast, the workers' dispatch and the output rank's reply). In the same run it times a
 plain ``multiprocessing.Pipe`` echo to a child process (the baseline) and the shared-memory
-ring alone, 2 readers, one echoing (the transport's floor). Prints median and p90
-in microseconds, a table, and JSON with ``--json``.
+ring alone, 2 readers, one echoing (the transport's floor). The executor and the ring run
+twice in the same run: with the ring's C word operations (the default where the extension is
+built) and with the pure-Python fallback (``SHARDLINE_NATIVE=0``, inherited by the workers).
+Prints median and p90 in microseconds, a table, and JSON with ``--json``.
 
-    python benchmarks/rpc_roundtrip.py --model PATH [--iterations 2000] [--json out.json]
+    python benchmarks/rpc_roundtrip.py --model PATH [--iterations 2000] [--repeats 3]
+        [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
+import os
 import pickle
 import statistics
 import sys
@@ -59,6 +64,20 @@ def time_pipe(iterations: int, message: object) -> dict:
     return _summary(samples)
 
 
+@contextlib.contextmanager
+def ring_path(native: bool):
+    """``SHARDLINE_NATIVE`` for this process and the processes it starts meanwhile."""
+    before = os.environ.get("SHARDLINE_NATIVE")
+    os.environ["SHARDLINE_NATIVE"] = "1" if native else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["SHARDLINE_NATIVE"]
+        else:
+            os.environ["SHARDLINE_NATIVE"] = before
+
+
 def _ring_reader(rank: int, calls_handle, replies_handle) -> None:
     calls, replies = ShmRing.attach(calls_handle), ShmRing.attach(replies_handle)
     try:
@@ -73,7 +92,9 @@ def _ring_reader(rank: int, calls_handle, replies_handle) -> None:
 def time_ring(iterations: int, message: bytes, readers: int = 2) -> dict:
     """The transport alone: the executor's ring, ``readers`` reader processes, reader 0
     echoing on a reply ring (what the executor adds on top is pickling and dispatch)."""
-    calls, replies = ShmRing.create(readers=readers), ShmRing.create(readers=1)
+    prefix = f"shardline-bench-{os.getpid()}"
+    calls = ShmRing.create(f"{prefix}-calls", readers=readers)
+    replies = ShmRing.create(f"{prefix}-replies", readers=1)
     context = multiprocessing.get_context("spawn")
     processes = [
         context.Process(target=_ring_reader, args=(rank, calls.handle, replies.handle))
@@ -130,25 +151,36 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="HF directory or GGUF file")
     parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="run everything this many times (medians)"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     step = SchedulerOutput(finished_req_ids={"r0"})
+    message = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for native, path in ((True, "C"), (False, "Python")):
+            with ring_path(native):
+                runs.setdefault(f"mp execute_model, 2 workers ({path})", []).append(
+                    time_executor(args.model, args.iterations, step)
+                )
+                runs.setdefault(f"shm ring echo, 2 readers ({path})", []).append(
+                    time_ring(args.iterations, message)
+                )
+        runs.setdefault("multiprocessing.Pipe echo", []).append(time_pipe(args.iterations, step))
     results = {
-        "mp execute_model (2 workers)": time_executor(args.model, args.iterations, step),
-        "shm ring echo (2 readers)": time_ring(
-            args.iterations, pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
-        ),
-        "multiprocessing.Pipe echo": time_pipe(args.iterations, step),
+        name: {
+            key: statistics.median(run[key] for run in repeats) for key in ("median_us", "p90_us")
+        }
+        | {"repeats": repeats}
+        for name, repeats in runs.items()
     }
-    print(f"{'round trip':<30} {'median us':>10} {'p90 us':>10}")
+    print(f"{args.repeats} repeat(s) of {args.iterations} round trips; medians over repeats")
+    print(f"{'round trip':<40} {'median us':>10} {'p90 us':>10} {'p90/median':>11}")
     for name, row in results.items():
-        print(f"{name:<30} {row['median_us']:>10.1f} {row['p90_us']:>10.1f}")
-    executor = results["mp execute_model (2 workers)"]["median_us"]
-    for baseline, label in (
-        ("multiprocessing.Pipe echo", "pipe"),
-        ("shm ring echo (2 readers)", "ring"),
-    ):
-        print(f"executor / {label} median: {executor / results[baseline]['median_us']:.2f}")
+        ratio = row["p90_us"] / row["median_us"]
+        print(f"{name:<40} {row['median_us']:>10.1f} {row['p90_us']:>10.1f} {ratio:>11.2f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)

@@ -18,6 +18,11 @@ Blocking: a reader that has waited a while raises its "sleeping" word and waits 
 doorbell (a pipe); the writer rings the doorbell of every sleeping reader after publishing.
 A wake-up lost to a race costs at most the reader's block timeout (200 ms).
 
+The word operations (write and publish a chunk, take the next one, read positions, sleeping
+flags) run in C (``_ring_native.RingCore``: release stores, acquire loads, a bounded spin
+before a reader falls back to :func:`wait_until`) when the extension is built and
+``SHARDLINE_NATIVE`` is not ``0``; otherwise :class:`PythonRingCore` does the same in Python.
+
 Segments are created mode 0600 (private to the user) under a name the owner chooses (the job's
 name in it), by the owner, which alone unlinks them; Python's resource tracker removes them
 should the owner be killed. Other processes map them directly, without the resource tracker
@@ -29,19 +34,34 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from types import ModuleType
 from typing import Any
 
-from shardline.sdk import wait_until
+from shardline.sdk import Polling, wait_until
 
 _WORDS_PER_SLOT = 3  # sequence, length, more-follows
+#: Checks a reader makes in C before it falls back to wait_until (which spins, yields, sleeps).
+_SPIN_CHECKS = Polling().spin_checks
 
 
 def _header_words(slots: int, readers: int) -> int:
     # Per slot: sequence, length, more-follows; per reader: read position, sleeping flag.
     return slots * _WORDS_PER_SLOT + 2 * readers
+
+
+def native_module(environ: Mapping[str, str]) -> ModuleType | None:
+    """The C word operations (``_ring_native``), or None where they were not built or
+    ``SHARDLINE_NATIVE=0`` in ``environ`` forces the pure-Python ones."""
+    if environ.get("SHARDLINE_NATIVE", "1") == "0":
+        return None
+    try:
+        from shardline_executors import _ring_native
+    except ImportError:
+        return None
+    return _ring_native
 
 
 @dataclass(frozen=True)
@@ -54,37 +74,107 @@ class RingHandle:
     slot_bytes: int
 
 
+class PythonRingCore:
+    """The ring's word operations in Python, with the interface of ``_ring_native.RingCore``
+    (see there). Plain memoryview words: an index is one aligned 8-byte load or store."""
+
+    def __init__(self, memory: memoryview, slots: int, readers: int, slot_bytes: int) -> None:
+        header_words = _header_words(slots, readers)
+        self._memory = memory
+        self._words = memory[: header_words * 8].cast("q")
+        self._slots = slots
+        self._slot_bytes = slot_bytes
+        self._positions = slice(slots * _WORDS_PER_SLOT, slots * _WORDS_PER_SLOT + readers)
+        self._position_base = slots * _WORDS_PER_SLOT
+        self._sleeping_base = self._position_base + readers
+        self._readers = readers
+        self._data_offset = header_words * 8
+
+    def put(self, seq: int, chunk: bytes, more: bool) -> int:
+        if not self.has_room(seq):
+            return -1
+        words, slot = self._words, seq % self._slots
+        start = self._data_offset + slot * self._slot_bytes
+        self._memory[start : start + len(chunk)] = chunk
+        base = slot * _WORDS_PER_SLOT
+        words[base + 1] = len(chunk)
+        words[base + 2] = 1 if more else 0
+        words[base] = seq + 1  # publish last
+        sleepers = 0
+        for reader in range(self._readers):
+            if words[self._sleeping_base + reader]:
+                sleepers |= 1 << reader
+        return sleepers
+
+    def has_room(self, seq: int) -> bool:
+        return min(self._words[self._positions]) >= seq - self._slots + 1
+
+    def ready(self, reader: int) -> bool:
+        seq = self._words[self._position_base + reader]
+        return self._words[(seq % self._slots) * _WORDS_PER_SLOT] == seq + 1
+
+    def take(self, reader: int, spin_checks: int) -> tuple[bytes, bool] | None:
+        if not self.ready(reader):
+            return None
+        words, position = self._words, self._position_base + reader
+        seq = words[position]
+        slot = seq % self._slots
+        base = slot * _WORDS_PER_SLOT
+        start = self._data_offset + slot * self._slot_bytes
+        payload = bytes(self._memory[start : start + words[base + 1]])
+        more = bool(words[base + 2])
+        words[position] = seq + 1
+        return payload, more
+
+    def set_sleeping(self, reader: int, asleep: bool) -> None:
+        self._words[self._sleeping_base + reader] = 1 if asleep else 0
+
+    def release(self) -> None:
+        """Let go of the mapping's words (before it is closed)."""
+        self._words.release()
+
+
 class ShmRing:
     """One side of a ring. Build the owner with :meth:`create` (the writer's side usually),
-    then :meth:`attach` from other processes with their reader index (or ``None`` to write)."""
+    then :meth:`attach` from other processes with their reader index (or ``None`` to write).
+    ``native`` is the C module of the word operations (None: :class:`PythonRingCore`)."""
 
-    def __init__(self, shm: Any, handle: RingHandle, owner: bool) -> None:
+    def __init__(self, shm: Any, handle: RingHandle, owner: bool, native: ModuleType | None):
         self._shm = shm
         self.handle = handle
         self._owner = owner
         self._buf = shm.buf
-        header_words = _header_words(handle.slots, handle.readers)
-        # Plain memoryview words: an index is one aligned 8-byte load or store, and much
-        # cheaper from Python than a numpy scalar (this is the spin loop's whole cost).
-        self._header = self._buf[: header_words * 8]
-        self._words = self._header.cast("q")
-        self._position_base = handle.slots * _WORDS_PER_SLOT
-        self._sleeping_base = self._position_base + handle.readers
-        self._data_offset = header_words * 8
+        if native is not None and handle.readers <= native.MAX_READERS:
+            self._core = native.RingCore(self._buf, handle.slots, handle.readers, handle.slot_bytes)
+        else:
+            self._core = PythonRingCore(self._buf, handle.slots, handle.readers, handle.slot_bytes)
         self._next_write = 0
         self._doorbells: list[Any] | None = None
 
+    @property
+    def native(self) -> bool:
+        """Whether the word operations run in C."""
+        return not isinstance(self._core, PythonRingCore)
+
     @classmethod
-    def create(cls, name: str, readers: int, slots: int = 16, slot_bytes: int = 1 << 20) -> ShmRing:
+    def create(
+        cls,
+        name: str,
+        readers: int,
+        slots: int = 16,
+        slot_bytes: int = 1 << 20,
+        environ: Mapping[str, str] = os.environ,
+    ) -> ShmRing:
         """The owner's side of a new segment called ``name`` (FileExistsError if taken)."""
         header = _header_words(slots, readers) * 8
         shm = shared_memory.SharedMemory(name=name, create=True, size=header + slots * slot_bytes)
         shm.buf[:header] = bytes(header)
-        return cls(shm, RingHandle(shm.name, readers, slots, slot_bytes), owner=True)
+        handle = RingHandle(shm.name, readers, slots, slot_bytes)
+        return cls(shm, handle, owner=True, native=native_module(environ))
 
     @classmethod
-    def attach(cls, handle: RingHandle) -> ShmRing:
-        return cls(_Mapping(handle.name), handle, owner=False)
+    def attach(cls, handle: RingHandle, environ: Mapping[str, str] = os.environ) -> ShmRing:
+        return cls(_Mapping(handle.name), handle, owner=False, native=native_module(environ))
 
     def set_doorbells(self, doorbells: list[Any]) -> None:
         """Writer side: one sending ``Connection`` per reader, rung when it sleeps."""
@@ -100,39 +190,34 @@ class ShmRing:
     ) -> None:
         """Write one message (split over slots when larger than one); waits while readers
         still need the slots it reuses."""
-        size = self.handle.slot_bytes
-        chunks = [payload[i : i + size] for i in range(0, len(payload), size)] or [b""]
-        words = self._words
-        positions = slice(self._position_base, self._position_base + self.handle.readers)
+        size, core = self.handle.slot_bytes, self._core
+        if len(payload) <= size:
+            chunks = (payload,)
+        else:
+            chunks = tuple(payload[i : i + size] for i in range(0, len(payload), size))
+        last = len(chunks) - 1
         for index, chunk in enumerate(chunks):
             seq = self._next_write
-            slot = seq % self.handle.slots
-            oldest_allowed = seq - self.handle.slots + 1
-            if min(words[positions]) < oldest_allowed:
+            sleepers = core.put(seq, chunk, index < last)
+            if sleepers < 0:
                 wait_until(
-                    lambda oldest=oldest_allowed: min(words[positions]) >= oldest,
+                    lambda seq=seq: core.has_room(seq),
                     deadline,
                     "readers to free a ring slot",
                     on_idle,
                 )
-            start = self._data_offset + slot * size
-            self._buf[start : start + len(chunk)] = chunk
-            base = slot * _WORDS_PER_SLOT
-            words[base + 1] = len(chunk)
-            words[base + 2] = 1 if index < len(chunks) - 1 else 0
-            words[base] = seq + 1  # publish last
+                sleepers = core.put(seq, chunk, index < last)
             self._next_write = seq + 1
-            if self._doorbells is not None:
+            if sleepers and self._doorbells is not None:
                 for reader in range(self.handle.readers):
-                    if words[self._sleeping_base + reader]:
+                    if sleepers >> reader & 1:
                         self._doorbells[reader].send_bytes(b"")
 
     # ---- reading -----------------------------------------------------------------------------
 
     def ready(self, reader: int) -> bool:
         """True when a message for ``reader`` is waiting (never blocks)."""
-        seq = self._words[self._position_base + reader]
-        return self._words[(seq % self.handle.slots) * _WORDS_PER_SLOT] == seq + 1
+        return self._core.ready(reader)
 
     def get(
         self,
@@ -143,38 +228,29 @@ class ShmRing:
     ) -> bytes:
         """The next message for ``reader``, waiting until one is written. With ``doorbell``
         (the receiving end of this reader's pipe) a long wait blocks instead of polling."""
-        words = self._words
-        position = self._position_base + reader
+        core = self._core
         block = None
         if doorbell is not None:
-            sleeping = self._sleeping_base + reader
 
             def block(seconds: float) -> None:
-                words[sleeping] = 1
-                if not self.ready(reader) and doorbell.poll(seconds):
+                core.set_sleeping(reader, True)
+                if not core.ready(reader) and doorbell.poll(seconds):
                     while doorbell.poll(0):
                         doorbell.recv_bytes()
-                words[sleeping] = 0
+                core.set_sleeping(reader, False)
 
         parts = []
         while True:
-            seq = words[position]
-            slot = seq % self.handle.slots
-            sequence_word = slot * _WORDS_PER_SLOT
-            if words[sequence_word] != seq + 1:
+            taken = core.take(reader, _SPIN_CHECKS)
+            if taken is None:
                 wait_until(
-                    lambda word=sequence_word, expected=seq + 1: words[word] == expected,
-                    deadline,
-                    "a message on the ring",
-                    on_idle,
-                    block,
+                    lambda: core.ready(reader), deadline, "a message on the ring", on_idle, block
                 )
-            start = self._data_offset + slot * self.handle.slot_bytes
-            parts.append(bytes(self._buf[start : start + words[sequence_word + 1]]))
-            more = words[sequence_word + 2]
-            words[position] = seq + 1
+                taken = core.take(reader, 0)
+            chunk, more = taken
             if not more:
-                return parts[0] if len(parts) == 1 else b"".join(parts)
+                return chunk if not parts else b"".join([*parts, chunk])
+            parts.append(chunk)
 
     # ---- lifetime ------------------------------------------------------------------------------
 
@@ -182,9 +258,9 @@ class ShmRing:
         """Detach; the owner also unlinks the segment. Idempotent."""
         if self._shm is None:
             return
-        self._words.release()
-        self._header.release()
-        del self._words, self._header, self._buf
+        if isinstance(self._core, PythonRingCore):
+            self._core.release()
+        del self._core, self._buf
         self._shm.close()
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
