@@ -46,9 +46,40 @@ def test_bench_comm_compares_communicators(tmp_path):
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor)
 
 
+@pytest.mark.timeout(120)
+def test_bench_comm_back_to_back_beside_the_python_fallback(tmp_path):
+    out = tmp_path / "bench.json"
+    result = shardline(
+        "bench",
+        "comm",
+        "-c",
+        "custom_ar",
+        "--python-fallback",
+        "custom_ar",
+        "--back-to-back",
+        "--ops",
+        "all_reduce",
+        "-b",
+        "4",
+        "-e",
+        "4",
+        "-i",
+        "50",
+        "--json",
+        str(out),
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "back to back" in result.stdout and "custom_ar/py/custom_ar" in result.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [r["communicator"] for r in rows] == ["custom_ar", "custom_ar/py"]
+    assert all(0 < r["min_us"] <= r["median_us"] for r in rows)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        (["--python-fallback", "mpi"], "--python-fallback = 'mpi': allowed: names given to -c"),
         (["--ops", "all_reduce,scan"], "--ops = 'all_reduce,scan': allowed: all_reduce"),
         (["-b", "1M", "-e", "4K"], "-e 4K is below -b 1M"),
         (["-e", "lots"], "-e = 'lots': expected a positive size"),

@@ -6,18 +6,24 @@ tensor, all-gather's output, reduce-scatter's input, the broadcast tensor, the p
 Each size runs ``--warmup`` untimed then ``--iters`` timed iterations, with a barrier before
 each (not timed). An iteration's time runs from the last rank's start to the last rank's end
 (ranks of a local world share the host's clock), so the skew with which ranks leave the
-barrier is not counted; the table shows the median over iterations (min / max in the JSON),
-algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)/n for all-reduce,
-x (n-1)/n for all-gather and reduce-scatter, x 1 otherwise). p2p is the OSU latency: half a
-ping-pong between ranks 0 and 1.
+barrier is not counted. ``--back-to-back`` leaves the barriers out (one before the first
+iteration): a rank starts an iteration when it ends the previous one, as a model's layers call
+them. ``--python-fallback NAMES`` runs those communicators again with ``SHARDLINE_NATIVE=0``
+(their pure-Python paths, e.g. custom_ar's), in the same run. The table shows the median over
+iterations (min / max in the JSON), algorithm bandwidth (bytes / time) and bus bandwidth
+(algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and reduce-scatter, x 1 otherwise).
+p2p is the OSU latency: half a ping-pong between ranks 0 and 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +56,13 @@ class BenchSettings:
     iterations: int
     dtype: str
     timeout_s: float
+    back_to_back: bool = False
+    python_fallback: tuple[str, ...] = ()
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The table's communicator columns: each communicator, then each fallback run."""
+        return self.communicators + tuple(f"{name}/py" for name in self.python_fallback)
 
 
 def parse_size(text: str, field: str) -> int:
@@ -91,8 +104,15 @@ def settings_from(args) -> BenchSettings:
         )
     if not hasattr(torch, args.dtype) or not isinstance(getattr(torch, args.dtype), torch.dtype):
         raise ConfigError(f"--dtype = {args.dtype!r}: allowed: float32, float16, bfloat16, ...")
+    communicators = tuple(c.strip() for c in args.communicators.split(",") if c.strip())
+    fallback = tuple(c.strip() for c in args.python_fallback.split(",") if c.strip())
+    if set(fallback) - set(communicators):
+        raise ConfigError(
+            f"--python-fallback = {args.python_fallback!r}: allowed: names given to -c "
+            f"({', '.join(communicators)})"
+        )
     return BenchSettings(
-        communicators=tuple(c.strip() for c in args.communicators.split(",") if c.strip()),
+        communicators=communicators,
         ranks=args.ranks,
         begin=begin,
         end=end,
@@ -102,6 +122,8 @@ def settings_from(args) -> BenchSettings:
         iterations=args.iters,
         dtype=args.dtype,
         timeout_s=args.timeout,
+        back_to_back=args.back_to_back,
+        python_fallback=fallback,
     )
 
 
@@ -114,18 +136,32 @@ def sizes(settings: BenchSettings) -> list[int]:
 
 
 def measure(
-    ctx: RankContext, operation: str, nbytes: int, dtype: str, warmup: int, iterations: int
+    ctx: RankContext,
+    operation: str,
+    nbytes: int,
+    dtype: str,
+    warmup: int,
+    iterations: int,
+    back_to_back: bool = False,
 ) -> list[tuple[float, float]] | None:
     """:func:`measure_on` the rank's world communicator."""
-    return measure_on(ctx.comm, operation, nbytes, dtype, warmup, iterations)
+    return measure_on(ctx.comm, operation, nbytes, dtype, warmup, iterations, back_to_back)
 
 
 def measure_on(
-    comm: Communicator, operation: str, nbytes: int, dtype: str, warmup: int, iterations: int
+    comm: Communicator,
+    operation: str,
+    nbytes: int,
+    dtype: str,
+    warmup: int,
+    iterations: int,
+    back_to_back: bool = False,
 ) -> list[tuple[float, float]] | None:
     """This rank's (start, end) ``time.monotonic()`` pair per timed iteration of
     ``operation`` on ``nbytes`` over ``comm`` (None: rank not involved). The clock is the
-    machine's, shared by the ranks of a local world (and by simulated hosts)."""
+    machine's, shared by the ranks of a local world (and by simulated hosts). A barrier
+    precedes each iteration; ``back_to_back``: only the first, and an iteration starts where
+    the previous one ended."""
     torch_dtype = getattr(torch, dtype)
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
     count = max(1, nbytes // itemsize)
@@ -135,9 +171,13 @@ def measure_on(
         count //= comm.world_size
     tensor = torch.ones(count, dtype=torch_dtype)
     samples = []
-    for index in range(warmup + iterations):
+    if back_to_back:
         comm.barrier()
-        start = time.monotonic()
+    end = time.monotonic()
+    for index in range(warmup + iterations):
+        if not back_to_back:
+            comm.barrier()
+        start = end if back_to_back else time.monotonic()
         if operation == "all_reduce":
             comm.all_reduce(tensor)
         elif operation == "all_gather":
@@ -152,8 +192,9 @@ def measure_on(
         elif comm.rank == 1:
             comm.recv(tensor, 0)
             comm.send(tensor, 0)
+        end = time.monotonic()
         if index >= warmup:
-            samples.append((start, time.monotonic()))
+            samples.append((start, end))
     return None if operation == "p2p" and comm.rank > 1 else samples
 
 
@@ -191,21 +232,42 @@ def communicator_launchers(settings: BenchSettings) -> dict[str, str | None]:
     return launchers
 
 
+@contextlib.contextmanager
+def native_paths(native: bool) -> Iterator[None]:
+    """``SHARDLINE_NATIVE`` for the rank processes started meanwhile (False: ``0``, the
+    pure-Python paths; True: as this process has it)."""
+    before = os.environ.get("SHARDLINE_NATIVE")
+    if not native:
+        os.environ["SHARDLINE_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SHARDLINE_NATIVE", None)
+        else:
+            os.environ["SHARDLINE_NATIVE"] = before
+
+
 def run(settings: BenchSettings, json_path: str | None) -> int:
     launchers = communicator_launchers(settings)
     rows: list[dict] = []
     progress = sys.stderr.isatty()  # a live progress line on a terminal only
     plan = [(op, size) for op in settings.operations for size in sizes(settings)]
-    for name, launcher in launchers.items():
-        with LocalWorld(
-            settings.ranks,
-            CommunicatorSetup(name, settings.timeout_s),
-            call_timeout_s=settings.timeout_s + 60,
-            launcher=launcher,
-        ) as world:
+    runs = [(name, name, True) for name in settings.communicators]
+    runs += [(f"{name}/py", name, False) for name in settings.python_fallback]
+    for label, name, native in runs:
+        with (
+            native_paths(native),
+            LocalWorld(
+                settings.ranks,
+                CommunicatorSetup(name, settings.timeout_s),
+                call_timeout_s=settings.timeout_s + 60,
+                launcher=launchers[name],
+            ) as world,
+        ):
             for done, (operation, nbytes) in enumerate(plan, 1):
                 if progress:
-                    line = f"{name}: {operation} {human_size(nbytes)} ({done}/{len(plan)})"
+                    line = f"{label}: {operation} {human_size(nbytes)} ({done}/{len(plan)})"
                     print(f"\r{line:<60}", end="", file=sys.stderr, flush=True)
                 per_rank = [
                     samples
@@ -216,6 +278,7 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
                         settings.dtype,
                         settings.warmup,
                         settings.iterations,
+                        settings.back_to_back,
                     )
                     if samples is not None
                 ]
@@ -224,7 +287,7 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
                 algbw = nbytes / median / 1e9
                 rows.append(
                     {
-                        "communicator": name,
+                        "communicator": label,
                         "operation": operation,
                         "bytes": nbytes,
                         "median_us": median * 1e6,
@@ -244,7 +307,7 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
 
 
 def _table(rows: list[dict], settings: BenchSettings) -> str:
-    names = settings.communicators
+    names = settings.columns
     by_key = {(r["communicator"], r["operation"], r["bytes"]): r for r in rows}
     header = ["OPERATION", "SIZE"]
     for name in names:
@@ -263,10 +326,12 @@ def _table(rows: list[dict], settings: BenchSettings) -> str:
                 for name in names[1:]
             ]
             lines.append(tuple(cells))
+    start = "end of the previous iteration" if settings.back_to_back else "start"
     title = (
         f"{settings.ranks} ranks, {settings.dtype}, {settings.warmup} warm-up + "
-        f"{settings.iterations} timed iterations; median time from the last rank's start to the "
-        "last rank's end"
+        f"{settings.iterations} timed iterations"
+        f"{', back to back' if settings.back_to_back else ', a barrier before each'}; median "
+        f"time from the last rank's {start} to the last rank's end"
     )
     return title + "\n" + render(tuple(header), lines)
 

@@ -144,7 +144,8 @@ def _add_bench_comm(bench: argparse._SubParsersAction) -> None:
         "comm",
         help="time collectives and p2p of several communicators side by side",
         description="OSU / nccl-tests style: sizes -b..-e by factor -f, warm-up and timed "
-        "iterations with a barrier before each, median over ranks, algorithm and bus bandwidth.",
+        "iterations with a barrier before each (or back to back), median over ranks, algorithm "
+        "and bus bandwidth.",
     )
     comm.add_argument(
         "--communicators", "-c", default="gloo", help="comma-separated names (default gloo)"
@@ -162,6 +163,18 @@ def _add_bench_comm(bench: argparse._SubParsersAction) -> None:
     comm.add_argument("-i", "--iters", type=int, default=20, help="timed iterations (20)")
     comm.add_argument("--dtype", default="float32", help="float32 (default), float16, ...")
     comm.add_argument("--timeout", type=float, default=60.0, help="per-operation deadline (s)")
+    comm.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="no barrier between iterations: each is timed from the last rank's end of the "
+        "previous one (how a model calls them)",
+    )
+    comm.add_argument(
+        "--python-fallback",
+        default="",
+        help="comma-separated communicators to run again with SHARDLINE_NATIVE=0 (their "
+        "pure-Python paths), shown as NAME/py",
+    )
     _add_across_hosts(comm)
     comm.add_argument("--json", help="write the results here")
 
