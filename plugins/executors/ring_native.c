@@ -53,7 +53,14 @@ static int ready(RingCore *self, Py_ssize_t reader) {
     return __atomic_load_n(slot_words(self, seq), __ATOMIC_ACQUIRE) == seq + 1;
 }
 
+static int check_open(RingCore *self) {
+    if (self->words != NULL) return 0;
+    PyErr_SetString(PyExc_ValueError, "the ring's mapping was released");
+    return -1;
+}
+
 static int parse_reader(RingCore *self, PyObject *object, Py_ssize_t *reader) {
+    if (check_open(self) < 0) return -1;
     *reader = PyLong_AsSsize_t(object);
     if (*reader == -1 && PyErr_Occurred()) return -1;
     if (*reader < 0 || *reader >= self->readers) {
@@ -68,6 +75,7 @@ static PyObject *RingCore_put(RingCore *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "expected (seq, chunk, more)");
         return NULL;
     }
+    if (check_open(self) < 0) return NULL;
     int64_t seq = PyLong_AsLongLong(args[0]);
     if (seq == -1 && PyErr_Occurred()) return NULL;
     int more = PyObject_IsTrue(args[2]);
@@ -129,6 +137,7 @@ static PyObject *RingCore_take(RingCore *self, PyObject *const *args, Py_ssize_t
 }
 
 static PyObject *RingCore_has_room(RingCore *self, PyObject *seq_object) {
+    if (check_open(self) < 0) return NULL;
     int64_t seq = PyLong_AsLongLong(seq_object);
     if (seq == -1 && PyErr_Occurred()) return NULL;
     return PyBool_FromLong(has_room(self, seq));
@@ -150,6 +159,13 @@ static PyObject *RingCore_set_sleeping(RingCore *self, PyObject *const *args, Py
     int asleep = PyObject_IsTrue(args[1]);
     if (asleep < 0) return NULL;
     __atomic_store_n(sleeping(self, reader), asleep, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+static PyObject *RingCore_release(RingCore *self, PyObject *unused) {
+    if (self->memory.obj != NULL) PyBuffer_Release(&self->memory);
+    self->words = NULL;
+    self->data = NULL;
     Py_RETURN_NONE;
 }
 
@@ -199,6 +215,8 @@ static PyMethodDef RingCore_methods[] = {
      "ready(reader): whether a message for ``reader`` is published."},
     {"set_sleeping", (PyCFunction)(void (*)(void))RingCore_set_sleeping, METH_FASTCALL,
      "set_sleeping(reader, asleep): raise or lower the reader's \"ring my doorbell\" flag."},
+    {"release", (PyCFunction)RingCore_release, METH_NOARGS,
+     "release(): let go of the mapping (before it is closed); later operations raise."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject RingCoreType = {

@@ -258,8 +258,7 @@ class ShmRing:
         """Detach; the owner also unlinks the segment. Idempotent."""
         if self._shm is None:
             return
-        if isinstance(self._core, PythonRingCore):
-            self._core.release()
+        self._core.release()  # a traceback may still hold the core: release the mapping now
         del self._core, self._buf
         self._shm.close()
         if self._owner:
