@@ -9,6 +9,11 @@ at once and turns every pending and later call into a :class:`PeerLostError` nam
 and its exit code. Deadlines: every
 start-up phase and every call has one. Shutdown is idempotent and leaves no process and no
 shared-memory segment, also after a failure.
+
+Replies: a collector thread resolves the Futures of non-blocking calls; a thread that asks a
+call's Future for its result collects the replies itself when no other thread is collecting
+and the call's deadline comes before its own timeout (no hand-off between threads: on this
+2-core machine that hand-off was a third of an empty step's round trip).
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ from shardline.sdk import (
     EngineConfig,
     RankProcesses,
     failed_in_phase,
-    first_reply,
     missed_phase,
     serve_store,
     wait_until,
@@ -56,12 +60,37 @@ _JOIN_S = 2.0
 FROZEN_S = 1.0
 
 
+class _CollectingFuture(Future):
+    """A call's Future whose :meth:`result` and :meth:`exception` first run
+    ``collect(future, deadline, timeout)`` in the asking thread (see the module docstring);
+    ``deadline`` is the call's."""
+
+    def __init__(
+        self, collect: Callable[[Future, float, float | None], None], deadline: float
+    ) -> None:
+        super().__init__()
+        self._collect = collect
+        self._deadline = deadline
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._collect(self, self._deadline, timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._collect(self, self._deadline, timeout)
+        return super().exception(timeout)
+
+
 @dataclass
 class _PendingCall:
+    """A call in flight; its Future resolves to the replies of ``ranks`` in order, or, with
+    ``single``, to the one reply."""
+
     call_id: int
     name: str
     ranks: list[int]
-    deadline: float | None
+    deadline: float
+    single: bool = False
     future: Future = field(default_factory=Future)
     replies: dict[int, Any] = field(default_factory=dict)
 
@@ -179,6 +208,23 @@ class MultiprocExecutor(Executor):
         unique_reply_rank: int | None = None,
         non_block: bool = False,
     ) -> list[Any] | Future[list[Any]]:
+        call = self._call(method, args, kwargs, timeout, unique_reply_rank, single=False)
+        if non_block:
+            self._wake_collector_thread()
+            return call.future
+        self._collect_through(call)
+        return call.future.result()
+
+    def _call(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float | None,
+        unique_reply_rank: int | None,
+        single: bool,
+    ) -> _PendingCall:
+        """Broadcast the call and queue it for collection."""
         self.check_health()
         if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
             raise ValueError(
@@ -194,7 +240,9 @@ class MultiprocExecutor(Executor):
             if unique_reply_rank is None
             else [unique_reply_rank],
             deadline=time.monotonic() + seconds,
+            single=single,
         )
+        call.future = _CollectingFuture(self._collect_here, call.deadline)
         self._next_call += 1
         message = Call(call.call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank)
         self._calls.put(
@@ -203,22 +251,19 @@ class MultiprocExecutor(Executor):
             self.check_health,
         )
         self._pending.append(call)
-        if non_block:
-            with self._wake_collector:
-                self._wake_collector.notify()
-            return call.future
-        self._collect_through(call)
-        return call.future.result()
+        return call
+
+    def _wake_collector_thread(self) -> None:
+        with self._wake_collector:
+            self._wake_collector.notify()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
         """A Future of the output rank's reply, returned once the step is broadcast."""
-        replies = self.collective_rpc(
-            "execute_model",
-            (scheduler_output,),
-            unique_reply_rank=self._output_rank,
-            non_block=True,
+        call = self._call(
+            "execute_model", (scheduler_output,), None, None, self._output_rank, single=True
         )
-        return first_reply(replies)
+        self._wake_collector_thread()
+        return call.future
 
     def check_health(self) -> None:
         if self._closed:
@@ -234,6 +279,19 @@ class MultiprocExecutor(Executor):
             with self._collect_lock:
                 if self._pending and not target.future.done():
                     self._collect_one(self._pending[0])
+
+    def _collect_here(self, future: Future, deadline: float, wait_s: float | None) -> None:
+        """Collect replies in this thread until ``future`` (a call's, with that ``deadline``)
+        resolves, while no other thread collects and the call's deadline comes before this
+        thread's (``wait_s`` from now)."""
+        if wait_s is not None and deadline > time.monotonic() + wait_s:
+            return
+        while not future.done() and self._collect_lock.acquire(blocking=False):
+            try:
+                if self._pending and not future.done():
+                    self._collect_one(self._pending[0])
+            finally:
+                self._collect_lock.release()
 
     def _collect_in_background(self) -> None:
         while not self._closed:
@@ -253,7 +311,8 @@ class MultiprocExecutor(Executor):
         """
         try:
             self._gather_replies(call)
-            _settle(call.future, value=[call.replies[r] for r in call.ranks])
+            replies = [call.replies[r] for r in call.ranks]
+            _settle(call.future, value=replies[0] if call.single else replies)
         except WorkerError as error:
             self._failed_calls.add(call.call_id)
             if isinstance(error.origin, CommunicationError):
