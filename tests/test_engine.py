@@ -12,6 +12,7 @@ from shardline.comm.waiting import host_cores
 from shardline.engine import LLM, SamplingParams
 from shardline.errors import RequestError
 from support.memory_probe import bytes_held
+from support.tiny_llama import write_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,6 +83,27 @@ def test_generate_and_embed_match_transformers(tiny_llama_dir, reference, tp, pp
             assert (parameters, cache) == (planned[rank].memory.weights, planned[rank].kv_cache)
     for got, want in zip(embeddings, _expected_embeddings(hidden, "last"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["one-stage", "pp2"])
+def test_a_tied_lm_head_is_planned_as_held_and_gives_transformers_tokens(tmp_path, pp):
+    """The packed head of a tied model holds its own copy of the table (the embedding keeps
+    the plain one for lookups): the memory plan counts it, and greedy tokens stay
+    transformers'."""
+    from transformers import LlamaForCausalLM
+
+    model = write_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    reference = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    prompt = PROMPTS[0]
+    expected = reference.generate(
+        torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )[0, len(prompt) :].tolist()
+    with _llm(model, 1, pp) as llm:
+        (output,) = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert output.token_ids == expected
+        planned = {r: share for share in llm.engine.capacity.shares for r in share.ranks}
+        for rank, (parameters, _) in enumerate(llm.engine.executor.collective_rpc(bytes_held)):
+            assert parameters == planned[rank].memory.weights
 
 
 def _rank(worker):

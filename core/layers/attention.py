@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
@@ -101,6 +102,34 @@ class KVCache:
         return key, value
 
 
+class PagedAttention(nn.Module):
+    """:func:`paged_attention` as a layer: a layer's softmax ``scale`` and which KV head
+    each of its query heads reads (``kv_index``)."""
+
+    profile_part = "attention"
+
+    def __init__(self, scale: float, kv_index: torch.Tensor) -> None:
+        super().__init__()
+        self.scale = scale
+        heads, kv_heads = len(kv_index), int(kv_index.max()) + 1
+        grouped = heads % kv_heads == 0 and torch.equal(
+            kv_index, torch.arange(heads) // (heads // kv_heads)
+        )
+        # Consecutive query heads sharing a KV head: the kernel reads the shared heads
+        # itself (GQA); else each query head's keys are gathered for it.
+        self.kv_index = None if grouped else kv_index
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return paged_attention(q, k, v, cache, metadata, self.scale, self.kv_index)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -108,11 +137,11 @@ def paged_attention(
     cache: KVCache,
     metadata: AttentionMetadata,
     scale: float,
-    kv_index: torch.Tensor,
+    kv_index: torch.Tensor | None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (``[N, heads, d]``) over each sequence's cached keys, after
-    writing this batch's ``k``/``v``. Query head ``i`` reads KV head ``kv_index[i]`` (GQA).
-    Returns ``[N, heads * d]``."""
+    writing this batch's ``k``/``v``. Query head ``i`` reads KV head ``kv_index[i]``, or with
+    ``kv_index`` None KV head ``i // (heads / kv_heads)`` (GQA). Returns ``[N, heads * d]``."""
     cache.write(metadata.slot_mapping, k, v)
     out = torch.empty_like(q)
     decode = metadata.decode_batch(cache.block_size)
@@ -124,31 +153,45 @@ def paged_attention(
             continue
         keys, values = cache.read(metadata.block_tables[i], seq_len)
         query = q[start:end].transpose(0, 1)  # [heads, n_q, d]
-        keys = keys.transpose(0, 1).index_select(0, kv_index)  # [heads, seq, d]
-        values = values.transpose(0, 1).index_select(0, kv_index)
+        keys, values = _per_query_head(keys.transpose(0, 1), values.transpose(0, 1), kv_index)
         n_q = end - start
         # Query t sits at position seq_len - n_q + t and sees keys up to there.
         key_positions = torch.arange(seq_len, device=q.device)
         query_positions = seq_len - n_q + torch.arange(n_q, device=q.device)
         visible = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
         attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=visible, scale=scale
+            query, keys, values, attn_mask=visible, scale=scale, enable_gqa=kv_index is None
         )
         out[start:end] = attended.transpose(0, 1)
     return out.reshape(q.shape[0], -1)
 
 
+def _per_query_head(
+    keys: torch.Tensor, values: torch.Tensor, kv_index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (heads on dim -3) as the query heads read them: gathered per query
+    head by ``kv_index``, or as they are for the kernel's own GQA (``kv_index`` None)."""
+    if kv_index is None:
+        return keys, values
+    return keys.index_select(-3, kv_index), values.index_select(-3, kv_index)
+
+
 def _decode_attention(
-    q: torch.Tensor, cache: KVCache, decode: DecodeBatch, scale: float, kv_index: torch.Tensor
+    q: torch.Tensor,
+    cache: KVCache,
+    decode: DecodeBatch,
+    scale: float,
+    kv_index: torch.Tensor | None,
 ) -> torch.Tensor:
     """One attention call for every one-token sequence: ``[B, heads, d]``."""
     flat_key = cache.key.view(-1, *cache.key.shape[2:])
     flat_value = cache.value.view(-1, *cache.value.shape[2:])
     # [B, L, kv_heads, d] -> [B, heads, L, d]
-    keys = flat_key[decode.slots].transpose(1, 2).index_select(1, kv_index)
-    values = flat_value[decode.slots].transpose(1, 2).index_select(1, kv_index)
+    keys, values = _per_query_head(
+        flat_key[decode.slots].transpose(1, 2), flat_value[decode.slots].transpose(1, 2), kv_index
+    )
     query = q[decode.rows].unsqueeze(2)  # [B, heads, 1, d]
     attended = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=decode.visible, scale=scale
+        query, keys, values, attn_mask=decode.visible, scale=scale, enable_gqa=kv_index is None
     )
     return attended.squeeze(2)

@@ -13,11 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.distributed import GroupCoordinator
+from shardline.layers.linear import linear, packed, weight_matrix
 from shardline.layers.sharding import TensorSource, vocab_shard
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding split along the vocabulary."""
+
+    profile_part = "embedding lookup"
 
     def __init__(
         self,
@@ -32,9 +35,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.shard = vocab_shard(vocab_size, tp.world_size, tp.rank_in_group)
-        self.weight = nn.Parameter(
-            torch.zeros(self.shard.padded_per_rank, hidden_size, dtype=dtype), requires_grad=False
-        )
+        # Column by column: the LM head (which may share this table) reads all of it each
+        # step, a lookup only a few rows.
+        self.weight = weight_matrix(self.shard.padded_per_rank, hidden_size, dtype)
 
     def load_full(self, weight: TensorSource) -> None:
         """Copy this rank's rows of the full ``[vocab, hidden]`` table; padding rows stay 0."""
@@ -60,6 +63,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary, computed per vocabulary range and gathered. With tied
     embeddings, pass the embedding layer: the head then shares its weight."""
 
+    profile_part = "matmul (weights)"
+
     def __init__(
         self,
         vocab_size: int,
@@ -73,8 +78,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
 
+    def pack(self) -> None:
+        """Pack the head's weight (:func:`~shardline.layers.linear.packed`). A tied head then
+        holds its own packed copy: the embedding keeps the plain table its lookups read."""
+        self.weight = packed(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab_size]`` logits, identical on every TP rank."""
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight, None)
         full = self.tp.all_gather(local, dim=-1)
         return full[..., : self.vocab_size]

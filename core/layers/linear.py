@@ -3,6 +3,11 @@
 Each layer holds only its rank's shard and loads it from the *full* checkpoint tensor with
 ``load_full`` (or ``load_part`` for merged layers): the narrowing is
 :mod:`shardline.layers.sharding`, so a rank never keeps more than its share.
+
+Once loaded, :func:`pack_linear_weights` hands each CPU weight (float32, bfloat16) to oneDNN
+in its blocked layout, and the layers multiply with oneDNN's linear kernel; measured here
+(``benchmarks/linear_kernels.py``) that is faster than torch's default GEMM at every decode
+batch size. Where oneDNN is missing the weights stay as they are and ``F.linear`` runs.
 """
 
 from __future__ import annotations
@@ -22,14 +27,67 @@ from shardline.layers.sharding import (
     row_slice,
 )
 
+#: The batch size oneDNN packs weights for: measured the fastest packing for 1 and 16 rows.
+PACKED_FOR_ROWS = 16
+
 
 def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def weight_matrix(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Parameter:
+    """A ``[out, in]`` weight (zeros), made on torch's default device. A float32 weight on
+    the CPU is stored column by column (its transpose contiguous): torch's CPU GEMM multiplies
+    by a contiguous ``[in, out]`` matrix faster at decode batch sizes, which matters for a
+    weight that is not packed (a tied LM head; no oneDNN)."""
+    if dtype == torch.float32 and torch.get_default_device().type == "cpu":
+        storage = torch.zeros(in_features, out_features, dtype=dtype)
+        return nn.Parameter(storage.t(), requires_grad=False)
+    return nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype), requires_grad=False)
+
+
+def packs(device: str, dtype: str) -> bool:
+    """Whether linear weights of ``dtype`` (a name: "float32") on ``device`` (a kind: "cpu")
+    are packed for oneDNN: float32 and bfloat16 on the CPU, where this torch has oneDNN."""
+    return (
+        device == "cpu"
+        and dtype in ("float32", "bfloat16")
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]``) in oneDNN's blocked layout, as a new parameter, where
+    :func:`packs` says so; else ``weight`` itself."""
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if weight.is_mkldnn or not packs(weight.device.type, dtype):
+        return weight
+    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
+    return nn.Parameter(blocked, requires_grad=False)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` with a plain or a :func:`packed` weight."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_linear_weights(model: nn.Module) -> None:
+    """Pack the weight of every layer of ``model`` that has a ``pack`` method (call once the
+    weights are loaded; loading into a packed weight is not possible)."""
+    for module in model.modules():
+        pack = getattr(module, "pack", None)
+        if callable(pack):
+            pack()
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X W^T``, W split along its output dim: input replicated, output sharded
     (``[..., out / tp]``), no communication."""
+
+    profile_part = "matmul (weights)"
 
     def __init__(
         self,
@@ -45,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.out_per_rank = divide(out_features, tp.world_size, "output features")
-        self.weight = _parameter(self.out_per_rank, in_features, dtype=dtype)
+        self.weight = weight_matrix(self.out_per_rank, in_features, dtype)
         self.bias = _parameter(self.out_per_rank, dtype=dtype) if bias else None
 
     def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
@@ -55,8 +113,11 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None and bias is not None:
             copy_into(self.bias, part.apply(bias), "bias")
 
+    def pack(self) -> None:
+        self.weight = packed(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -95,6 +156,8 @@ class QKVParallelLinear(nn.Module):
     """Query, key and value projections split by heads (:class:`HeadShard`): the rank's output
     is ``[q | k | v]`` for its query heads and the KV heads they read. No communication."""
 
+    profile_part = "matmul (weights)"
+
     def __init__(
         self,
         hidden_size: int,
@@ -113,7 +176,7 @@ class QKVParallelLinear(nn.Module):
         self.total_heads = num_heads
         self.total_kv_heads = num_kv_heads
         out_per_rank = self.q_size + 2 * self.kv_size
-        self.weight = _parameter(out_per_rank, hidden_size, dtype=dtype)
+        self.weight = weight_matrix(out_per_rank, hidden_size, dtype)
         self.bias = _parameter(out_per_rank, dtype=dtype) if bias else None
 
     @property
@@ -139,14 +202,19 @@ class QKVParallelLinear(nn.Module):
         if self.bias is not None and bias is not None:
             copy_into(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
 
+    def pack(self) -> None:
+        self.weight = packed(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """``Y = X W^T``, W split along its input dim: each rank multiplies its slice of X
     (``[..., input_shard.length]``, e.g. a column-parallel layer's output) and the partial
     results are all-reduced. The bias is added once, after the reduction."""
+
+    profile_part = "matmul (weights)"
 
     def __init__(
         self,
@@ -164,7 +232,7 @@ class RowParallelLinear(nn.Module):
         self.out_features = out_features
         # Even split by default; attention passes its heads' range, which may be uneven.
         self.input_shard = input_shard or row_slice(in_features, tp.world_size, tp.rank_in_group)
-        self.weight = _parameter(out_features, self.input_shard.length, dtype=dtype)
+        self.weight = weight_matrix(out_features, self.input_shard.length, dtype)
         self.bias = _parameter(out_features, dtype=dtype) if bias else None
 
     def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
@@ -172,8 +240,11 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and bias is not None:
             copy_into(self.bias, bias[:], "bias")
 
+    def pack(self) -> None:
+        self.weight = packed(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, None))
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -21,18 +21,18 @@ class RotaryEmbedding:
         self.sin = angles.sin()
         self.max_positions = max_positions
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``: ``[N, heads, d]``, ``k``: ``[N, kv_heads, d]``, ``positions``: ``[N]``, each
-        below ``max_positions`` (the caller checks: reading them here would wait for the
-        device)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` at ``positions`` (``[N]``, each below ``max_positions``: the caller
+        checks, since reading them here would wait for the device), shaped ``[N, 1, d]`` to
+        rotate ``[N, heads, d]``; made once per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[N, heads, d]``) rotated by the angles of :meth:`RotaryEmbedding.at`, in
+    float32 (cast back), as HF Llama computes it."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    if x.dtype == torch.float32:
+        return x * cos + rotated * sin
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

@@ -19,8 +19,8 @@ from shardline.interfaces import IntermediateTensors
 from shardline.layers.attention import (
     AttentionMetadata,
     KVCache,
+    PagedAttention,
     attention_kernels,
-    paged_attention,
 )
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardline.layers.linear import (
@@ -28,9 +28,10 @@ from shardline.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     copy_into,
+    pack_linear_weights,
 )
 from shardline.layers.norm import RMSNorm
-from shardline.layers.rotary import RotaryEmbedding
+from shardline.layers.rotary import RotaryEmbedding, rotate
 from shardline.layers.sharding import ShardSlice, TensorSource
 from shardline.models.architecture import (
     LlamaArchitecture,
@@ -44,9 +45,7 @@ WeightLookup = Callable[[str], TensorSource]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, arch: LlamaArchitecture, tp: GroupCoordinator, rotary: RotaryEmbedding, dtype
-    ) -> None:
+    def __init__(self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             arch.hidden_size,
@@ -68,22 +67,26 @@ class LlamaAttention(nn.Module):
             ),
             dtype=dtype,
         )
-        self.kv_index = torch.tensor(heads.kv_index_of_query_heads(), dtype=torch.long)
-        self.rotary = rotary
+        kv_index = torch.tensor(heads.kv_index_of_query_heads(), dtype=torch.long)
+        self.attn = PagedAttention(arch.head_dim**-0.5, kv_index)
         self.head_dim = arch.head_dim
-        self.scale = arch.head_dim**-0.5
 
     def forward(
-        self, hidden, positions, metadata: AttentionMetadata, cache: KVCache
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        cache: KVCache,
     ) -> torch.Tensor:
+        """``rope``: the step's ``(cos, sin)`` (:meth:`RotaryEmbedding.at`)."""
         qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(-1, q_size // self.head_dim, self.head_dim)
-        k = k.reshape(-1, kv_size // self.head_dim, self.head_dim)
-        v = v.reshape(-1, kv_size // self.head_dim, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(paged_attention(q, k, v, cache, metadata, self.scale, self.kv_index))
+        d = self.head_dim
+        q_heads, kv_heads = self.qkv_proj.q_size // d, self.qkv_proj.kv_size // d
+        # Queries and keys are rotated together, as one [N, q_heads + kv_heads, d] tensor.
+        qk = rotate(qkv[:, : (q_heads + kv_heads) * d].view(-1, q_heads + kv_heads, d), *rope)
+        q, k = qk[:, :q_heads], qk[:, q_heads:]
+        v = qkv[:, (q_heads + kv_heads) * d :].view(-1, kv_heads, d)
+        return self.o_proj(self.attn(q, k, v, cache, metadata))
 
     def load(self, prefix: str, weight: WeightLookup, has_bias: bool) -> None:
         for name in "qkv":
@@ -118,23 +121,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, arch: LlamaArchitecture, tp: GroupCoordinator, rotary: RotaryEmbedding, dtype
-    ) -> None:
+    def __init__(self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, tp, rotary, dtype)
+        self.self_attn = LlamaAttention(arch, tp, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, tp, dtype)
 
-    def forward(self, hidden, residual, positions, metadata, cache):
+    def forward(self, hidden, residual, rope, metadata, cache):
         """Returns ``(hidden, residual)`` with the last add deferred to the next layer."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, metadata, cache)
+        hidden = self.self_attn(hidden, rope, metadata, cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -160,14 +161,14 @@ class LlamaForCausalLM(nn.Module):
         self.layer_range = partition_layers(arch.num_layers, pp.world_size, pp.rank_in_group)
         self.is_first_stage = pp.is_first_rank
         self.is_last_stage = pp.is_last_rank
-        rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_positions)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_positions)
         self.embed_tokens = (
             VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype=dtype)
             if self.is_first_stage
             else None
         )
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(arch, tp, rotary, dtype) for i in self.layer_range}
+            {str(i): LlamaDecoderLayer(arch, tp, dtype) for i in self.layer_range}
         )
         if self.is_last_stage:
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -208,10 +209,11 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        rope = self.rotary.at(positions)
         with attention_kernels():
             for i in self.layer_range:
                 hidden, residual = self.layers[str(i)](
-                    hidden, residual, positions, metadata, kv_caches[i]
+                    hidden, residual, rope, metadata, kv_caches[i]
                 )
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
@@ -224,9 +226,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weight: WeightLookup, source: str = "checkpoint") -> None:
-        """Load this rank's shard of this stage's weights, by HF tensor name. Every tensor's
-        full shape is checked against the config first: a mismatch is a ConfigError naming
-        ``source`` and the tensor."""
+        """Load this rank's shard of this stage's weights, by HF tensor name, then pack them for
+        the CPU's fastest kernel (:func:`~shardline.layers.linear.pack_linear_weights`). Every
+        tensor's full shape is checked against the config first: a mismatch is a ConfigError
+        naming ``source`` and the tensor."""
         arch = self.arch
 
         def checked(name: str) -> TensorSource:
@@ -250,3 +253,4 @@ class LlamaForCausalLM(nn.Module):
             elif self.embed_tokens is None:
                 # Tied head on a stage without the embedding: load the shared table here.
                 self.lm_head.load_full(checked("model.embed_tokens.weight"))
+        pack_linear_weights(self)

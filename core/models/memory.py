@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError
 from shardline.interfaces import ModelPlan, RankMemory
+from shardline.layers.linear import packs
 from shardline.layers.sharding import head_shard, vocab_shard
 from shardline.models.architecture import (
     LlamaArchitecture,
@@ -33,6 +34,9 @@ class LlamaPlan(ModelPlan):
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
+    #: Whether linear weights are packed for oneDNN (:func:`~shardline.layers.linear.packs`):
+    #: a tied LM head then holds its own packed copy of the embedding table.
+    packed: bool = False
 
     @classmethod
     def of(cls, arch: LlamaArchitecture, config: EngineConfig) -> LlamaPlan:
@@ -58,6 +62,7 @@ class LlamaPlan(ModelPlan):
             config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens,
             config.cache.block_size,
+            packs(parallel.device, config.model.dtype),
         )
 
     @property
@@ -80,7 +85,8 @@ class LlamaPlan(ModelPlan):
             per_layer += 2 * mlp + hidden
         vocab_rows = vocab_shard(arch.vocab_size, self.tp_size, tp_rank).padded_per_rank
         first, last = pp_rank == 0, pp_rank == self.pp_size - 1
-        tables = int(first) + int(last and not (arch.tie_word_embeddings and first))
+        shares_table = arch.tie_word_embeddings and first and not self.packed
+        tables = int(first) + int(last and not shares_table)
         parameters = layers * per_layer + tables * vocab_rows * hidden + int(last) * hidden
         # Loading converts one tensor shard at a time (GGUF dequantizes to float32 first).
         largest_shard = max(vocab_rows * hidden if tables else 0, mlp * hidden * 2, q * hidden)

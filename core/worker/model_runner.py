@@ -24,6 +24,7 @@ from shardline.interfaces import IntermediateTensors, ModelRunner
 from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from shardline.launch.launcher_env import local_rank
 from shardline.layers.attention import AttentionMetadata, KVCache
+from shardline.profiling import NO_TIMER, StepTimer
 from shardline.worker.sampler import make_generator, sample_rows
 
 
@@ -70,7 +71,10 @@ class RequestState:
 
 
 class CausalLMRunner(ModelRunner):
-    """Runs this rank's pipeline stage of a decoder-only model over a paged KV cache."""
+    """Runs this rank's pipeline stage of a decoder-only model over a paged KV cache.
+
+    ``timer`` marks the parts of a step outside the model ("prepare inputs", "sampling");
+    a profiler sets it (:meth:`shardline.worker.worker.Worker.start_profile`)."""
 
     def __init__(self, config: EngineConfig, state: ParallelState) -> None:
         self.config = config
@@ -79,6 +83,7 @@ class CausalLMRunner(ModelRunner):
         self.model: CausalLM | None = None
         self.kv_caches: dict[int, KVCache] = {}
         self.device = rank_device(config.parallel.device, state.rank)
+        self.timer: StepTimer = NO_TIMER
 
     @abc.abstractmethod
     def build_model(self) -> CausalLM:
@@ -100,10 +105,13 @@ class CausalLMRunner(ModelRunner):
     ) -> ModelRunnerOutput | IntermediateTensors | None:
         if self.model is None:
             raise RuntimeError("execute_model before load_model")
-        self._update_states(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return None
-        req_ids, input_ids, positions, metadata, final_rows = self._prepare_inputs(scheduler_output)
+        with self.timer("prepare inputs"):
+            self._update_states(scheduler_output)
+            if scheduler_output.total_num_scheduled_tokens == 0:
+                return None
+            req_ids, input_ids, positions, metadata, final_rows = self._prepare_inputs(
+                scheduler_output
+            )
         output = self.model(input_ids, positions, metadata, self.kv_caches, intermediate_tensors)
         if isinstance(output, IntermediateTensors):
             return output
@@ -120,13 +128,15 @@ class CausalLMRunner(ModelRunner):
             for req_id, row in zip(req_ids, final_rows, strict=True)
             if row is not None
         ]
-        drawn = iter(
-            sample_rows(
-                self.model.compute_logits(output[rows]),
-                [request.sampling for request in finishing],
-                [request.generator for request in finishing],
+        logits = self.model.compute_logits(output[rows])
+        with self.timer("sampling"):
+            drawn = iter(
+                sample_rows(
+                    logits,
+                    [request.sampling for request in finishing],
+                    [request.generator for request in finishing],
+                )
             )
-        )
         sampled = [None if row is None else next(drawn) for row in final_rows]
         return ModelRunnerOutput(req_ids, sampled)
 
