@@ -43,6 +43,8 @@ class Case:
     timeout_s: float = 120.0
     #: The launcher the communicator's ranks need (its declared capability), or None.
     launcher: str | None = None
+    #: Also time a batch-1 and a concurrent run part by part (``--profile``).
+    profile: bool = False
 
 
 def plan(
@@ -53,6 +55,7 @@ def plan(
     communicators: dict[str, str | None],
     hf_threads: list[int],
     timeout_s: float,
+    profile: bool = False,
 ) -> list[Case]:
     """The cases of one run (``communicators``: name -> the launcher its ranks need); TP=1
     has nothing to communicate and is one row."""
@@ -75,6 +78,7 @@ def plan(
                     0,
                     timeout_s,
                     launcher,
+                    profile,
                 )
             )
     cases += [
@@ -150,6 +154,9 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
     print(_table(rows))
     for line in _targets(rows):
         print(line)
+    for row in rows:
+        for mode, profile in row.get("profile", {}).items():
+            print(f"\n{profile_table(row, mode, profile)}")
     for name, reason in skipped:
         print(f"communicator {name} skipped: {reason}")
     if json_path:
@@ -169,14 +176,16 @@ def _table(rows: list[dict]) -> str:
     base = _find(rows, engine="transformers", threads=2) or _find(rows, engine="transformers")
     reference = base.get("batch1_tok_s") if base else None
     headers = ["engine", "layout", "communicator", "executor", "batch-1 tok/s", "x HF"]
+    headers += ["floor tok/s", "of floor"]
     headers += [f"{rows[0]['concurrent'] if rows else ''} concurrent tok/s", "x HF batch-1"]
     table = []
     for row in rows:
         if "error" in row:
             table.append([_label(row), row["layout"], row["communicator"], "", "error", ""])
-            table[-1] += ["", row["error"][:60]]
+            table[-1] += ["", "", "", row["error"][:60]]
             continue
         batch1, many = row["batch1_tok_s"], row.get("concurrent_tok_s")
+        floor = 1 / row["floor_s"] if row.get("floor_s") else None
         table.append(
             [
                 row["engine"] if row["engine"] == "shardline" else _label(row),
@@ -185,11 +194,74 @@ def _table(rows: list[dict]) -> str:
                 row.get("executor", "-"),
                 f"{batch1:.1f}",
                 f"{batch1 / reference:.2f}" if reference else "",
+                f"{floor:.1f}" if floor else "-",
+                f"{batch1 / floor:.2f}" if floor else "-",
                 f"{many:.1f}" if many else "-",
                 f"{many / reference:.2f}" if many and reference else "",
             ]
         )
     return render(headers, table)
+
+
+#: The parts of a rank's step, then the driver's, in the order a profile lists them
+#: (communication parts, "comm ...", come after the model's).
+RANK_PARTS = ("matmul (weights)", "attention", "other per-layer ops", "embedding lookup")
+RANK_TAIL = ("prepare inputs", "sampling", "rank step, rest")
+DRIVER_PARTS = (
+    "schedule",
+    "send step",
+    "wait for ranks",
+    "scheduler update",
+    "detokenize",
+    "driver step, rest",
+)
+
+
+def profile_table(row: dict, mode: str, profile: dict) -> str:
+    """Milliseconds per step of each part in each process, and each as a fraction of the
+    floor (a step that reads every weight once at the measured bandwidth)."""
+    floor_ms = row["floor_s"] * 1e3
+    processes = profile["processes"]
+    per_step = {}
+    for name, parts in processes.items():
+        last = "driver step, rest" if name == "driver" else "rank step, rest"
+        steps = parts.get(last, {}).get("entries") or 1
+        per_step[name] = {part: v["seconds"] * 1e3 / steps for part, v in parts.items()}
+    comm = sorted(
+        {
+            p
+            for n, parts in per_step.items()
+            if n != "driver"
+            for p in parts
+            if p.startswith("comm ")
+        }
+    )
+    ranks = [name for name in per_step if name != "driver"]
+    columns = [*ranks, "driver"]
+
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f} ({value / floor_ms:.2f})"
+
+    table = []
+    for part in (*RANK_PARTS, *comm, *RANK_TAIL):
+        if any(part in per_step[name] for name in ranks):
+            table.append([part, *(cell(per_step[n].get(part)) for n in ranks), "-"])
+    table.append(["rank step", *(cell(sum(per_step[n].values())) for n in ranks), "-"])
+    driver = per_step["driver"]
+    for part in DRIVER_PARTS:
+        if part in driver:
+            table.append([part, *("-" for _ in ranks), cell(driver[part])])
+    table.append(["driver step", *("-" for _ in ranks), cell(sum(driver.values()))])
+    output_rank = sum(per_step[profile["output_rank"]].values())
+    beyond = driver.get("send step", 0.0) + driver.get("wait for ranks", 0.0) - output_rank
+    table.append(["executor round trip", *("-" for _ in ranks), cell(beyond)])
+    mebibytes = max(row["weight_bytes"]) / 2**20
+    bandwidth = min(row["bandwidth"]) / 1e9
+    title = (
+        f"where a decode step goes: {_label(row)}, {mode} - ms per step (x floor); floor "
+        f"{floor_ms:.2f} ms = {mebibytes:.1f} MiB of weights per rank / {bandwidth:.1f} GB/s"
+    )
+    return title + "\n" + render(["part", *(f"{c} ms" for c in columns)], table)
 
 
 def _targets(rows: list[dict]) -> list[str]:
@@ -252,13 +324,62 @@ def _measure_shardline(case: Case) -> dict | None:
         started = time.perf_counter()
         outputs = llm.chat(many, params)
         elapsed = time.perf_counter() - started
-        if not llm.reports_results:
-            return None
-        return {
+        result = {
             "batch1_tok_s": batch1,
             "concurrent_tok_s": sum(len(o.token_ids) for o in outputs) / elapsed,
             "executor": llm.engine.config.parallel.distributed_executor_backend,
+            **decode_floor(llm.engine.executor),
         }
+        if case.profile:
+            prompts = [llm.tokenizer.apply_chat_template(c) for c in [conversation, *many]]
+            ids = [llm.tokenizer.encode(p) for p in prompts]
+            result["profile"] = {
+                "batch 1": profile_decode(llm.engine, ids[:1], params),
+                f"{case.concurrent} concurrent": profile_decode(llm.engine, ids[1:], params),
+            }
+        return result if llm.reports_results else None
+
+
+def decode_floor(executor) -> dict:
+    """The floor of a decode step: the longest any rank takes to read its weights once at
+    the memory bandwidth it measures now (all ranks reading at the same time)."""
+    weights = executor.collective_rpc("weight_bytes_per_step")
+    bandwidths = executor.collective_rpc("read_bandwidth")
+    floor_s = max(w / b for w, b in zip(weights, bandwidths, strict=True))
+    return {"weight_bytes": weights, "bandwidth": bandwidths, "floor_s": floor_s}
+
+
+def profile_decode(engine, prompts: list[list[int]], params) -> dict:
+    """Run ``prompts`` to the end on ``engine``, timing part by part every step after each
+    request has its first token (the decode steps): per process (each rank of each replica,
+    and the driver) the exclusive seconds of each part and the steps taken."""
+    from shardline.profiling import NO_TIMER, SpanTimer
+
+    outputs = [engine.add_request(prompt, params) for prompt in prompts]
+    while not all(output.token_ids for output in outputs):
+        engine.step()
+    executors = [replica.executor for replica in engine.replicas]
+    for executor in executors:
+        executor.collective_rpc("start_profile")
+    engine.timer = timer = SpanTimer()
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.timer = NO_TIMER
+        ranks = [executor.collective_rpc("stop_profile") for executor in executors]
+    processes = {"driver": timer.report()}
+    for replica, replies in enumerate(ranks):
+        for rank, parts in enumerate(replies):
+            label = f"rank {rank}" if len(ranks) == 1 else f"replica {replica} rank {rank}"
+            processes[label] = parts
+    output_rank = executors[0].output_rank
+    return {
+        "processes": processes,
+        "output_rank": f"rank {output_rank}"
+        if len(ranks) == 1
+        else f"replica 0 rank {output_rank}",
+    }
 
 
 def load_transformers(path: str, dtype):

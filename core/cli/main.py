@@ -211,6 +211,12 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
         "--hf-threads", default="1,2", help="transformers thread counts ('' to skip; 1,2)"
     )
     decode.add_argument("--timeout", type=float, default=600.0, help="per case (s)")
+    decode.add_argument(
+        "--profile",
+        action="store_true",
+        help="also show where a batch-1 and a concurrent decode step's time goes, per rank "
+        "and in the driver, each part as a fraction of the floor",
+    )
     _add_across_hosts(decode)
     decode.add_argument("--json", help="write the results here")
 
@@ -510,9 +516,13 @@ def _bench_decode(args: argparse.Namespace) -> int:
         usable,
         threads,
         args.timeout,
+        profile=args.profile,
     )
     if args.across_hosts is not None:
         from shardline.cli import bench_hosts
+
+        if args.profile:
+            raise ConfigError("--profile with --across-hosts: allowed: one of them per run")
 
         return bench_hosts.run_decode(cases, skipped, args.across_hosts, args.json)
     return bench_decode.run(cases, skipped, args.json)

@@ -21,6 +21,7 @@ from shardline.engine.scheduler import Request, Scheduler
 from shardline.errors import CommTimeoutError, ConfigError, RequestError
 from shardline.interfaces import Executor
 from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from shardline.profiling import NO_TIMER, StepTimer
 from shardline.registry import Registry
 from shardline.weights import load_tokenizer, open_checkpoint
 
@@ -59,17 +60,20 @@ class Replica:
         self.pipeline_depth = depth
         self.in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
 
-    def fill(self) -> None:
-        """Start steps until every pipeline stage has one or nothing is schedulable."""
+    def fill(self, timer: StepTimer = NO_TIMER) -> None:
+        """Start steps until every pipeline stage has one or nothing is schedulable
+        (``timer``: marks "schedule" and "send step")."""
         while len(self.in_flight) < self.pipeline_depth and self.scheduler.has_schedulable():
             share = None
             if self.pipeline_depth > 1:
                 unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
                 share = max(1, -(-unfinished // self.pipeline_depth))
-            step = self.scheduler.schedule(share)
+            with timer("schedule"):
+                step = self.scheduler.schedule(share)
             if step.total_num_scheduled_tokens == 0:
                 break
-            self.in_flight.append((step, self.executor.execute_model(step)))
+            with timer("send step"):
+                self.in_flight.append((step, self.executor.execute_model(step)))
 
     def outstanding_tokens(self) -> int:
         """Tokens its unfinished requests still have to compute: prompt tokens not yet in
@@ -142,6 +146,8 @@ class LLMEngine:
         self._detokenizers: dict[str, Detokenizer] = {}
         self._replica_of: dict[str, Replica] = {}
         self._next_id = 0
+        #: Marks the parts of the driver's step while profiling (``shardline.profiling``).
+        self.timer: StepTimer = NO_TIMER
 
     def _new_scheduler(self) -> Scheduler:
         config = self.config
@@ -201,22 +207,29 @@ class LLMEngine:
         """Fill every replica's pipeline with steps (one per stage at most), wait for the
         oldest step of some replica (with several replicas, whichever finishes first), and
         return each changed request's output with the text it gained."""
+        with self.timer("driver step, rest"):
+            return self._step()
+
+    def _step(self) -> list[tuple[RequestOutput, str]]:
         for replica in self.replicas:
-            replica.fill()
+            replica.fill(self.timer)
         busy = [replica for replica in self.replicas if replica.in_flight]
         if not busy:
             return []
         ready = busy
         if len(busy) > 1:
             oldest = {replica.in_flight[0][1]: replica for replica in busy}
-            done, _ = wait(oldest, timeout=self._step_limit_s(), return_when=FIRST_COMPLETED)
+            with self.timer("wait for ranks"):
+                done, _ = wait(oldest, timeout=self._step_limit_s(), return_when=FIRST_COMPLETED)
             if not done:
                 raise self._step_timeout()
             ready = [oldest[future] for future in done]
         changed = []
         for replica in ready:
             step, pending = replica.in_flight.popleft()
-            changed += self._apply(replica, step, self._wait(pending))
+            with self.timer("wait for ranks"):
+                result = self._wait(pending)
+            changed += self._apply(replica, step, result)
         return changed
 
     def _apply(
@@ -224,15 +237,19 @@ class LLMEngine:
     ) -> list[tuple[RequestOutput, str]]:
         """A finished step's results into its replica's scheduler and the outputs."""
         changed = []
-        for request in replica.scheduler.update(step, result):
+        with self.timer("scheduler update"):
+            updated = replica.scheduler.update(step, result)
+        for request in updated:
             output = self._outputs[request.req_id]
             output.token_ids = list(request.output_token_ids)
             detokenizer = self._detokenizers[request.req_id]
-            delta, stopped = detokenizer.update(output.token_ids)
+            with self.timer("detokenize"):
+                delta, stopped = detokenizer.update(output.token_ids)
             if stopped and not request.finished:
                 replica.scheduler.finish(request, "stop")
             if request.finished and not stopped:
-                delta += detokenizer.finish(output.token_ids)
+                with self.timer("detokenize"):
+                    delta += detokenizer.finish(output.token_ids)
             output.text += delta
             if request.finished:
                 output.finish_reason = request.finish_reason

@@ -3,22 +3,33 @@ around the ModelRunner (reference: seed 000, ``GPUWorker.execute_model``)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import nn
 
 from shardline.distributed import ParallelState
 from shardline.interfaces import IntermediateTensors, ModelRunner, Work
+from shardline.profiling import NO_TIMER, SpanTimer, StepTimer, TimedCommunicator, time_modules
+
+#: What a rank reads to measure its memory bandwidth (far past any cache).
+BANDWIDTH_PROBE_BYTES = 256 << 20
 
 
 class AsyncIntermediateTensors(IntermediateTensors):
     """Intermediate tensors still arriving from the previous stage: the receive (and its TP
     all-gather) completes the first time the model touches them."""
 
-    def __init__(self, receive: Work) -> None:
+    def __init__(self, receive: Work, timer: StepTimer) -> None:
         self._receive = receive
+        self._timer = timer
 
     @property
     def tensors(self) -> dict:
-        return self._receive.wait()
+        with self._timer("comm wait for the previous stage"):
+            return self._receive.wait()
 
 
 class Worker:
@@ -31,6 +42,9 @@ class Worker:
         self.model_runner = model_runner
         self.tp_assisted_transfer = tp_assisted_transfer
         self._pp_send_work: Work | None = None
+        #: Marks the parts of a step while profiling (:meth:`start_profile`).
+        self.timer: StepTimer = NO_TIMER
+        self._stop_profiling: list[Callable[[], None]] = []
 
     @property
     def rank(self) -> int:
@@ -51,6 +65,10 @@ class Worker:
            before returning where the communicator does not progress alone) and None is
            returned; otherwise only the output rank returns the output.
         """
+        with self.timer("rank step, rest"):
+            return self._execute_model(scheduler_output)
+
+    def _execute_model(self, scheduler_output: Any) -> Any:
         pp = self.state.pp
         if self._pp_send_work is not None:
             self._pp_send_work.wait()
@@ -60,7 +78,7 @@ class Worker:
         intermediate = None
         if forward_pass and not pp.is_first_rank:
             intermediate = AsyncIntermediateTensors(
-                pp.irecv_tensor_dict(all_gather_group=gather_group)
+                pp.irecv_tensor_dict(all_gather_group=gather_group), self.timer
             )
         output = self.model_runner.execute_model(scheduler_output, intermediate)
         if isinstance(output, IntermediateTensors):
@@ -74,6 +92,75 @@ class Worker:
                 self._pp_send_work = None
             return None
         return output if self.state.is_output_rank else None
+
+    # ---- profiling (bench decode --profile) -------------------------------------------------
+
+    def start_profile(self) -> None:
+        """Time this rank's steps part by part until :meth:`stop_profile`: the runner's own
+        parts (its ``timer``), every module of its torch ``model`` (by ``profile_part``) and
+        each operation of the TP and PP groups' data communicators."""
+        if self.timer.active:
+            raise RuntimeError("start_profile: this rank is already being profiled")
+        timer = SpanTimer()
+        runner = self.model_runner
+        if hasattr(runner, "timer"):
+            runner.timer = timer
+            self._stop_profiling.append(lambda: setattr(runner, "timer", NO_TIMER))
+        model = getattr(runner, "model", None)
+        if isinstance(model, nn.Module):
+            self._stop_profiling.append(time_modules(model, timer))
+        for group in {id(g): g for g in (self.state.tp, self.state.pp)}.values():
+            untimed = group.data
+            group.data = TimedCommunicator(untimed, timer)
+            self._stop_profiling.append(
+                lambda group=group, untimed=untimed: setattr(group, "data", untimed)
+            )
+        self.timer = timer
+
+    def stop_profile(self) -> dict[str, dict[str, float]]:
+        """End profiling; the parts' exclusive seconds and entries since :meth:`start_profile`
+        (``SpanTimer.report``)."""
+        timer, self.timer = self.timer, NO_TIMER
+        while self._stop_profiling:
+            self._stop_profiling.pop()()
+        return timer.report() if isinstance(timer, SpanTimer) else {}
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights a decode step reads on this rank: every parameter of the runner's
+        model once (a shared tensor once), but an embedding table that is not also the LM
+        head (a lookup reads a few rows of it)."""
+        model = getattr(self.model_runner, "model", None)
+        if not isinstance(model, nn.Module):
+            return 0
+        looked_up = {
+            id(module.weight)
+            for module in model.modules()
+            if getattr(type(module), "profile_part", "") == "embedding lookup"
+        }
+        read = {
+            id(module.weight)
+            for module in model.modules()
+            if getattr(type(module), "profile_part", "") == "matmul (weights)"
+        }
+        parameters = {id(p): p for p in model.parameters()}
+        return sum(
+            p.numel() * p.element_size()
+            for key, p in parameters.items()
+            if key not in looked_up or key in read
+        )
+
+    def read_bandwidth(self, repeats: int = 5) -> float:
+        """Bytes per second this rank reads from memory with its torch threads (the median of
+        ``repeats`` sums over :data:`BANDWIDTH_PROBE_BYTES`, made and freed here)."""
+        probe = torch.ones(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32)
+        probe.sum()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            probe.sum()
+            times.append(time.perf_counter() - start)
+        del probe
+        return BANDWIDTH_PROBE_BYTES / sorted(times)[len(times) // 2]
 
     def close(self) -> None:
         if self._pp_send_work is not None:

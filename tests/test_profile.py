@@ -1,0 +1,99 @@
+"""Where a step's time goes: the span timer's accounting, and ``shardline bench decode
+--profile`` end to end on the tiny Llama (TP=1 under uni, TP=2 under mp over gloo): the floor
+from the bytes each rank really reads, and every part of a decode step per rank and in the
+driver."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardline.profiling import SpanTimer
+from support.tiny_llama import write_tiny_llama
+from support.tiny_tokenizer import add_tiny_tokenizer
+
+STEP_PARTS = (
+    "matmul (weights)",
+    "attention",
+    "other per-layer ops",
+    "comm all_reduce",
+    "comm all_gather",
+    "prepare inputs",
+    "sampling",
+)
+
+
+def test_parts_are_exclusive_and_add_up_to_the_outermost_span():
+    timer = SpanTimer()
+    began = time.perf_counter()
+    with timer("step"):
+        time.sleep(0.01)
+        for _ in range(3):
+            with timer("inner"):
+                time.sleep(0.005)
+                with timer("innermost"):
+                    time.sleep(0.002)
+    wall = time.perf_counter() - began
+    report = timer.report()
+    assert {part: v["entries"] for part, v in report.items()} == {
+        "step": 1,
+        "inner": 3,
+        "innermost": 3,
+    }
+    assert report["innermost"]["seconds"] >= 3 * 0.002
+    assert report["inner"]["seconds"] >= 3 * 0.005
+    assert report["inner"]["seconds"] < 3 * 0.005 + 3 * 0.002  # its nested part is not in it
+    assert sum(v["seconds"] for v in report.values()) == pytest.approx(wall, abs=0.002)
+
+
+@pytest.mark.timeout(240)
+def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_path):
+    model = add_tiny_tokenizer(write_tiny_llama(tmp_path / "model", max_position_embeddings=256))
+    out = tmp_path / "decode.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "shardline.cli.main", "bench", "decode", "--model", str(model),
+         "--layouts", "tp1,tp2", "--communicators", "gloo", "--hf-threads", "",
+         "--tokens", "8", "--concurrent", "2", "--profile", "--json", str(out)],
+        capture_output=True, text=True, timeout=220,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
+
+    # The floor: every weight read once per step - all tensors but the (untied) embedding
+    # table, the LM head padded from 100 to 128 vocabulary rows - at the measured bandwidth.
+    tensors = load_file(model / "model.safetensors")
+    read = sum(t.numel() * t.element_size() for n, t in tensors.items() if "embed" not in n)
+    padding = (128 - 100) * 64 * torch.float32.itemsize
+    assert rows["tp1"]["weight_bytes"] == [read + padding]
+    assert sum(rows["tp2"]["weight_bytes"]) > read  # sharded, norms on both ranks
+    for row in rows.values():
+        assert all(b > 1e8 for b in row["bandwidth"])  # bytes per second
+        assert row["floor_s"] == pytest.approx(
+            max(w / b for w, b in zip(row["weight_bytes"], row["bandwidth"], strict=True))
+        )
+
+    profile = rows["tp2"]["profile"]
+    assert set(profile) == {"batch 1", "2 concurrent"}
+    for mode, run in profile.items():
+        processes = run["processes"]
+        assert set(processes) == {"driver", "rank 0", "rank 1"}
+        assert run["output_rank"] == "rank 0"
+        for rank in ("rank 0", "rank 1"):
+            parts = processes[rank]
+            for part in STEP_PARTS:
+                assert parts[part]["seconds"] > 0, (mode, rank, part)
+            # Decode steps only: each request already had its first token; 8 tokens each.
+            assert parts["rank step, rest"]["entries"] == 7
+            # Two all-reduces per layer (attention, MLP) and one for the embedding.
+            assert parts["comm all_reduce"]["entries"] == 7 * (2 * 4 + 1)
+        driver = processes["driver"]
+        assert driver["driver step, rest"]["entries"] == 7
+        for part in ("schedule", "send step", "wait for ranks", "detokenize"):
+            assert driver[part]["seconds"] > 0, (mode, part)
+        assert f"where a decode step goes: shardline tp2 gloo, {mode}" in done.stdout
+    assert "profile" in rows["tp1"]
+    assert "of floor" in done.stdout.splitlines()[0]
