@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from shardline.comm.store import connect_store
 from shardline.interfaces.communicator_backend import Rendezvous
@@ -22,6 +23,18 @@ def announce_host(rendezvous: Rendezvous, rank: int, timeout_s: float) -> None:
     """Record this process's host name as ``rank``'s."""
     store = connect_store(rendezvous.with_prefix(_PREFIX), timeout_s)
     store.set(str(rank), socket.gethostname())
+
+
+def wait_for_announcements(rendezvous: Rendezvous, world_size: int, timeout_s: float) -> bool:
+    """Wait until every rank of the world has announced its host, at most ``timeout_s``;
+    whether they all have. Joining a world then starts its deadline once the last rank is
+    there, however late its process started (a loaded host, a slow actor start)."""
+    try:
+        store = connect_store(rendezvous.with_prefix(_PREFIX), timeout_s)
+        store.wait([str(rank) for rank in range(world_size)], timedelta(seconds=timeout_s))
+    except Exception:  # the join that follows fails with its own diagnosis
+        return False
+    return True
 
 
 @dataclass(frozen=True)

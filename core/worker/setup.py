@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardline.comm.host_directory import HostDirectory, announce_host
+from shardline.comm.host_directory import HostDirectory, announce_host, wait_for_announcements
 from shardline.config.schema import EngineConfig
 from shardline.errors import CommunicationError
 from shardline.interfaces.communicator_backend import Rendezvous
@@ -47,7 +47,8 @@ class WorkerSetup:
         on_phase: Callable[[str], None] = lambda phase: None,
     ) -> WorkerContext:
         """Announce this rank's host, load the plugins and run their
-        ``shardline_rank_starting`` hooks, join the worlds (phase "distributed init"; a
+        ``shardline_rank_starting`` hooks, wait (up to ``parallel.startup_timeout_s``) for
+        every rank to announce its own, join the worlds (phase "distributed init"; a
         failure to join names the hosts of the ranks when they are several), then build the
         runner and load the model (phase "model load"); ``on_phase`` is called as each phase
         completes."""
@@ -55,6 +56,9 @@ class WorkerSetup:
         startup_timeout_s = self.config.parallel.startup_timeout_s
         announce_host(rendezvous, rank, startup_timeout_s)
         registry.rank_starting(rank, world_size)
+        # Joining waits parallel.timeout_s for peers: start it once every rank has arrived
+        # (within parallel.startup_timeout_s), not when this one happens to.
+        wait_for_announcements(rendezvous, world_size, startup_timeout_s)
         try:
             parallel = join_parallel_worlds(self.config, registry, rank, world_size, rendezvous)
         except CommunicationError as error:
