@@ -29,10 +29,11 @@ def attention_kernels():
 @dataclass
 class DecodeBatch:
     """The sequences of a step that add one query token each, gathered for one batched
-    attention call: their query rows, the cache slots of their keys (``[B, L]``, padded)
-    and which of those slots are real (``[B, 1, 1, L]``; None when none is padding)."""
+    attention call: their query rows (None when they are all the batch's rows, in order: a
+    step of decodes only), the cache slots of their keys (``[B, L]``, padded) and which of
+    those slots are real (``[B, 1, 1, L]``; None when none is padding)."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     slots: torch.Tensor
     visible: torch.Tensor | None
 
@@ -71,9 +72,12 @@ class AttentionMetadata:
             slots.append(torch.where(valid, blocks * block_size + positions % block_size, 0))
             visible.append(valid)
         visible_mask = torch.stack(visible)[:, None, None, :]
+        every_row = starts[-1] == len(single)
         # Built on the host from the lists, then moved to the device once per step.
         return DecodeBatch(
-            torch.tensor([starts[i] for i in single], dtype=torch.long, device=self.device),
+            None
+            if every_row
+            else torch.tensor([starts[i] for i in single], dtype=torch.long, device=self.device),
             torch.stack(slots).to(self.device),
             None if bool(visible_mask.all()) else visible_mask.to(self.device),
         )
@@ -143,8 +147,10 @@ def paged_attention(
     writing this batch's ``k``/``v``. Query head ``i`` reads KV head ``kv_index[i]``, or with
     ``kv_index`` None KV head ``i // (heads / kv_heads)`` (GQA). Returns ``[N, heads * d]``."""
     cache.write(metadata.slot_mapping, k, v)
-    out = torch.empty_like(q)
     decode = metadata.decode_batch(cache.block_size)
+    if decode is not None and decode.rows is None:  # decodes only
+        return _decode_attention(q, cache, decode, scale, kv_index).reshape(q.shape[0], -1)
+    out = torch.empty_like(q)
     if decode is not None:
         out[decode.rows] = _decode_attention(q, cache, decode, scale, kv_index)
     for i, seq_len in enumerate(metadata.seq_lens):
@@ -190,7 +196,7 @@ def _decode_attention(
     keys, values = _per_query_head(
         flat_key[decode.slots].transpose(1, 2), flat_value[decode.slots].transpose(1, 2), kv_index
     )
-    query = q[decode.rows].unsqueeze(2)  # [B, heads, 1, d]
+    query = (q if decode.rows is None else q[decode.rows]).unsqueeze(2)  # [B, heads, 1, d]
     attended = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=decode.visible, scale=scale, enable_gqa=kv_index is None
     )
