@@ -146,8 +146,12 @@ class ShmRing:
         self._buf = shm.buf
         if native is not None and handle.readers <= native.MAX_READERS:
             self._core = native.RingCore(self._buf, handle.slots, handle.readers, handle.slot_bytes)
+            # take() has spun in C: a wait goes on by yielding (a longer spin only delays the
+            # writer where the driver and the workers outnumber the cores).
+            self._reader_polling = Polling(spin_checks=0)
         else:
             self._core = PythonRingCore(self._buf, handle.slots, handle.readers, handle.slot_bytes)
+            self._reader_polling = Polling()
         self._next_write = 0
         self._doorbells: list[Any] | None = None
 
@@ -244,7 +248,12 @@ class ShmRing:
             taken = core.take(reader, _SPIN_CHECKS)
             if taken is None:
                 wait_until(
-                    lambda: core.ready(reader), deadline, "a message on the ring", on_idle, block
+                    lambda: core.ready(reader),
+                    deadline,
+                    "a message on the ring",
+                    on_idle,
+                    block,
+                    polling=self._reader_polling,
                 )
                 taken = core.take(reader, 0)
             chunk, more = taken
