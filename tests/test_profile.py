@@ -56,12 +56,15 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
     out = tmp_path / "decode.json"
     done = subprocess.run(
         [sys.executable, "-m", "shardline.cli.main", "bench", "decode", "--model", str(model),
-         "--layouts", "tp1,tp2", "--communicators", "gloo", "--hf-threads", "",
+         "--layouts", "tp1,tp2", "--communicators", "gloo", "--hf-threads", "1",
          "--tokens", "8", "--concurrent", "2", "--profile", "--json", str(out)],
         capture_output=True, text=True, timeout=220,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
+    report = json.loads(out.read_text())["rows"]
+    rows = {row["layout"]: row for row in report if row["engine"] == "shardline"}
+    (transformers,) = [row for row in report if row["engine"] == "transformers"]
+    assert "floor_s" not in transformers and "step_profile" not in transformers
 
     # The floor: every weight read once per step - all tensors but the (untied) embedding
     # table, the LM head padded from 100 to 128 vocabulary rows - at the measured bandwidth.
@@ -76,7 +79,7 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
             max(w / b for w, b in zip(row["weight_bytes"], row["bandwidth"], strict=True))
         )
 
-    profile = rows["tp2"]["profile"]
+    profile = rows["tp2"]["step_profile"]
     assert set(profile) == {"batch 1", "2 concurrent"}
     for mode, run in profile.items():
         processes = run["processes"]
@@ -95,5 +98,5 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
         for part in ("schedule", "send step", "wait for ranks", "detokenize"):
             assert driver[part]["seconds"] > 0, (mode, part)
         assert f"where a decode step goes: shardline tp2 gloo, {mode}" in done.stdout
-    assert "profile" in rows["tp1"]
+    assert "step_profile" in rows["tp1"]
     assert "of floor" in done.stdout.splitlines()[0]

@@ -155,7 +155,7 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
     for line in _targets(rows):
         print(line)
     for row in rows:
-        for mode, profile in row.get("profile", {}).items():
+        for mode, profile in row.get("step_profile", {}).items():
             print(f"\n{profile_table(row, mode, profile)}")
     for name, reason in skipped:
         print(f"communicator {name} skipped: {reason}")
@@ -333,7 +333,7 @@ def _measure_shardline(case: Case) -> dict | None:
         if case.profile:
             prompts = [llm.tokenizer.apply_chat_template(c) for c in [conversation, *many]]
             ids = [llm.tokenizer.encode(p) for p in prompts]
-            result["profile"] = {
+            result["step_profile"] = {
                 "batch 1": profile_decode(llm.engine, ids[:1], params),
                 f"{case.concurrent} concurrent": profile_decode(llm.engine, ids[1:], params),
             }
