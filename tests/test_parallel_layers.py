@@ -78,6 +78,15 @@ def _run_layers(ctx) -> dict:
     out["embedding"] = embedding(w["ids"])
     head = ParallelLMHead(VOCAB, HIDDEN, tp, tied_to=embedding)
     out["logits"] = head(w["x"])
+    out["greedy"] = head(w["x"], greedy=True)
+    # Tokens 10 and 90 (on different ranks at tp 2) share one row: equal best logits.
+    twins = w["embedding"].clone()
+    twins[90] = twins[10]
+    twin_table = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
+    twin_table.load_full(twins)
+    twin_head = ParallelLMHead(VOCAB, HIDDEN, tp, tied_to=twin_table)
+    twin_head.pack()  # its own copy, packed for oneDNN where this torch has it
+    out["greedy_twins"] = twin_head(twins[[10, 90]] * 10, greedy=True)
     return out
 
 
@@ -116,3 +125,6 @@ def test_layers_match_the_unsharded_computation(tp_world):
         torch.testing.assert_close(out["row_uneven"], F.linear(w["o_x"], w["o_w"]), **close)
         assert torch.equal(out["embedding"], F.embedding(w["ids"], w["embedding"]))
         torch.testing.assert_close(out["logits"], F.linear(w["x"], w["embedding"]), **close)
+        # Greedy without gathering: the argmax of the logits, the lowest id among equals.
+        assert torch.equal(out["greedy"], out["logits"].argmax(dim=-1))
+        assert out["greedy_twins"].tolist() == [10, 10]

@@ -21,7 +21,6 @@ STEP_PARTS = (
     "attention",
     "other per-layer ops",
     "comm all_reduce",
-    "comm all_gather",
     "prepare inputs",
     "sampling",
 )
@@ -91,8 +90,10 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
                 assert parts[part]["seconds"] > 0, (mode, rank, part)
             # Decode steps only: each request already had its first token; 8 tokens each.
             assert parts["rank step, rest"]["entries"] == 7
-            # Two all-reduces per layer (attention, MLP) and one for the embedding.
-            assert parts["comm all_reduce"]["entries"] == 7 * (2 * 4 + 1)
+            # Two all-reduces per layer (attention, MLP), one for the embedding and two for
+            # greedy sampling (the best logit, then its token id): no logits gathered.
+            assert parts["comm all_reduce"]["entries"] == 7 * (2 * 4 + 1 + 2)
+            assert "comm all_gather" not in parts
         driver = processes["driver"]
         assert driver["driver step, rest"]["entries"] == 7
         for part in ("schedule", "send step", "wait for ranks", "detokenize"):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.distributed import GroupCoordinator
+from shardline.interfaces import ReduceOp
 from shardline.layers.linear import linear, packed, weight_matrix
 from shardline.layers.sharding import TensorSource, vocab_shard
 
@@ -83,8 +84,27 @@ class ParallelLMHead(VocabParallelEmbedding):
         holds its own packed copy: the embedding keeps the plain table its lookups read."""
         self.weight = packed(self.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab_size]`` logits, identical on every TP rank."""
+    def forward(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab_size]`` logits, identical on every TP rank; with
+        ``greedy``, ``[N]`` token ids instead (:meth:`_greedy`)."""
+        if greedy:
+            return self._greedy(hidden)
         local = linear(hidden, self.weight, None)
         full = self.tp.all_gather(local, dim=-1)
         return full[..., : self.vocab_size]
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of the logits (the first of equal maxima), identical on every TP rank,
+        without gathering them: each rank takes its range's best, and two all-reduces of
+        ``N`` values pick the global best and, among ranks holding it, the lowest id."""
+        local = linear(hidden, self.weight, None)[:, : self.shard.end - self.shard.start]
+        if self.tp.world_size == 1:
+            return local.argmax(dim=-1)
+        if local.shape[1] == 0:  # only padding on this rank
+            best = torch.full((local.shape[0],), float("-inf"), dtype=local.dtype)
+            index = torch.zeros(local.shape[0], dtype=torch.long)
+        else:
+            best, index = local.max(dim=-1)
+        overall = self.tp.all_reduce(best, ReduceOp.MAX)
+        candidate = torch.where(best == overall, index + self.shard.start, self.vocab_size)
+        return self.tp.all_reduce(candidate, ReduceOp.MIN)

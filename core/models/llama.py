@@ -225,6 +225,12 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden]`` -> ``[N, vocab]`` (last stage only), equal on every TP rank."""
         return self.lm_head(hidden)
 
+    @torch.inference_mode()
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N]``: the argmax of :meth:`compute_logits` (last stage only),
+        equal on every TP rank, with no logits gathered."""
+        return self.lm_head(hidden, greedy=True)
+
     def load_weights(self, weight: WeightLookup, source: str = "checkpoint") -> None:
         """Load this rank's shard of this stage's weights, by HF tensor name, then pack them for
         the CPU's fastest kernel (:func:`~shardline.layers.linear.pack_linear_weights`). Every

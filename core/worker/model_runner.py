@@ -53,6 +53,10 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` (last stage), equal on every TP rank."""
 
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N]``: each row's argmax of :meth:`compute_logits` (the first
+        of equal maxima), equal on every TP rank; a model may avoid making the full logits."""
+
     def make_kv_caches(self, num_blocks: int, block_size: int) -> dict[int, KVCache]:
         """An empty paged cache for every layer of this stage."""
 
@@ -128,15 +132,20 @@ class CausalLMRunner(ModelRunner):
             for req_id, row in zip(req_ids, final_rows, strict=True)
             if row is not None
         ]
-        logits = self.model.compute_logits(output[rows])
-        with self.timer("sampling"):
-            drawn = iter(
-                sample_rows(
-                    logits,
-                    [request.sampling for request in finishing],
-                    [request.generator for request in finishing],
+        if all(request.sampling.temperature == 0 for request in finishing):
+            greedy = self.model.greedy_token_ids(output[rows])
+            with self.timer("sampling"):
+                drawn = iter(greedy.tolist())
+        else:
+            logits = self.model.compute_logits(output[rows])
+            with self.timer("sampling"):
+                drawn = iter(
+                    sample_rows(
+                        logits,
+                        [request.sampling for request in finishing],
+                        [request.generator for request in finishing],
+                    )
                 )
-            )
         sampled = [None if row is None else next(drawn) for row in final_rows]
         return ModelRunnerOutput(req_ids, sampled)
 
