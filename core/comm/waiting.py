@@ -64,12 +64,14 @@ def wait_until(
     block: Callable[[float], None] | None = None,
     yield_for_s: float = _YIELD_UNTIL_S,
     polling: Polling = Polling(),
+    block_after_s: float = _BLOCK_AFTER_S,
 ) -> None:
     """Return once ``ready()`` is true. ``deadline`` is a ``time.monotonic()`` value (None:
     wait forever); passing it raises CommTimeoutError naming ``what``. ``on_idle`` runs about
     every 50 ms while waiting (e.g. to check that peers are alive) and may raise.
     ``block(seconds)`` sleeps until woken or ``seconds`` pass; it is used once the wait has
-    lasted 20 ms, and must re-check readiness itself before sleeping. ``yield_for_s`` is how
+    lasted ``block_after_s`` (20 ms), and must re-check readiness itself before sleeping; with
+    ``on_idle`` it sleeps at most until ``on_idle`` is due. ``yield_for_s`` is how
     long the wait keeps the CPU between checks (yielding) before it starts to sleep: longer
     where each check also moves the work forward (polling an MPI request). ``polling`` says
     whether the CPU is yielded between checks (see :class:`Polling`)."""
@@ -93,8 +95,10 @@ def wait_until(
         if on_idle is not None and now - last_idle_check >= _IDLE_CHECK_EVERY_S:
             on_idle()
             last_idle_check = now
-        if block is not None and now - start >= _BLOCK_AFTER_S:
+        if block is not None and now - start >= block_after_s:
             limit = _BLOCK_AT_MOST_S if deadline is None else min(_BLOCK_AT_MOST_S, deadline - now)
+            if on_idle is not None:
+                limit = min(limit, last_idle_check + _IDLE_CHECK_EVERY_S - now)
             block(max(limit, 0.0))
             continue
         time.sleep(sleep)

@@ -56,6 +56,8 @@ from shardline_executors.mp_worker import worker_main
 from shardline_executors.shm_ring import ShmRing
 
 _JOIN_S = 2.0
+#: How long the driver polls for replies before it sleeps on the reply doorbell.
+_BLOCK_AFTER_S = 0.001
 #: A worker whose heartbeat is older than this has stopped running (see heartbeat.py).
 FROZEN_S = 1.0
 
@@ -135,6 +137,9 @@ class MultiprocExecutor(Executor):
             ShmRing.create(f"shardline-{self.job}-replies-{rank}", readers=1)
             for rank in range(self.world_size)
         ]
+        # One doorbell for all replies: a worker rings it after a put while the driver
+        # sleeps on its reply rings; a failure rings it too (the driver stops waiting).
+        self._reply_bell, self._ring_reply_bell = multiprocessing.Pipe(duplex=False)
         self._inboxes: list[deque[Any]] = [deque() for _ in range(self.world_size)]
         self._failed_calls: set[int] = set()
         atexit.register(self.shutdown)
@@ -152,9 +157,10 @@ class MultiprocExecutor(Executor):
                         self._replies[rank].handle,
                         self._heartbeats.name,
                         doorbell.fileno(),
+                        self._ring_reply_bell.fileno(),
                         os.getpid(),
                     ),
-                    pass_fds=(doorbell.fileno(),),
+                    pass_fds=(doorbell.fileno(), self._ring_reply_bell.fileno()),
                 )
                 doorbell.close()
             self._ranks.watch(lambda rank: self._fail(self._ranks.died(rank, "liveness")))
@@ -366,14 +372,33 @@ class MultiprocExecutor(Executor):
         return False
 
     def _wait_for_messages(self, call: _PendingCall) -> None:
-        """Wait until a rank whose inbox is empty sends something. Raises CommTimeoutError at
-        the call's deadline, and the executor's failure (:meth:`check_health`) once it has one."""
-        watched = [r for r in range(self.world_size) if not self._inboxes[r]]
+        """Wait until a rank whose inbox is empty sends something; after a short poll, asleep
+        on the reply doorbell (a model step's reply wakes the driver at once, not at its next
+        poll). Raises CommTimeoutError at the call's deadline, and the executor's failure
+        (:meth:`check_health`) once it has one."""
+        watched = [self._replies[r] for r in range(self.world_size) if not self._inboxes[r]]
+
+        def ready() -> bool:
+            return self._failure is not None or any(ring.ready(0) for ring in watched)
+
+        def block(seconds: float) -> None:
+            for ring in watched:
+                ring.set_sleeping(0, True)
+            try:
+                if not ready() and self._reply_bell.poll(seconds):
+                    while self._reply_bell.poll(0):
+                        self._reply_bell.recv_bytes()
+            finally:
+                for ring in watched:
+                    ring.set_sleeping(0, False)
+
         wait_until(
-            lambda: self._failure is not None or any(self._replies[r].ready(0) for r in watched),
+            ready,
             call.deadline,
             f"replies to {call.name!r}",
             self.check_health,
+            block,
+            block_after_s=_BLOCK_AFTER_S,
         )
         self.check_health()
 
@@ -430,6 +455,8 @@ class MultiprocExecutor(Executor):
         for call in list(self._pending):
             _settle(call.future, error=self._failure)
         self._pending.clear()
+        with contextlib.suppress(OSError):  # wake a driver asleep on its replies
+            self._ring_reply_bell.send_bytes(b"")
 
     # ---- liveness and shutdown -------------------------------------------------------------
 
@@ -457,6 +484,8 @@ class MultiprocExecutor(Executor):
             self._wake_collector.notify_all()
         for ring in [self._calls, *self._replies]:
             ring.close()
+        self._reply_bell.close()
+        self._ring_reply_bell.close()
         self._heartbeats.close()
 
 

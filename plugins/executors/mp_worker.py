@@ -37,6 +37,7 @@ def worker_main(
     replies: RingHandle,
     heartbeats: str,
     doorbell_fd: int,
+    reply_bell_fd: int,
     parent_pid: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -47,6 +48,7 @@ def worker_main(
     doorbell = multiprocessing.connection.Connection(doorbell_fd, writable=False)
     inbox = ShmRing.attach(calls)
     outbox = ShmRing.attach(replies)
+    outbox.set_doorbells([multiprocessing.connection.Connection(reply_bell_fd, readable=False)])
     context = None
     try:
 

@@ -223,6 +223,11 @@ class ShmRing:
         """True when a message for ``reader`` is waiting (never blocks)."""
         return self._core.ready(reader)
 
+    def set_sleeping(self, reader: int, asleep: bool) -> None:
+        """Say whether ``reader`` sleeps on its doorbell (the writer rings it after a put);
+        for a reader that waits on several rings with one doorbell."""
+        self._core.set_sleeping(reader, asleep)
+
     def get(
         self,
         reader: int,
