@@ -11,12 +11,12 @@ Communicators
     ``OnceWork``, ``CompositeWork``, ``CompletedWork`` (work handles); ``check_peer``,
     ``group_ranks`` (argument checks with the contract's messages); ``Polling``,
     ``wait_until`` (deadline-bounded waits that leave the CPU to others);
-    ``connect_store``, ``serve_store``, ``announce_arrival``, ``never_arrived`` (the
-    rendezvous store, and naming ranks that never arrived at a join); ``HostDirectory``
-    (which host each rank announced, to name it in errors: "rank 1 on host h2");
-    ``ControlPlane``
-    (signed objects and tensor dicts over any communicator); ``seal``, ``unseal`` (signed
-    bytes for a channel of your own).
+    ``native_extension`` (a plugin's optional C extension, or None for its Python fallback:
+    not built, or ``SHARDLINE_NATIVE=0``); ``connect_store``, ``serve_store``,
+    ``announce_arrival``, ``never_arrived`` (the rendezvous store, and naming ranks that
+    never arrived at a join); ``HostDirectory`` (which host each rank announced, to name it
+    in errors: "rank 1 on host h2"); ``ControlPlane`` (signed objects and tensor dicts over
+    any communicator); ``seal``, ``unseal`` (signed bytes for a channel of your own).
 
 Executors
     ``EngineConfig``; ``first_reply`` (the Future ``execute_model`` returns, from a
@@ -59,6 +59,7 @@ _WHERE = {
     "group_ranks": "shardline.comm.arguments",
     "Polling": "shardline.comm.waiting",
     "wait_until": "shardline.comm.waiting",
+    "native_extension": "shardline.native",
     "connect_store": "shardline.comm.store",
     "serve_store": "shardline.comm.store",
     "announce_arrival": "shardline.comm.store",

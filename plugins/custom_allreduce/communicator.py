@@ -39,7 +39,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -51,7 +51,13 @@ import torch
 from shardline.errors import CommTimeoutError, CommunicationError
 from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous
 from shardline.registry import Registry
-from shardline.sdk import ControlPlane, DelegatingCommunicator, Polling, wait_until
+from shardline.sdk import (
+    ControlPlane,
+    DelegatingCommunicator,
+    Polling,
+    native_extension,
+    wait_until,
+)
 
 #: Inputs up to this size take the one-shot path; larger ones are split over the ranks.
 ONE_SHOT_MAX_BYTES = 256 << 10
@@ -60,6 +66,8 @@ SLOT_BYTES = 32 << 20
 _LINE = 64  # bytes per flag: one cache line, so ranks never write the same line
 _ARRIVED, _REDUCED = 0, 1  # the phases a rank announces: input in place, chunk reduced
 _PHASES = 2
+#: The one-shot path in C (built by pip install where a compiler is), else the Python path.
+NATIVE = "shardline_custom_allreduce._native"
 _PLANS_KEPT = 64  # prepared tensor shapes kept per group
 _YIELD_S = 0.05  # keep the CPU (yielding) this long in a wait before sleeping
 _NUMPY_COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
@@ -70,18 +78,6 @@ _COMBINE = {
     ReduceOp.MAX: torch.maximum,
     ReduceOp.MIN: torch.minimum,
 }
-
-
-def native_module(environ: Mapping[str, str]) -> ModuleType | None:
-    """The C one-shot path (``_native``), or None where it was not built or
-    ``SHARDLINE_NATIVE=0`` in ``environ`` forces the pure-Python path."""
-    if environ.get("SHARDLINE_NATIVE", "1") == "0":
-        return None
-    try:
-        from shardline_custom_allreduce import _native
-    except ImportError:
-        return None
-    return _native
 
 
 def host_identity() -> str:
@@ -123,7 +119,7 @@ class CustomAllReduceBackend(CommunicatorBackend):
             Polling.for_ranks_on_host(world_size),
             rendezvous.job,
             rendezvous.secret,
-            native_module(os.environ),
+            native_extension(NATIVE, os.environ),
         )
         return CustomAllReduceCommunicator.create(base, world)
 

@@ -40,28 +40,18 @@ from multiprocessing import shared_memory
 from types import ModuleType
 from typing import Any
 
-from shardline.sdk import Polling, wait_until
+from shardline.sdk import Polling, native_extension, wait_until
 
 _WORDS_PER_SLOT = 3  # sequence, length, more-follows
 #: Checks a reader makes in C before it falls back to wait_until (which spins, yields, sleeps).
 _SPIN_CHECKS = Polling().spin_checks
+#: The C word operations (built by pip install where a compiler is), else PythonRingCore.
+NATIVE = "shardline_executors._ring_native"
 
 
 def _header_words(slots: int, readers: int) -> int:
     # Per slot: sequence, length, more-follows; per reader: read position, sleeping flag.
     return slots * _WORDS_PER_SLOT + 2 * readers
-
-
-def native_module(environ: Mapping[str, str]) -> ModuleType | None:
-    """The C word operations (``_ring_native``), or None where they were not built or
-    ``SHARDLINE_NATIVE=0`` in ``environ`` forces the pure-Python ones."""
-    if environ.get("SHARDLINE_NATIVE", "1") == "0":
-        return None
-    try:
-        from shardline_executors import _ring_native
-    except ImportError:
-        return None
-    return _ring_native
 
 
 @dataclass(frozen=True)
@@ -174,11 +164,13 @@ class ShmRing:
         shm = shared_memory.SharedMemory(name=name, create=True, size=header + slots * slot_bytes)
         shm.buf[:header] = bytes(header)
         handle = RingHandle(shm.name, readers, slots, slot_bytes)
-        return cls(shm, handle, owner=True, native=native_module(environ))
+        return cls(shm, handle, owner=True, native=native_extension(NATIVE, environ))
 
     @classmethod
     def attach(cls, handle: RingHandle, environ: Mapping[str, str] = os.environ) -> ShmRing:
-        return cls(_Mapping(handle.name), handle, owner=False, native=native_module(environ))
+        return cls(
+            _Mapping(handle.name), handle, owner=False, native=native_extension(NATIVE, environ)
+        )
 
     def set_doorbells(self, doorbells: list[Any]) -> None:
         """Writer side: one sending ``Connection`` per reader, rung when it sleeps."""
