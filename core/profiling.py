@@ -22,7 +22,11 @@ from torch import nn
 from shardline.comm.delegating import DelegatingCommunicator
 from shardline.interfaces import Communicator, ReduceOp, Work
 
-#: The part of a module whose class names none.
+#: The parts layers name (their class's ``profile_part``): multiplying by weights,
+#: attention over the cache, looking up embeddings; and the part of a module naming none.
+MATMUL = "matmul (weights)"
+ATTENTION = "attention"
+EMBEDDING_LOOKUP = "embedding lookup"
 OTHER_LAYER_OPS = "other per-layer ops"
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -135,17 +136,9 @@ def sizes(settings: BenchSettings) -> list[int]:
     return result
 
 
-def measure(
-    ctx: RankContext,
-    operation: str,
-    nbytes: int,
-    dtype: str,
-    warmup: int,
-    iterations: int,
-    back_to_back: bool = False,
-) -> list[tuple[float, float]] | None:
-    """:func:`measure_on` the rank's world communicator."""
-    return measure_on(ctx.comm, operation, nbytes, dtype, warmup, iterations, back_to_back)
+def measure(ctx: RankContext, *arguments: Any) -> list[tuple[float, float]] | None:
+    """:func:`measure_on` the rank's world communicator, with the same other arguments."""
+    return measure_on(ctx.comm, *arguments)
 
 
 def measure_on(

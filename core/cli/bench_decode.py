@@ -22,6 +22,7 @@ from pathlib import Path
 
 from shardline.cli.table import render
 from shardline.errors import ConfigError
+from shardline.profiling import ATTENTION, EMBEDDING_LOOKUP, MATMUL, OTHER_LAYER_OPS
 
 #: Layout name -> (tensor, pipeline, data) parallel sizes.
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
@@ -205,7 +206,7 @@ def _table(rows: list[dict]) -> str:
 
 #: The parts of a rank's step, then the driver's, in the order a profile lists them
 #: (communication parts, "comm ...", come after the model's).
-RANK_PARTS = ("matmul (weights)", "attention", "other per-layer ops", "embedding lookup")
+RANK_PARTS = (MATMUL, ATTENTION, OTHER_LAYER_OPS, EMBEDDING_LOOKUP)
 RANK_TAIL = ("prepare inputs", "sampling", "rank step, rest")
 DRIVER_PARTS = (
     "schedule",

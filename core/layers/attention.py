@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardline.profiling import ATTENTION
+
 
 def attention_kernels():
     """The scaled-dot-product kernels attention may use, as a context for a whole step:
@@ -113,7 +115,7 @@ class PagedAttention(nn.Module):
     """:func:`paged_attention` as a layer: a layer's softmax ``scale`` and which KV head
     each of its query heads reads (``kv_index``)."""
 
-    profile_part = "attention"
+    profile_part = ATTENTION
 
     def __init__(self, scale: float, kv_index: torch.Tensor) -> None:
         super().__init__()

@@ -16,12 +16,13 @@ from shardline.distributed import GroupCoordinator
 from shardline.interfaces import ReduceOp
 from shardline.layers.linear import linear, packed, weight_matrix
 from shardline.layers.sharding import TensorSource, vocab_shard
+from shardline.profiling import EMBEDDING_LOOKUP, MATMUL
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding split along the vocabulary."""
 
-    profile_part = "embedding lookup"
+    profile_part = EMBEDDING_LOOKUP
 
     def __init__(
         self,
@@ -64,7 +65,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary, computed per vocabulary range and gathered. With tied
     embeddings, pass the embedding layer: the head then shares its weight."""
 
-    profile_part = "matmul (weights)"
+    profile_part = MATMUL
 
     def __init__(
         self,

@@ -26,6 +26,7 @@ from shardline.layers.sharding import (
     qkv_slices,
     row_slice,
 )
+from shardline.profiling import MATMUL
 
 #: The batch size oneDNN packs weights for: measured the fastest packing for 1 and 16 rows.
 PACKED_FOR_ROWS = 16
@@ -87,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
     """``Y = X W^T``, W split along its output dim: input replicated, output sharded
     (``[..., out / tp]``), no communication."""
 
-    profile_part = "matmul (weights)"
+    profile_part = MATMUL
 
     def __init__(
         self,
@@ -156,7 +157,7 @@ class QKVParallelLinear(nn.Module):
     """Query, key and value projections split by heads (:class:`HeadShard`): the rank's output
     is ``[q | k | v]`` for its query heads and the KV heads they read. No communication."""
 
-    profile_part = "matmul (weights)"
+    profile_part = MATMUL
 
     def __init__(
         self,
@@ -214,7 +215,7 @@ class RowParallelLinear(nn.Module):
     (``[..., input_shard.length]``, e.g. a column-parallel layer's output) and the partial
     results are all-reduced. The bias is added once, after the reduction."""
 
-    profile_part = "matmul (weights)"
+    profile_part = MATMUL
 
     def __init__(
         self,

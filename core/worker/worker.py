@@ -12,7 +12,15 @@ from torch import nn
 
 from shardline.distributed import ParallelState
 from shardline.interfaces import IntermediateTensors, ModelRunner, Work
-from shardline.profiling import NO_TIMER, SpanTimer, StepTimer, TimedCommunicator, time_modules
+from shardline.profiling import (
+    EMBEDDING_LOOKUP,
+    MATMUL,
+    NO_TIMER,
+    SpanTimer,
+    StepTimer,
+    TimedCommunicator,
+    time_modules,
+)
 
 #: What a rank reads to measure its memory bandwidth (far past any cache).
 BANDWIDTH_PROBE_BYTES = 256 << 20
@@ -135,12 +143,12 @@ class Worker:
         looked_up = {
             id(module.weight)
             for module in model.modules()
-            if getattr(type(module), "profile_part", "") == "embedding lookup"
+            if getattr(type(module), "profile_part", "") == EMBEDDING_LOOKUP
         }
         read = {
             id(module.weight)
             for module in model.modules()
-            if getattr(type(module), "profile_part", "") == "matmul (weights)"
+            if getattr(type(module), "profile_part", "") == MATMUL
         }
         parameters = {id(p): p for p in model.parameters()}
         return sum(
