@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardline.layers.kernels import TORCH_KERNELS, TorchKernels, per_query_head
 from shardline.profiling import ATTENTION
 
 
@@ -34,13 +35,15 @@ class DecodeBatch:
     attention call: their query rows (None when they are all the batch's rows, in order: a
     step of decodes only), their cache blocks (``[B * blocks_per_seq]``, each sequence's
     table padded with block 0), the longest sequence's length and which of the first
-    ``length`` positions are real (``[B, 1, 1, length]``; None when none is padding)."""
+    ``length`` positions are real (``[B, 1, 1, length]``; None when none is padding) and
+    each sequence's length (``[B]``, int64, in host memory)."""
 
     rows: torch.Tensor | None
     blocks: torch.Tensor
     blocks_per_seq: int
     length: int
     visible: torch.Tensor | None
+    lengths: torch.Tensor
 
 
 @dataclass
@@ -85,6 +88,7 @@ class AttentionMetadata:
             per_seq,
             longest,
             None if bool(visible_mask.all()) else visible_mask.to(self.device),
+            lengths,
         )
 
 
@@ -112,14 +116,17 @@ class KVCache:
 
 
 class PagedAttention(nn.Module):
-    """:func:`paged_attention` as a layer: a layer's softmax ``scale`` and which KV head
-    each of its query heads reads (``kv_index``)."""
+    """:func:`paged_attention` as a layer: a layer's softmax ``scale``, which KV head each of
+    its query heads reads (``kv_index``) and the kernels it runs on."""
 
     profile_part = ATTENTION
 
-    def __init__(self, scale: float, kv_index: torch.Tensor) -> None:
+    def __init__(
+        self, scale: float, kv_index: torch.Tensor, kernels: TorchKernels = TORCH_KERNELS
+    ) -> None:
         super().__init__()
         self.scale = scale
+        self.kernels = kernels
         heads, kv_heads = len(kv_index), int(kv_index.max()) + 1
         grouped = heads % kv_heads == 0 and torch.equal(
             kv_index, torch.arange(heads) // (heads // kv_heads)
@@ -128,43 +135,34 @@ class PagedAttention(nn.Module):
         # itself (GQA); else each query head's keys are gathered for it.
         self.kv_index = None if grouped else kv_index
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: KVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return paged_attention(q, k, v, cache, metadata, self.scale, self.kv_index)
+    def forward(self, q: torch.Tensor, cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        return paged_attention(q, cache, metadata, self.scale, self.kv_index, self.kernels)
 
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     cache: KVCache,
     metadata: AttentionMetadata,
     scale: float,
     kv_index: torch.Tensor | None,
+    kernels: TorchKernels = TORCH_KERNELS,
 ) -> torch.Tensor:
-    """Causal attention of ``q`` (``[N, heads, d]``) over each sequence's cached keys, after
-    writing this batch's ``k``/``v``. Query head ``i`` reads KV head ``kv_index[i]``, or with
+    """Causal attention of ``q`` (``[N, heads, d]``) over each sequence's cached keys, this
+    batch's already written. Query head ``i`` reads KV head ``kv_index[i]``, or with
     ``kv_index`` None KV head ``i // (heads / kv_heads)`` (GQA). Returns ``[N, heads * d]``."""
-    cache.write(metadata.slot_mapping, k, v)
     decode = metadata.decode_batch(cache.block_size)
     if decode is not None and decode.rows is None:  # decodes only
-        return _decode_attention(q, cache, decode, scale, kv_index).reshape(q.shape[0], -1)
+        return kernels.decode_attention(q, cache, decode, scale, kv_index).reshape(q.shape[0], -1)
     out = torch.empty_like(q)
     if decode is not None:
-        out[decode.rows] = _decode_attention(q, cache, decode, scale, kv_index)
+        out[decode.rows] = kernels.decode_attention(q, cache, decode, scale, kv_index)
     for i, seq_len in enumerate(metadata.seq_lens):
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
         if end == start or (decode is not None and end - start == 1):
             continue
         keys, values = cache.read(metadata.block_tables[i], seq_len)
         query = q[start:end].transpose(0, 1)  # [heads, n_q, d]
-        keys, values = _per_query_head(keys.transpose(0, 1), values.transpose(0, 1), kv_index)
+        keys, values = per_query_head(keys.transpose(0, 1), values.transpose(0, 1), kv_index)
         n_q = end - start
         # Query t sits at position seq_len - n_q + t and sees keys up to there.
         key_positions = torch.arange(seq_len, device=q.device)
@@ -175,37 +173,3 @@ def paged_attention(
         )
         out[start:end] = attended.transpose(0, 1)
     return out.reshape(q.shape[0], -1)
-
-
-def _per_query_head(
-    keys: torch.Tensor, values: torch.Tensor, kv_index: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values (heads on dim -3) as the query heads read them: gathered per query
-    head by ``kv_index``, or as they are for the kernel's own GQA (``kv_index`` None)."""
-    if kv_index is None:
-        return keys, values
-    return keys.index_select(-3, kv_index), values.index_select(-3, kv_index)
-
-
-def _decode_attention(
-    q: torch.Tensor,
-    cache: KVCache,
-    decode: DecodeBatch,
-    scale: float,
-    kv_index: torch.Tensor | None,
-) -> torch.Tensor:
-    """One attention call for every one-token sequence: ``[B, heads, d]``. Keys and values
-    are gathered block by block (whole blocks are contiguous: far cheaper than slot by slot)
-    and cut to the longest sequence."""
-    count = decode.blocks.shape[0] // decode.blocks_per_seq
-
-    def gathered(table: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, L, d]
-        rows = table.index_select(0, decode.blocks).view(count, -1, *table.shape[2:])
-        return rows[:, : decode.length].transpose(1, 2)
-
-    keys, values = _per_query_head(gathered(cache.key), gathered(cache.value), kv_index)
-    query = (q if decode.rows is None else q[decode.rows]).unsqueeze(2)  # [B, heads, 1, d]
-    attended = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=decode.visible, scale=scale, enable_gqa=kv_index is None
-    )
-    return attended.squeeze(2)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (the "rotate half" form HF Llama uses)."""
+"""Rotary position embeddings (the "rotate half" form HF Llama uses; the rotation itself is
+:meth:`shardline.layers.kernels.TorchKernels.rotate_and_store`)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,3 @@ class RotaryEmbedding:
         checks, since reading them here would wait for the device), shaped ``[N, 1, d]`` to
         rotate ``[N, heads, d]``; made once per step and shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` (``[N, heads, d]``) rotated by the angles of :meth:`RotaryEmbedding.at`, in
-    float32 (cast back), as HF Llama computes it."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    if x.dtype == torch.float32:
-        return x * cos + rotated * sin
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

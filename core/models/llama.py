@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardline.distributed import GroupCoordinator, ParallelState
@@ -23,6 +22,7 @@ from shardline.layers.attention import (
     attention_kernels,
 )
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardline.layers.kernels import TORCH_KERNELS, TorchKernels
 from shardline.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -31,7 +31,7 @@ from shardline.layers.linear import (
     pack_linear_weights,
 )
 from shardline.layers.norm import RMSNorm
-from shardline.layers.rotary import RotaryEmbedding, rotate
+from shardline.layers.rotary import RotaryEmbedding
 from shardline.layers.sharding import ShardSlice, TensorSource
 from shardline.models.architecture import (
     LlamaArchitecture,
@@ -45,8 +45,11 @@ WeightLookup = Callable[[str], TensorSource]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype) -> None:
+    def __init__(
+        self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype, kernels: TorchKernels
+    ) -> None:
         super().__init__()
+        self.kernels = kernels
         self.qkv_proj = QKVParallelLinear(
             arch.hidden_size,
             arch.head_dim,
@@ -68,8 +71,7 @@ class LlamaAttention(nn.Module):
             dtype=dtype,
         )
         kv_index = torch.tensor(heads.kv_index_of_query_heads(), dtype=torch.long)
-        self.attn = PagedAttention(arch.head_dim**-0.5, kv_index)
-        self.head_dim = arch.head_dim
+        self.attn = PagedAttention(arch.head_dim**-0.5, kv_index, kernels)
 
     def forward(
         self,
@@ -79,14 +81,12 @@ class LlamaAttention(nn.Module):
         cache: KVCache,
     ) -> torch.Tensor:
         """``rope``: the step's ``(cos, sin)`` (:meth:`RotaryEmbedding.at`)."""
-        qkv = self.qkv_proj(hidden)
-        d = self.head_dim
-        q_heads, kv_heads = self.qkv_proj.q_size // d, self.qkv_proj.kv_size // d
-        # Queries and keys are rotated together, as one [N, q_heads + kv_heads, d] tensor.
-        qk = rotate(qkv[:, : (q_heads + kv_heads) * d].view(-1, q_heads + kv_heads, d), *rope)
-        q, k = qk[:, :q_heads], qk[:, q_heads:]
-        v = qkv[:, (q_heads + kv_heads) * d :].view(-1, kv_heads, d)
-        return self.o_proj(self.attn(q, k, v, cache, metadata))
+        heads = self.qkv_proj.heads
+        q = self.kernels.rotate_and_store(
+            self.qkv_proj(hidden), heads.num_heads, heads.num_kv_heads, rope, cache,
+            metadata.slot_mapping,
+        )  # fmt: skip
+        return self.o_proj(self.attn(q, cache, metadata))
 
     def load(self, prefix: str, weight: WeightLookup, has_bias: bool) -> None:
         for name in "qkv":
@@ -98,8 +98,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype) -> None:
+    def __init__(
+        self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype, kernels: TorchKernels
+    ) -> None:
         super().__init__()
+        self.kernels = kernels
         size = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             arch.hidden_size, [size, size], tp, bias=arch.mlp_bias, dtype=dtype
@@ -109,8 +112,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(hidden)))
 
     def load(self, prefix: str, weight: WeightLookup, has_bias: bool) -> None:
         for index, name in enumerate(("gate_proj", "up_proj")):
@@ -121,12 +123,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype) -> None:
+    def __init__(
+        self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype, kernels: TorchKernels
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, tp, dtype)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(arch, tp, dtype)
+        eps = arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, dtype, kernels)
+        self.self_attn = LlamaAttention(arch, tp, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, dtype, kernels)
+        self.mlp = LlamaMLP(arch, tp, dtype, kernels)
 
     def forward(self, hidden, residual, rope, metadata, cache):
         """Returns ``(hidden, residual)`` with the last add deferred to the next layer."""
@@ -148,10 +153,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """One pipeline stage of a Llama model, sharded over the rank's TP group."""
+    """One pipeline stage of a Llama model, sharded over the rank's TP group; the operations
+    between weight multiplies run on ``kernels`` (:func:`~shardline.layers.kernels.layer_kernels`
+    picks them)."""
 
     def __init__(
-        self, arch: LlamaArchitecture, state: ParallelState, dtype: torch.dtype = torch.float32
+        self,
+        arch: LlamaArchitecture,
+        state: ParallelState,
+        dtype: torch.dtype = torch.float32,
+        kernels: TorchKernels = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         tp, pp = state.tp, state.pp
@@ -168,10 +179,10 @@ class LlamaForCausalLM(nn.Module):
             else None
         )
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(arch, tp, dtype) for i in self.layer_range}
+            {str(i): LlamaDecoderLayer(arch, tp, dtype, kernels) for i in self.layer_range}
         )
         if self.is_last_stage:
-            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
             tied = self.embed_tokens if arch.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(
                 arch.vocab_size, arch.hidden_size, tp, tied_to=tied, dtype=dtype

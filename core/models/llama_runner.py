@@ -3,8 +3,11 @@ an HF safetensors directory or a GGUF file, and the memory plan of its ranks."""
 
 from __future__ import annotations
 
+import os
+
 from shardline.config.schema import EngineConfig
 from shardline.dtypes import torch_dtype
+from shardline.layers.kernels import layer_kernels
 from shardline.models.llama import LlamaForCausalLM
 from shardline.models.memory import LlamaPlan
 from shardline.weights import open_checkpoint
@@ -23,7 +26,10 @@ class LlamaModelRunner(CausalLMRunner):
     def build_model(self) -> LlamaForCausalLM:
         checkpoint = open_checkpoint(self.config.model.path)
         model = LlamaForCausalLM(
-            checkpoint.architecture, self.state, torch_dtype(self.config.model.dtype)
+            checkpoint.architecture,
+            self.state,
+            torch_dtype(self.config.model.dtype),
+            layer_kernels(self.device, os.environ),
         )
         model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
         return model

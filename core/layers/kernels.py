@@ -1,0 +1,214 @@
+"""The operations of a decoder layer between its weight multiplies, as one object the layers
+are given: :class:`TorchKernels` (torch operations; any device and dtype) or
+:class:`NativeKernels` (the same operations in C for float32 on the CPU, from the optional
+extension ``shardline.layers._kernels``; anything else goes to the torch path).
+
+At decode batch sizes these operations are cheap arithmetic and costly dispatch: each torch
+operation costs microseconds of Python and dispatcher, and a layer ran about twenty of them.
+The C path does each group in one call (``benchmarks/layer_kernels.py`` measures both).
+:func:`layer_kernels` picks the C path where it was built, unless ``SHARDLINE_NATIVE=0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from shardline.native import native_extension
+
+if TYPE_CHECKING:
+    from shardline.layers.attention import DecodeBatch, KVCache
+
+
+class TorchKernels:
+    """The per-layer operations in torch."""
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``weight * x / rms(x)`` in float32 (cast back, as HF Llama). With ``residual``:
+        ``(norm(x + residual), x + residual)``, the new residual stream."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
+            out = F.rms_norm(x, weight.shape, weight, eps)
+            return out if residual is None else (out, residual)
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * x32.to(dtype)
+        return out if residual is None else (out, residual)
+
+    def rotate_and_store(
+        self,
+        qkv: torch.Tensor,
+        q_heads: int,
+        kv_heads: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """From ``qkv`` (``[N, (q_heads + 2 kv_heads) d]``): queries and keys rotated by
+        ``rope`` (``(cos, sin)``, ``[N, 1, d]``), keys and values written to ``cache`` at
+        ``slot_mapping``; returns the rotated queries ``[N, q_heads, d]``."""
+        d = cache.key.shape[-1]
+        qk = rotate(qkv[:, : (q_heads + kv_heads) * d].view(-1, q_heads + kv_heads, d), *rope)
+        cache.write(slot_mapping, qk[:, q_heads:], qkv[:, (q_heads + kv_heads) * d :].view(
+            -1, kv_heads, d
+        ))  # fmt: skip
+        return qk[:, :q_heads]
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        decode: DecodeBatch,
+        scale: float,
+        kv_index: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of every one-token sequence of ``decode`` (its rows of ``q``,
+        ``[N, heads, d]``) over its cached keys: ``[B, heads, d]``. Keys and values are
+        gathered block by block (whole blocks are contiguous) and cut to the longest
+        sequence; query head ``i`` reads KV head ``kv_index[i]`` (None: the kernel's GQA)."""
+        count = decode.blocks.shape[0] // decode.blocks_per_seq
+
+        def gathered(table: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, L, d]
+            rows = table.index_select(0, decode.blocks).view(count, -1, *table.shape[2:])
+            return rows[:, : decode.length].transpose(1, 2)
+
+        keys, values = per_query_head(gathered(cache.key), gathered(cache.value), kv_index)
+        query = (q if decode.rows is None else q[decode.rows]).unsqueeze(2)  # [B, heads, 1, d]
+        attended = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=decode.visible, scale=scale,
+            enable_gqa=kv_index is None,
+        )  # fmt: skip
+        return attended.squeeze(2)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[N, 2 size]`` = ``[gate | up]`` -> ``silu(gate) * up``, ``[N, size]``."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class NativeKernels(TorchKernels):
+    """The per-layer operations in C (``native``: the built extension) for a model on the CPU:
+    contiguous float32 tensors take the C path, any other input the torch path. The C path
+    checks slots and blocks against the cache; shapes and dtypes are checked here."""
+
+    def __init__(self, native: ModuleType) -> None:
+        self.native = native
+        self._grouped_kv_index: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if not (
+            _fits(x) and _fits(weight) and x.dim() == 2 and (residual is None or _fits(residual))
+        ):
+            return super().rms_norm(x, weight, eps, residual)
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        out = torch.empty_like(x)
+        summed = None if residual is None else torch.empty_like(x)
+        self.native.rms_norm(
+            x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), 0 if summed is None else summed.data_ptr(), x.shape[0], x.shape[1],
+            eps,
+        )  # fmt: skip
+        return out if summed is None else (out, summed)
+
+    def rotate_and_store(self, qkv, q_heads, kv_heads, rope, cache, slot_mapping):
+        cos, sin = rope
+        d = cache.key.shape[-1]
+        rows = qkv.shape[0]
+        if not (
+            _fits(qkv) and _fits(cos) and _fits(sin) and _fits(cache.key) and _fits(cache.value)
+            and qkv.shape[1] == (q_heads + 2 * kv_heads) * d and cos.numel() == rows * d
+            and sin.numel() == rows * d and cache.key.shape[-2] == kv_heads
+            and slot_mapping.dtype is torch.int64 and slot_mapping.shape == (rows,)
+            and slot_mapping.is_contiguous()
+        ):  # fmt: skip
+            return super().rotate_and_store(qkv, q_heads, kv_heads, rope, cache, slot_mapping)
+        q = qkv.new_empty(rows, q_heads, d)
+        self.native.rope_store(
+            qkv.data_ptr(), rows, q_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+            q.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(), slot_mapping.data_ptr(),
+            cache.key.shape[0] * cache.block_size,
+        )  # fmt: skip
+        return q
+
+    def decode_attention(self, q, cache, decode, scale, kv_index):
+        heads, d = q.shape[1], q.shape[2]
+        kv_heads = cache.key.shape[-2]
+        if not (_fits(q) and _fits(cache.key) and _fits(cache.value)):
+            return super().decode_attention(q, cache, decode, scale, kv_index)
+        if kv_index is None:  # grouped: consecutive query heads share a KV head
+            kv_index = self._grouped_kv_index.get((heads, kv_heads))
+            if kv_index is None:
+                kv_index = torch.arange(heads, device="cpu") // (heads // kv_heads)
+                self._grouped_kv_index[heads, kv_heads] = kv_index
+        elif kv_index.dtype is not torch.int64:
+            kv_index = kv_index.to(torch.int64)
+        query = q if decode.rows is None else q[decode.rows].contiguous()
+        out = torch.empty_like(query)
+        self.native.decode_attention(
+            query.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
+            decode.blocks.data_ptr(), decode.blocks_per_seq, decode.lengths.data_ptr(),
+            query.shape[0], heads, kv_index.data_ptr(), kv_heads, d, cache.block_size,
+            cache.key.shape[0], float(scale), out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def silu_and_mul(self, gate_up):
+        if not (_fits(gate_up) and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0):
+            return super().silu_and_mul(gate_up)
+        rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, size)
+        self.native.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, size)
+        return out
+
+
+def _fits(tensor: torch.Tensor) -> bool:
+    """A tensor the C path takes (the model's are in CPU memory): float32, contiguous."""
+    return tensor.dtype is torch.float32 and tensor.is_contiguous()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[N, heads, d]``) rotated by the angles of
+    :meth:`~shardline.layers.rotary.RotaryEmbedding.at`, in float32 (cast back), as HF Llama
+    computes it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    if x.dtype == torch.float32:
+        return x * cos + rotated * sin
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def per_query_head(
+    keys: torch.Tensor, values: torch.Tensor, kv_index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (heads on dim -3) as the query heads read them: gathered per query
+    head by ``kv_index``, or as they are for the kernel's own GQA (``kv_index`` None)."""
+    if kv_index is None:
+        return keys, values
+    return keys.index_select(-3, kv_index), values.index_select(-3, kv_index)
+
+
+#: The torch path, shared: it holds no state.
+TORCH_KERNELS = TorchKernels()
+
+
+def layer_kernels(device: torch.device, environ: Mapping[str, str]) -> TorchKernels:
+    """The kernels of a model on ``device``: the C path on the CPU where its extension was
+    built (and ``SHARDLINE_NATIVE`` in ``environ`` is not ``0``), else the torch path."""
+    native = native_extension("shardline.layers._kernels", environ)
+    if native is None or torch.device(device).type != "cpu":
+        return TORCH_KERNELS
+    return NativeKernels(native)

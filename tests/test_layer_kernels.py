@@ -1,0 +1,125 @@
+"""The decoder layer's operations in C (``shardline.layers._kernels``) against the torch path
+they replace: RoPE and the cache store bit for bit, the rest within float32 rounding; odd
+sizes (tails past the 16-wide lanes), uneven head groups, mixed prefill and decode steps;
+inputs the C path does not take go to torch; bad slots and blocks are errors, not writes."""
+
+import pytest
+import torch
+
+from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
+from shardline.layers.kernels import TORCH_KERNELS, NativeKernels, layer_kernels
+from shardline.layers.rotary import RotaryEmbedding
+
+native_module = pytest.importorskip(
+    "shardline.layers._kernels",
+    reason="the C extension was not built (pip install found no compiler); torch path only",
+)
+NATIVE = NativeKernels(native_module)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 4e-6) -> None:
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, rtol=rel, atol=rel), float((a - b).abs().max())
+
+
+def test_the_c_path_is_chosen_on_the_cpu_unless_switched_off():
+    assert isinstance(layer_kernels(torch.device("cpu"), {}), NativeKernels)
+    assert layer_kernels(torch.device("cpu"), {"SHARDLINE_NATIVE": "0"}) is TORCH_KERNELS
+    assert layer_kernels(torch.device("cuda", 0), {}) is TORCH_KERNELS
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 100), (16, 7)])
+def test_rms_norm_with_and_without_the_residual_add(rows, hidden):
+    x, residual, weight = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.rand(hidden)
+    _close(NATIVE.rms_norm(x, weight, 1e-5), TORCH_KERNELS.rms_norm(x, weight, 1e-5))
+    out, summed = NATIVE.rms_norm(x, weight, 1e-6, residual)
+    expected_out, expected_sum = TORCH_KERNELS.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(summed, expected_sum)
+    _close(out, expected_out)
+
+
+@pytest.mark.parametrize("rows,size", [(1, 768), (4, 13)])
+def test_silu_and_mul(rows, size):
+    gate_up = torch.randn(rows, 2 * size) * 8  # far into both tails of the exponential
+    _close(NATIVE.silu_and_mul(gate_up), TORCH_KERNELS.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("rows,q_heads,kv_heads,d", [(1, 9, 3, 64), (7, 5, 2, 8), (3, 2, 2, 6)])
+def test_rope_and_cache_store_are_bit_identical(rows, q_heads, kv_heads, d):
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * d)
+    rope = RotaryEmbedding(d, 10000.0, 512).at(torch.randint(0, 512, (rows,)))
+    slots = torch.randperm(8 * 4)[:rows]
+    caches = [KVCache(8, 4, kv_heads, d, torch.float32) for _ in range(2)]
+    queries = [
+        kernels.rotate_and_store(qkv, q_heads, kv_heads, rope, cache, slots)
+        for kernels, cache in zip((NATIVE, TORCH_KERNELS), caches, strict=True)
+    ]
+    assert torch.equal(queries[0], queries[1])
+    assert torch.equal(caches[0].key, caches[1].key)
+    assert torch.equal(caches[0].value, caches[1].value)
+
+
+def _filled_cache(kv_heads: int, d: int, num_blocks: int = 40, block_size: int = 4) -> KVCache:
+    cache = KVCache(num_blocks, block_size, kv_heads, d, torch.float32)
+    cache.key.normal_()
+    cache.value.normal_()
+    return cache
+
+
+def _metadata(query_lens: list[int], seq_lens: list[int], block_size: int) -> AttentionMetadata:
+    free = torch.randperm(40).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(starts, seq_lens, torch.zeros(starts[-1], dtype=torch.long), tables)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_index",
+    [(6, None), (4, torch.tensor([0, 0, 1, 1])), (3, torch.tensor([1, 0, 1]))],
+    ids=["grouped", "grouped-explicit", "uneven"],
+)
+def test_decode_attention_over_the_paged_cache(heads, kv_index):
+    d, kv_heads = 16, 2
+    cache = _filled_cache(kv_heads, d)
+    metadata = _metadata([1, 1, 1], [1, 9, 23], cache.block_size)  # a block, part, several
+    q = torch.randn(3, heads, d)
+    decode = metadata.decode_batch(cache.block_size)
+    _close(
+        NATIVE.decode_attention(q, cache, decode, 0.3, kv_index),
+        TORCH_KERNELS.decode_attention(q, cache, decode, 0.3, kv_index),
+    )
+
+
+def test_a_step_mixing_prefill_and_decode_attends_alike():
+    d, heads, kv_heads = 8, 4, 2
+    cache = _filled_cache(kv_heads, d)
+    metadata = _metadata([1, 5, 1], [6, 5, 12], cache.block_size)
+    q = torch.randn(7, heads, d)
+    _close(
+        paged_attention(q, cache, metadata, 0.35, None, NATIVE),
+        paged_attention(q, cache, metadata, 0.35, None, TORCH_KERNELS),
+    )
+
+
+def test_inputs_the_c_path_does_not_take_go_to_torch():
+    x = torch.randn(4, 32, dtype=torch.float64)
+    weight = torch.rand(32, dtype=torch.float64)
+    assert torch.equal(NATIVE.rms_norm(x, weight, 1e-5), TORCH_KERNELS.rms_norm(x, weight, 1e-5))
+    gate_up = torch.randn(8, 3).t()  # not contiguous
+    assert torch.equal(NATIVE.silu_and_mul(gate_up), TORCH_KERNELS.silu_and_mul(gate_up))
+
+
+def test_a_slot_or_block_outside_the_cache_is_an_error_not_a_write():
+    cache = KVCache(2, 4, 1, 8, torch.float32)
+    qkv = torch.randn(1, 3 * 8)
+    rope = RotaryEmbedding(8, 10000.0, 16).at(torch.tensor([0]))
+    with pytest.raises(IndexError, match="slot 8 is outside the cache's 8 slots"):
+        NATIVE.rotate_and_store(qkv, 1, 1, rope, cache, torch.tensor([8]))
+    assert not cache.key.any() and not cache.value.any()
+    metadata = AttentionMetadata([0, 1], [3], torch.zeros(1, dtype=torch.long), [[5]])
+    with pytest.raises(IndexError, match="block 5 is outside the cache's 2 blocks"):
+        NATIVE.decode_attention(
+            torch.randn(1, 1, 8), cache, metadata.decode_batch(cache.block_size), 1.0, None
+        )
