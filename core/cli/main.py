@@ -212,6 +212,9 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
     )
     decode.add_argument("--timeout", type=float, default=600.0, help="per case (s)")
     decode.add_argument(
+        "--dtype", default="float32", help="the weights' dtype in both engines (float32, bfloat16)"
+    )
+    decode.add_argument(
         "--profile",
         action="store_true",
         help="also show where a batch-1 and a concurrent decode step's time goes, per rank "
@@ -517,6 +520,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         threads,
         args.timeout,
         profile=args.profile,
+        dtype=args.dtype,
     )
     if args.across_hosts is not None:
         from shardline.cli import bench_hosts

@@ -1,0 +1,111 @@
+"""How closely a lower-precision mode (``model.dtype``) follows float32: top-1 agreement of
+greedy decoding on held-out prompts (prompts no test or tuning uses), in one run.
+
+float32 is the reference (its greedy tokens equal transformers'; tests/test_smollm2.py). For
+each prompt it generates ``--tokens`` tokens; then each mode is asked for the next token after
+every prefix of that reference (teacher-forced: prompt + the reference's first k tokens), and
+top-1 agreement is the fraction of positions where its choice is the reference's. float32
+itself is measured the same way as the control (a prefix run as one prefill rounds differently
+from decode steps). Also: how many free-running greedy continuations equal the reference
+throughout, and where the others first differ.
+
+    python benchmarks/dtype_agreement.py [--model smollm2-135m] [--tokens 32] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from shardline.catalog import resolve_model_path
+from shardline.cli.table import render
+from shardline.engine import LLM, SamplingParams
+
+#: Held out: not used by any test or in choosing any kernel.
+PROMPTS = (
+    "The old bridge over the river was built in",
+    "To make a good cup of tea, first",
+    "Photosynthesis is the process by which",
+    "My favourite thing about winter is",
+    "def fibonacci(n):\n    ",
+    "The three largest planets in the solar system are",
+    "Once upon a time, a small robot",
+    "The main causes of the French Revolution were",
+    "A healthy breakfast usually includes",
+    "In chess, the knight moves",
+    "The capital of Australia is",
+    "Water boils at a lower temperature at high altitude because",
+)
+DTYPES = ("float32", "bfloat16")
+
+
+def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return [list(out.token_ids) for out in llm.generate(prompts, params)]
+
+
+def measure(model: str, dtype: str, prompts: list[list[int]], reference: list[list[int]]) -> dict:
+    tokens = len(reference[0])
+    overrides = [f"model.path={model}", "parallel.distributed_executor_backend=uni"]
+    with LLM(overrides=[*overrides, f"model.dtype={dtype}"]) as llm:
+        prefixes = [
+            p + ref[:k] for p, ref in zip(prompts, reference, strict=True) for k in range(tokens)
+        ]
+        chosen = [ids[0] for ids in greedy(llm, prefixes, 1)]
+        expected = [t for ref in reference for t in ref]
+        free = greedy(llm, prompts, tokens)
+    agree = sum(a == b for a, b in zip(chosen, expected, strict=True))
+    first_differences = [
+        next(i for i, (a, b) in enumerate(zip(run, ref, strict=True)) if a != b)
+        for run, ref in zip(free, reference, strict=True)
+        if run != ref
+    ]
+    return {
+        "dtype": dtype,
+        "positions": len(expected),
+        "top1_agreement": agree / len(expected),
+        "continuations_equal": len(prompts) - len(first_differences),
+        "continuations": len(prompts),
+        "first_difference_median": statistics.median(first_differences)
+        if first_differences
+        else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    model = resolve_model_path(args.model)
+    with LLM(overrides=[f"model.path={model}", "parallel.distributed_executor_backend=uni"]) as llm:
+        prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+        reference = greedy(llm, prompts, args.tokens)
+    results = [measure(model, dtype, prompts, reference) for dtype in DTYPES]
+    print(
+        f"{len(PROMPTS)} held-out prompts x {args.tokens} tokens; reference: float32 greedy "
+        "(decode steps)"
+    )
+    table = [
+        [r["dtype"], f"{r['top1_agreement']:.4f} ({r['positions']} positions)",
+         f"{r['continuations_equal']} of {r['continuations']}",
+         "-" if r["first_difference_median"] is None else f"{r['first_difference_median']:g}"]
+        for r in results
+    ]  # fmt: skip
+    headers = [
+        "dtype",
+        "top-1 agreement, teacher-forced",
+        "greedy runs equal",
+        "first diff (median)",
+    ]
+    print(render(headers, table))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"model": model, "tokens": args.tokens, "results": results}, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
