@@ -1,7 +1,8 @@
 """The decoder layer's operations between weight multiplies, torch path against the C path
 (``shardline.layers.kernels``), at SmolLM2-135M's shapes for one TP=2 rank (the second: query
-heads 4-8 reading KV heads 1-2, of 64; hidden 576, 768 intermediate) and 1 and 16 sequences, one torch thread, in one
-run: microseconds per call (median), and the largest difference of the results.
+heads 4-8 reading KV heads 1-2, of 64; hidden 576, 768 intermediate) and 1 and 16 sequences,
+one torch thread, in one run: microseconds per call (median), and the largest difference of
+the results.
 
     python benchmarks/layer_kernels.py [--json F]
 """
