@@ -1,7 +1,8 @@
 """The decoder layer's operations in C (``shardline.layers._kernels``) against the torch path
-they replace: RoPE and the cache store bit for bit, the rest within float32 rounding; odd
-sizes (tails past the 16-wide lanes), uneven head groups, mixed prefill and decode steps;
-inputs the C path does not take go to torch; bad slots and blocks are errors, not writes."""
+they replace, in float32 and bfloat16: RoPE and the cache store bit for bit, the rest within
+rounding; odd sizes (tails past the 16-wide lanes), uneven head groups, mixed prefill and
+decode steps; inputs the C path does not take go to torch; bad slots and blocks are errors,
+not writes."""
 
 import pytest
 import torch
@@ -123,3 +124,37 @@ def test_a_slot_or_block_outside_the_cache_is_an_error_not_a_write():
         NATIVE.decode_attention(
             torch.randn(1, 1, 8), cache, metadata.decode_batch(cache.block_size), 1.0, None
         )
+
+
+def test_bfloat16_rounds_where_the_torch_path_rounds():
+    """RoPE and the cache store bit for bit; the rest within a bfloat16 step (2**-8) of torch,
+    which computes the same float32 arithmetic in another order."""
+    bf16 = torch.bfloat16
+    x, residual, weight = (torch.randn(3, 200).to(bf16) for _ in range(3))
+    out, summed = NATIVE.rms_norm(x, weight[0], 1e-5, residual)
+    expected_out, expected_sum = TORCH_KERNELS.rms_norm(x, weight[0], 1e-5, residual)
+    assert out.dtype == bf16 and torch.equal(summed, expected_sum)
+    _close(out.float(), expected_out.float(), rel=2**-7)
+    gate_up = (torch.randn(2, 2 * 40) * 4).to(bf16)
+    _close(NATIVE.silu_and_mul(gate_up).float(), TORCH_KERNELS.silu_and_mul(gate_up).float(), 2**-7)
+    qkv = torch.randn(2, (3 + 2 * 1) * 16).to(bf16)
+    rope = RotaryEmbedding(16, 10000.0, 64).at(torch.tensor([5, 40]))
+    caches = [KVCache(4, 4, 1, 16, bf16) for _ in range(2)]
+    slots = torch.tensor([3, 9])
+    queries = [
+        kernels.rotate_and_store(qkv, 3, 1, rope, cache, slots)
+        for kernels, cache in zip((NATIVE, TORCH_KERNELS), caches, strict=True)
+    ]
+    assert torch.equal(queries[0], queries[1])
+    assert torch.equal(caches[0].key, caches[1].key)
+    assert torch.equal(caches[0].value, caches[1].value)
+    cache = KVCache(40, 4, 2, 16, bf16)
+    cache.key.normal_()
+    cache.value.normal_()
+    decode = _metadata([1, 1], [7, 18], cache.block_size).decode_batch(cache.block_size)
+    q = torch.randn(2, 4, 16).to(bf16)
+    _close(
+        NATIVE.decode_attention(q, cache, decode, 0.25, None).float(),
+        TORCH_KERNELS.decode_attention(q, cache, decode, 0.25, None).float(),
+        2**-7,
+    )

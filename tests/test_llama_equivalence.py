@@ -1,6 +1,7 @@
 """The parallel Llama against HF transformers on the same safetensors files: a ragged
 prefill of two prompts, then a decode step through the paged KV cache, under TP=1, TP=2,
-PP=2 and TP=2 x PP=2 (real gloo worlds, through the executors that ship)."""
+PP=2 and TP=2 x PP=2 (real gloo worlds, through the executors that ship), on the C layer
+kernels (what a CPU rank runs) and on the torch ones; bfloat16 within its precision."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from shardline.config import load_config
 from shardline.conformance.executors.probe import PROBE_RUNNER
 from shardline.layers.attention import AttentionMetadata
+from shardline.layers.kernels import NativeKernels, layer_kernels
 from shardline.models.llama import LlamaForCausalLM
 from shardline.registry import Registry
 from shardline.weights.hf import HFCheckpoint
@@ -45,10 +47,11 @@ def _step(model, state, caches, input_ids, positions, metadata):
     return model.compute_logits(out)
 
 
-def _prefill_then_decode(worker, directory: str) -> dict | None:
+def _prefill_then_decode(worker, directory: str, environ: dict, dtype: str) -> dict | None:
     state = worker.state
     checkpoint = HFCheckpoint(directory)
-    model = LlamaForCausalLM(checkpoint.architecture, state)
+    kernels = layer_kernels(torch.device("cpu"), environ)
+    model = LlamaForCausalLM(checkpoint.architecture, state, getattr(torch, dtype), kernels)
     model.load_weights(checkpoint.tensor)
     caches = model.make_kv_caches(num_blocks=16, block_size=BLOCK_SIZE)
     tables = [[3, 0, 7], [5, 9]]  # deliberately scattered blocks
@@ -67,7 +70,7 @@ def _prefill_then_decode(worker, directory: str) -> dict | None:
     )
     if prefill is None:
         return None
-    return {"prefill": prefill, "decode": decode}
+    return {"prefill": prefill.float(), "decode": decode.float(), "kernels": type(kernels).__name__}
 
 
 # GQA with 8 query / 2 KV heads; and 9 / 3 heads (as SmolLM2), which no tp > 1 here divides.
@@ -75,14 +78,20 @@ SHAPES = {
     "gqa": {},
     "uneven": {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3},
 }
+#: (shape, tp, pp, kernels, dtype)
 CASES = [
-    ("gqa", 1, 1),
-    ("gqa", 2, 1),
-    ("gqa", 1, 2),
-    ("gqa", 2, 2),
-    ("uneven", 2, 1),
-    ("uneven", 4, 1),
+    ("gqa", 1, 1, "C", "float32"),
+    ("gqa", 2, 1, "C", "float32"),
+    ("gqa", 1, 2, "C", "float32"),
+    ("gqa", 2, 2, "C", "float32"),
+    ("uneven", 2, 1, "C", "float32"),
+    ("uneven", 4, 1, "C", "float32"),
+    ("gqa", 1, 1, "torch", "float32"),
+    ("uneven", 2, 1, "torch", "float32"),
+    ("uneven", 2, 1, "C", "bfloat16"),
 ]
+#: How close each dtype's logits come to transformers' float32 ones.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 6e-2}
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +103,14 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("shape", "tp", "pp"), CASES, ids=[f"{s}-tp{t}-pp{p}" for s, t, p in CASES]
+    ("shape", "tp", "pp", "kernels", "dtype"),
+    CASES,
+    ids=[f"{s}-tp{t}-pp{p}-{k}-{d}" for s, t, p, k, d in CASES],
 )
-def test_matches_transformers(checkpoints, shape, tp, pp):
+def test_matches_transformers(checkpoints, shape, tp, pp, kernels, dtype):
+    if kernels == "C" and not isinstance(layer_kernels(torch.device("cpu"), {}), NativeKernels):
+        pytest.skip("the C layer kernels were not built (pip install found no compiler)")
+    environ = {} if kernels == "C" else {"SHARDLINE_NATIVE": "0"}
     checkpoint_dir = checkpoints[shape]
     config = load_config(
         overrides=[
@@ -109,7 +123,9 @@ def test_matches_transformers(checkpoints, shape, tp, pp):
     executor_name = "uni" if tp * pp == 1 else "mp"
     executor = Registry.load().get("executor", executor_name).load_available()(config)
     try:
-        results = executor.collective_rpc(_prefill_then_decode, (str(checkpoint_dir),))
+        results = executor.collective_rpc(
+            _prefill_then_decode, (str(checkpoint_dir), environ, dtype)
+        )
     finally:
         executor.shutdown()
     extended = [PROMPTS[0] + [11], PROMPTS[1] + [42]]
@@ -118,7 +134,10 @@ def test_matches_transformers(checkpoints, shape, tp, pp):
     expected_decode = torch.stack([reference[0][-1], reference[1][-1]])
     last_stage = results[(pp - 1) * tp :]
     assert all(r is None for r in results[: (pp - 1) * tp])
+    close = TOLERANCE[dtype]
     for result in last_stage:  # every TP rank of the last stage has the full logits
-        torch.testing.assert_close(result["prefill"], expected_prefill, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(result["decode"], expected_decode, atol=1e-5, rtol=1e-5)
-        assert torch.equal(result["decode"].argmax(-1), expected_decode.argmax(-1))
+        assert result["kernels"] == ("NativeKernels" if kernels == "C" else "TorchKernels")
+        torch.testing.assert_close(result["prefill"], expected_prefill, atol=close, rtol=close)
+        torch.testing.assert_close(result["decode"], expected_decode, atol=close, rtol=close)
+        if dtype == "float32":
+            assert torch.equal(result["decode"].argmax(-1), expected_decode.argmax(-1))

@@ -160,9 +160,9 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
         rows.append({**asdict(case), **run_case(case)})
     if sys.stderr.isatty():
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    print(_table(rows))
     if rows:
         print(f"weights in {rows[0]['dtype']}")
-    print(_table(rows))
     for line in _targets(rows):
         print(line)
     for row in rows:

@@ -101,26 +101,29 @@ class TorchKernels:
 
 class NativeKernels(TorchKernels):
     """The per-layer operations in C (``native``: the built extension) for a model on the CPU:
-    contiguous float32 tensors take the C path, any other input the torch path. The C path
-    checks slots and blocks against the cache; shapes and dtypes are checked here."""
+    contiguous float32 or bfloat16 tensors (all of one call in one dtype) take the C path, any
+    other input the torch path. The C path checks slots and blocks against the cache; shapes
+    and dtypes are checked here."""
 
     def __init__(self, native: ModuleType) -> None:
         self.native = native
         self._grouped_kv_index: dict[tuple[int, int], torch.Tensor] = {}
 
     def rms_norm(self, x, weight, eps, residual=None):
+        dtype = x.dtype
         if not (
-            _fits(x) and _fits(weight) and x.dim() == 2 and (residual is None or _fits(residual))
-        ):
+            _fits(x) and _fits(weight, dtype) and x.dim() == 2
+            and (residual is None or _fits(residual, dtype))
+        ):  # fmt: skip
             return super().rms_norm(x, weight, eps, residual)
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
         out = torch.empty_like(x)
         summed = None if residual is None else torch.empty_like(x)
         self.native.rms_norm(
-            x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
-            out.data_ptr(), 0 if summed is None else summed.data_ptr(), x.shape[0], x.shape[1],
-            eps,
+            dtype is torch.bfloat16, x.data_ptr(),
+            0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            0 if summed is None else summed.data_ptr(), x.shape[0], x.shape[1], eps,
         )  # fmt: skip
         return out if summed is None else (out, summed)
 
@@ -128,8 +131,10 @@ class NativeKernels(TorchKernels):
         cos, sin = rope
         d = cache.key.shape[-1]
         rows = qkv.shape[0]
+        dtype = qkv.dtype
         if not (
-            _fits(qkv) and _fits(cos) and _fits(sin) and _fits(cache.key) and _fits(cache.value)
+            _fits(qkv) and _fits(cos, torch.float32) and _fits(sin, torch.float32)
+            and _fits(cache.key, dtype) and _fits(cache.value, dtype)
             and qkv.shape[1] == (q_heads + 2 * kv_heads) * d and cos.numel() == rows * d
             and sin.numel() == rows * d and cache.key.shape[-2] == kv_heads
             and slot_mapping.dtype is torch.int64 and slot_mapping.shape == (rows,)
@@ -138,16 +143,16 @@ class NativeKernels(TorchKernels):
             return super().rotate_and_store(qkv, q_heads, kv_heads, rope, cache, slot_mapping)
         q = qkv.new_empty(rows, q_heads, d)
         self.native.rope_store(
-            qkv.data_ptr(), rows, q_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
-            q.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(), slot_mapping.data_ptr(),
-            cache.key.shape[0] * cache.block_size,
+            dtype is torch.bfloat16, qkv.data_ptr(), rows, q_heads, kv_heads, d,
+            cos.data_ptr(), sin.data_ptr(), q.data_ptr(), cache.key.data_ptr(),
+            cache.value.data_ptr(), slot_mapping.data_ptr(), cache.key.shape[0] * cache.block_size,
         )  # fmt: skip
         return q
 
     def decode_attention(self, q, cache, decode, scale, kv_index):
         heads, d = q.shape[1], q.shape[2]
         kv_heads = cache.key.shape[-2]
-        if not (_fits(q) and _fits(cache.key) and _fits(cache.value)):
+        if not (_fits(q) and _fits(cache.key, q.dtype) and _fits(cache.value, q.dtype)):
             return super().decode_attention(q, cache, decode, scale, kv_index)
         if kv_index is None:  # grouped: consecutive query heads share a KV head
             kv_index = self._grouped_kv_index.get((heads, kv_heads))
@@ -159,10 +164,10 @@ class NativeKernels(TorchKernels):
         query = q if decode.rows is None else q[decode.rows].contiguous()
         out = torch.empty_like(query)
         self.native.decode_attention(
-            query.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
-            decode.blocks.data_ptr(), decode.blocks_per_seq, decode.lengths.data_ptr(),
-            query.shape[0], heads, kv_index.data_ptr(), kv_heads, d, cache.block_size,
-            cache.key.shape[0], float(scale), out.data_ptr(),
+            q.dtype is torch.bfloat16, query.data_ptr(), cache.key.data_ptr(),
+            cache.value.data_ptr(), decode.blocks.data_ptr(), decode.blocks_per_seq,
+            decode.lengths.data_ptr(), query.shape[0], heads, kv_index.data_ptr(), kv_heads, d,
+            cache.block_size, cache.key.shape[0], float(scale), out.data_ptr(),
         )  # fmt: skip
         return out
 
@@ -171,13 +176,21 @@ class NativeKernels(TorchKernels):
             return super().silu_and_mul(gate_up)
         rows, size = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, size)
-        self.native.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, size)
+        self.native.silu_mul(
+            gate_up.dtype is torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), rows, size
+        )
         return out
 
 
-def _fits(tensor: torch.Tensor) -> bool:
-    """A tensor the C path takes (the model's are in CPU memory): float32, contiguous."""
-    return tensor.dtype is torch.float32 and tensor.is_contiguous()
+def _fits(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """A tensor the C path takes (the model's are in CPU memory): contiguous, float32 or
+    bfloat16 (``dtype`` where given)."""
+    if dtype is None:
+        return tensor.dtype in _C_DTYPES and tensor.is_contiguous()
+    return tensor.dtype is dtype and tensor.is_contiguous()
+
+
+_C_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
