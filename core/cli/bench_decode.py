@@ -4,7 +4,9 @@ for each layout x communicator, beside HF transformers on the same model file, i
 Every case runs in fresh processes (``python -m shardline.cli.bench_decode CASE``; MPI cases
 under mpiexec with the ``external_launcher`` executor, the others under ``mp``), after a short
 warm-up generation. Batch 1: the time between the first and the last streamed token of one
-request of ``--tokens`` tokens (end-of-sequence ignored), so prefill is not counted.
+request of ``--tokens`` tokens (end-of-sequence ignored), so prefill is not counted; the
+median of :data:`BATCH1_RUNS` such requests, one after another (this machine is shared: one
+request's figure moves with its neighbours).
 Concurrent: ``--concurrent`` requests submitted at once; all generated tokens over the wall
 time, prefill included. transformers: ``generate`` with a streamer timing each token, at
 1 and 2 torch threads. Both engines hold the weights in ``--dtype`` (float32 by default).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +33,8 @@ LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2
 DTYPES = ("float32", "bfloat16")
 QUESTION = "Write a long story about a lighthouse keeper and a storm."
 RESULT_MARK = "BENCH-DECODE-RESULT "
+#: Batch-1 requests timed per case; the table gives their median.
+BATCH1_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -329,10 +334,14 @@ def _measure_shardline(case: Case) -> dict | None:
     with LLM(overrides=overrides) as llm:
         conversation = [{"role": "user", "content": QUESTION}]
         llm.chat(conversation, SamplingParams(max_tokens=4))
-        stamps: list[float] = []
         params = SamplingParams(max_tokens=case.tokens, ignore_eos=True)
-        llm.chat(conversation, params, stream=lambda *_: stamps.append(time.perf_counter()))
-        batch1 = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        batch1_runs = []
+        for _ in range(BATCH1_RUNS):
+            stamps: list[float] = []
+            llm.chat(
+                conversation, params, stream=lambda *_, s=stamps: s.append(time.perf_counter())
+            )
+            batch1_runs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
         many = [
             [{"role": "user", "content": f"{QUESTION} Version {i}."}]
             for i in range(case.concurrent)
@@ -341,7 +350,8 @@ def _measure_shardline(case: Case) -> dict | None:
         outputs = llm.chat(many, params)
         elapsed = time.perf_counter() - started
         result = {
-            "batch1_tok_s": batch1,
+            "batch1_tok_s": statistics.median(batch1_runs),
+            "batch1_runs_tok_s": batch1_runs,
             "concurrent_tok_s": sum(len(o.token_ids) for o in outputs) / elapsed,
             "executor": llm.engine.config.parallel.distributed_executor_backend,
             **decode_floor(llm.engine.executor),
@@ -445,16 +455,19 @@ def _measure_transformers(case: Case) -> dict:
 
     ids = torch.tensor([prompt])
     model.generate(ids, max_new_tokens=4, do_sample=False)
-    stamps = token_stamps()
-    model.generate(
-        ids,
-        max_new_tokens=case.tokens,
-        min_new_tokens=case.tokens,
-        do_sample=False,
-        streamer=stamps,
-    )
-    tokens = stamps.times[1:]  # the first put is the prompt
-    return {"batch1_tok_s": (len(tokens) - 1) / (tokens[-1] - tokens[0]), "executor": "-"}
+    runs = []
+    for _ in range(BATCH1_RUNS):
+        stamps = token_stamps()
+        model.generate(
+            ids,
+            max_new_tokens=case.tokens,
+            min_new_tokens=case.tokens,
+            do_sample=False,
+            streamer=stamps,
+        )
+        tokens = stamps.times[1:]  # the first put is the prompt
+        runs.append((len(tokens) - 1) / (tokens[-1] - tokens[0]))
+    return {"batch1_tok_s": statistics.median(runs), "batch1_runs_tok_s": runs, "executor": "-"}
 
 
 def _main(argument: str) -> None:

@@ -62,6 +62,17 @@ static inline float dot(const float *a, const float *b, long n) {
     return sum;
 }
 
+static inline float sum_of(const float *a, long n) {
+    float lanes[LANES] = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) lanes[j] += a[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < LANES; j++) sum += lanes[j];
+    for (; i < n; i++) sum += a[i];
+    return sum;
+}
+
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t wide = (uint32_t)bits << 16;
     float value;

@@ -83,24 +83,30 @@ WIDEST_CPU static void NAME(decode_attention_rows)(
             const ELEM *source = q + (b * heads + h) * d;
             for (long i = 0; i < d; i++) query[i] = LOAD(source, i);
             long kv = (long)kv_index[h];
+            long blocks_used = (length + block_size - 1) / block_size;
             float top = -INFINITY;
-            for (long t = 0; t < length; t++) {
-                long slot = (long)table[t / block_size] * block_size + t % block_size;
-                float score = NAME(dot)(query, key_cache + (slot * kv_heads + kv) * d, d) * scale;
-                scores[t] = score;
-                top = score > top ? score : top;
+            for (long k = 0; k < blocks_used; k++) {
+                long first = k * block_size;
+                long count = length - first < block_size ? length - first : block_size;
+                const ELEM *keys = key_cache + (table[k] * block_size * kv_heads + kv) * d;
+                for (long t = 0; t < count; t++) {
+                    float score = NAME(dot)(query, keys + t * kv_heads * d, d) * scale;
+                    scores[first + t] = score;
+                    top = score > top ? score : top;
+                }
             }
-            float total = 0.0f;
-            for (long t = 0; t < length; t++) {
-                scores[t] = exp_approx(scores[t] - top);
-                total += scores[t];
-            }
+            for (long t = 0; t < length; t++) scores[t] = exp_approx(scores[t] - top);
+            float total = sum_of(scores, length);
             for (long i = 0; i < d; i++) acc[i] = 0.0f;
-            for (long t = 0; t < length; t++) {
-                long slot = (long)table[t / block_size] * block_size + t % block_size;
-                const ELEM *value = value_cache + (slot * kv_heads + kv) * d;
-                float weight = scores[t];
-                for (long i = 0; i < d; i++) acc[i] += weight * LOAD(value, i);
+            for (long k = 0; k < blocks_used; k++) {
+                long first = k * block_size;
+                long count = length - first < block_size ? length - first : block_size;
+                const ELEM *values = value_cache + (table[k] * block_size * kv_heads + kv) * d;
+                for (long t = 0; t < count; t++) {
+                    const ELEM *value = values + t * kv_heads * d;
+                    float weight = scores[first + t];
+                    for (long i = 0; i < d; i++) acc[i] += weight * LOAD(value, i);
+                }
             }
             float inv = 1.0f / total;
             ELEM *dst = out + (b * heads + h) * d;
