@@ -4,8 +4,10 @@ this machine), in one run:
 
 - ``F.linear``, weight ``[out, in]`` contiguous (as checkpoints store it; torch's GEMM);
 - ``F.linear``, weight stored column by column (``[in, out]`` contiguous);
-- oneDNN's linear on the weight packed in its blocked layout (what Shardline's layers use,
-  ``shardline.layers.linear.packed``).
+- oneDNN's linear on the weight packed in its blocked layout (``shardline.layers.kernels.packed``;
+  what a rank with several threads, or a bfloat16 model, uses);
+- Shardline's C kernel on its own blocked layout (``shardline.layers.kernels.blocked``; what a
+  float32 rank with one thread uses), where the extension is built and the CPU has AVX-512.
 
 Each weight set is larger than the caches (several copies, used in turn), so every call reads
 its weight from memory; GB/s is the weight's bytes over the median time.
@@ -24,7 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from shardline.cli.table import render
-from shardline.layers.linear import PACKED_FOR_ROWS, linear, packed
+from shardline.layers.kernels import (
+    PACKED_FOR_ROWS,
+    NativeKernels,
+    blocked,
+    layer_kernels,
+    linear,
+    packed,
+)
 
 #: (name, out, in) per rank: SmolLM2-135M's qkv, o, gate+up, down and LM head.
 SHAPES = {
@@ -48,6 +57,14 @@ def median_s(call, repeats: int) -> float:
     return statistics.median(times)
 
 
+def c_kernels(dtype: torch.dtype) -> NativeKernels | None:
+    """The kernels with the C linear, where it runs here (built, AVX-512, float32)."""
+    kernels = layer_kernels(torch.device("cpu"), {})
+    if isinstance(kernels, NativeKernels) and dtype == torch.float32:
+        return kernels if kernels.native.blocked_linear_available() else None
+    return None
+
+
 def measure(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> dict:
     size = out_features * in_features * torch.empty(0, dtype=dtype).element_size()
     copies = max(2, SET_BYTES // size)
@@ -57,11 +74,17 @@ def measure(out_features: int, in_features: int, rows: int, dtype: torch.dtype) 
         "[in, out]": [w.t().contiguous().t() for w in plain],
         "oneDNN packed": [packed(w) for w in plain],
     }
+    native = c_kernels(dtype)
+    if native is not None:
+        layouts["C blocked"] = [blocked(w, native.native.LINEAR_BLOCK) for w in plain]
     x = torch.randn(rows, in_features).to(dtype)
     result = {}
     for name, weights in layouts.items():
         turn = iter(range(1 << 60))
-        seconds = median_s(lambda ws=weights, t=turn: linear(x, ws[next(t) % len(ws)], None), 200)
+        multiply = native.linear if name == "C blocked" else linear
+        seconds = median_s(
+            lambda ws=weights, t=turn, f=multiply: f(x, ws[next(t) % len(ws)], None), 200
+        )
         result[name] = {"us": seconds * 1e6, "gb_s": size / seconds / 1e9}
     reference = F.linear(x, plain[0])
     result["oneDNN max abs difference"] = float(
@@ -85,17 +108,21 @@ def main() -> int:
                 found = measure(out_features, in_features, rows, dtype)
                 records.append({"tp": tp, "weight": name, "rows": rows, **found})
                 plain, packed_ = found["[out, in]"], found["oneDNN packed"]
+                c = found.get("C blocked")
                 table.append(
                     [f"tp{tp} {name} [{out_features}x{in_features}]", rows,
                      *(f"{found[k]['us']:.0f} ({found[k]['gb_s']:.1f})" for k in
                        ("[out, in]", "[in, out]", "oneDNN packed")),
-                     f"{plain['us'] / packed_['us']:.2f}"]
+                     f"{c['us']:.0f} ({c['gb_s']:.1f})" if c else "-",
+                     f"{plain['us'] / packed_['us']:.2f}",
+                     f"{packed_['us'] / c['us']:.2f}" if c else "-"]
                 )  # fmt: skip
     print(
         f"{args.dtype}, {args.threads} thread(s), oneDNN packed for {PACKED_FOR_ROWS} rows: "
         "us per call (GB/s of weights)"
     )
-    headers = ["weight", "rows", "[out, in]", "[in, out]", "oneDNN packed", "speed-up"]
+    headers = ["weight", "rows", "[out, in]", "[in, out]", "oneDNN packed", "C blocked"]
+    headers += ["oneDNN / [out, in]", "C / oneDNN"]
     print(render(headers, table))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -158,3 +158,40 @@ def test_bfloat16_rounds_where_the_torch_path_rounds():
         TORCH_KERNELS.decode_attention(q, cache, decode, 0.25, None).float(),
         2**-7,
     )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 16, 40])
+@pytest.mark.parametrize("out_features,in_features", [(100, 37), (64, 16), (130, 576)])
+def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features, monkeypatch):
+    """Blocked by 64 outputs (a partial last block, inputs past the 16-wide lanes), every
+    row tile size, with and without a bias, and a 3-d input; the layout takes no more memory
+    than the weight."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the C kernel's condition
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    blocked = NATIVE.pack_linear(weight)
+    assert blocked.shape == (out_features * in_features,)
+    assert blocked.blocked_shape == (out_features, in_features)
+    x = torch.randn(rows, in_features)
+    close = {"rtol": 1e-5, "atol": 5e-4}  # sums of up to 576 products in another order
+    torch.testing.assert_close(
+        NATIVE.linear(x, blocked, bias), torch.nn.functional.linear(x, weight, bias), **close
+    )
+    x3 = torch.randn(2, rows, in_features)
+    torch.testing.assert_close(
+        NATIVE.linear(x3, blocked, None), torch.nn.functional.linear(x3, weight), **close
+    )
+
+
+def test_a_rank_with_several_threads_or_another_dtype_keeps_onednn(monkeypatch):
+    weight = torch.randn(64, 32)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert NATIVE.pack_linear(weight).dim() == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert NATIVE.pack_linear(weight.to(torch.bfloat16)).dim() == 2
+    x = torch.randn(3, 32, dtype=torch.float64)
+    torch.testing.assert_close(
+        NATIVE.linear(x, NATIVE.pack_linear(weight.double()), None),
+        x.double() @ weight.double().t(),
+    )

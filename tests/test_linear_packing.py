@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardline.layers.linear import linear, packed, packs
+from shardline.layers.kernels import linear, packed, packs
 
 needs_onednn = pytest.mark.skipif(
     not packs("cpu", "float32"), reason="this torch has no oneDNN linear packing"

@@ -14,7 +14,8 @@ from torch import nn
 
 from shardline.distributed import GroupCoordinator
 from shardline.interfaces import ReduceOp
-from shardline.layers.linear import linear, packed, weight_matrix
+from shardline.layers.kernels import TORCH_KERNELS, TorchKernels
+from shardline.layers.linear import weight_matrix
 from shardline.layers.sharding import TensorSource, vocab_shard
 from shardline.profiling import EMBEDDING_LOOKUP, MATMUL
 
@@ -75,22 +76,25 @@ class ParallelLMHead(VocabParallelEmbedding):
         *,
         tied_to: VocabParallelEmbedding | None = None,
         dtype: torch.dtype = torch.float32,
+        kernels: TorchKernels = TORCH_KERNELS,
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp, dtype=dtype)
+        self.kernels = kernels
         if tied_to is not None:
             self.weight = tied_to.weight
 
     def pack(self) -> None:
-        """Pack the head's weight (:func:`~shardline.layers.linear.packed`). A tied head then
-        holds its own packed copy: the embedding keeps the plain table its lookups read."""
-        self.weight = packed(self.weight)
+        """Lay the head's weight out for its kernels' linear
+        (:meth:`~shardline.layers.kernels.TorchKernels.pack_linear`). A tied head then holds
+        its own copy: the embedding keeps the plain table its lookups read."""
+        self.weight = self.kernels.pack_linear(self.weight)
 
     def forward(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab_size]`` logits, identical on every TP rank; with
         ``greedy``, ``[N]`` token ids instead (:meth:`_greedy`)."""
         if greedy:
             return self._greedy(hidden)
-        local = linear(hidden, self.weight, None)
+        local = self.kernels.linear(hidden, self.weight, None)
         full = self.tp.all_gather(local, dim=-1)
         return full[..., : self.vocab_size]
 
@@ -98,7 +102,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """The argmax of the logits (the first of equal maxima), identical on every TP rank,
         without gathering them: each rank takes its range's best, and two all-reduces of
         ``N`` values pick the global best and, among ranks holding it, the lowest id."""
-        local = linear(hidden, self.weight, None)[:, : self.shard.end - self.shard.start]
+        local = self.kernels.linear(hidden, self.weight, None)
+        local = local[:, : self.shard.end - self.shard.start]
         if self.tp.world_size == 1:
             return local.argmax(dim=-1)
         if local.shape[1] == 0:  # only padding on this rank

@@ -108,6 +108,111 @@ static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as
 #define ROUND(v) bf16_to_float(float_to_bf16(v))
 #include "kernels_rows.h"
 
+/* ---- linear: y = x W^T + b, W blocked for the kernel ------------------------------------
+ * W [out, in] is stored block after block: block k holds outputs 64k..64k+63 input by input
+ * ([in][64]); the last holds the rest ([in][out % 64] when out is not a multiple of 64), so the
+ * layout takes exactly out x in floats. A tile of R rows of x and one block keeps R x 4 vectors of 16 sums
+ * in registers, broadcasting x[r, i] against the block's row i: the block streams through once
+ * per 6 rows, with no horizontal sums. AVX-512 only (checked at run time); float32. */
+
+#define LINEAR_BLOCK 64
+#define LINEAR_TILE_ROWS 6
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_BLOCKED_LINEAR 1
+#define AVX512 __attribute__((target("avx512f")))
+
+/* R rows against one block: full (64 outputs, rows of 64) or the last (width < 64 outputs,
+ * rows of width: masked loads and stores, which never touch memory past the mask). */
+#define DEFINE_LINEAR_TILE(R)                                                                \
+    AVX512 static void linear_tile_##R(const float *block, long in, const float *x,         \
+                                       float *y, long y_stride, long width,                 \
+                                       const float *bias) {                                  \
+        __m512 acc[R][4];                                                                    \
+        __mmask16 m0 = tail_mask(width, 0), m1 = tail_mask(width, 1);                       \
+        __mmask16 m2 = tail_mask(width, 2), m3 = tail_mask(width, 3);                       \
+        for (int r = 0; r < R; r++)                                                          \
+            for (int k = 0; k < 4; k++) acc[r][k] = _mm512_setzero_ps();                     \
+        if (width == LINEAR_BLOCK) {                                                         \
+            for (long i = 0; i < in; i++) {                                                  \
+                const float *row = block + i * LINEAR_BLOCK;                                 \
+                __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);            \
+                __m512 w2 = _mm512_loadu_ps(row + 32), w3 = _mm512_loadu_ps(row + 48);       \
+                LINEAR_TILE_STEP(R)                                                          \
+            }                                                                                \
+        } else {                                                                             \
+            for (long i = 0; i < in; i++) {                                                  \
+                const float *row = block + i * width;                                        \
+                __m512 w0 = _mm512_maskz_loadu_ps(m0, row);                                  \
+                __m512 w1 = _mm512_maskz_loadu_ps(m1, row + 16);                             \
+                __m512 w2 = _mm512_maskz_loadu_ps(m2, row + 32);                             \
+                __m512 w3 = _mm512_maskz_loadu_ps(m3, row + 48);                             \
+                LINEAR_TILE_STEP(R)                                                          \
+            }                                                                                \
+        }                                                                                    \
+        __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;                          \
+        if (bias) {                                                                          \
+            b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
+            b2 = _mm512_maskz_loadu_ps(m2, bias + 32);                                       \
+            b3 = _mm512_maskz_loadu_ps(m3, bias + 48);                                       \
+        }                                                                                    \
+        for (int r = 0; r < R; r++) {                                                        \
+            float *out = y + r * y_stride;                                                   \
+            _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(acc[r][0], b0));                    \
+            _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(acc[r][1], b1));               \
+            _mm512_mask_storeu_ps(out + 32, m2, _mm512_add_ps(acc[r][2], b2));               \
+            _mm512_mask_storeu_ps(out + 48, m3, _mm512_add_ps(acc[r][3], b3));               \
+        }                                                                                    \
+    }
+
+/* Every row of the tile times the block's row i (w0..w3), into its four sums. */
+#define LINEAR_TILE_STEP(R)                                                                  \
+    for (int r = 0; r < R; r++) {                                                            \
+        __m512 value = _mm512_set1_ps(x[r * in + i]);                                        \
+        acc[r][0] = _mm512_fmadd_ps(w0, value, acc[r][0]);                                   \
+        acc[r][1] = _mm512_fmadd_ps(w1, value, acc[r][1]);                                   \
+        acc[r][2] = _mm512_fmadd_ps(w2, value, acc[r][2]);                                   \
+        acc[r][3] = _mm512_fmadd_ps(w3, value, acc[r][3]);                                   \
+    }
+
+/* The lanes of vector k (outputs 16k..16k+15) that are among the block's width outputs. */
+static inline __mmask16 tail_mask(long width, int k) {
+    long left = width - 16 * k;
+    return left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+}
+
+DEFINE_LINEAR_TILE(1)
+DEFINE_LINEAR_TILE(2)
+DEFINE_LINEAR_TILE(3)
+DEFINE_LINEAR_TILE(4)
+DEFINE_LINEAR_TILE(5)
+DEFINE_LINEAR_TILE(6)
+
+static void blocked_linear_rows(const float *weight, const float *x, float *y, const float *bias,
+                                long rows, long out, long in) {
+    long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
+    for (long k = 0; k < blocks; k++) {
+        const float *block = weight + k * in * LINEAR_BLOCK;  /* the last may be narrower */
+        long width = out - k * LINEAR_BLOCK < LINEAR_BLOCK ? out - k * LINEAR_BLOCK : LINEAR_BLOCK;
+        const float *block_bias = bias ? bias + k * LINEAR_BLOCK : NULL;
+        for (long r = 0; r < rows; r += LINEAR_TILE_ROWS) {
+            long tile = rows - r < LINEAR_TILE_ROWS ? rows - r : LINEAR_TILE_ROWS;
+            const float *xr = x + r * in;
+            float *yr = y + r * out + k * LINEAR_BLOCK;
+            switch (tile) {
+            case 6: linear_tile_6(block, in, xr, yr, out, width, block_bias); break;
+            case 5: linear_tile_5(block, in, xr, yr, out, width, block_bias); break;
+            case 4: linear_tile_4(block, in, xr, yr, out, width, block_bias); break;
+            case 3: linear_tile_3(block, in, xr, yr, out, width, block_bias); break;
+            case 2: linear_tile_2(block, in, xr, yr, out, width, block_bias); break;
+            default: linear_tile_1(block, in, xr, yr, out, width, block_bias); break;
+            }
+        }
+    }
+}
+#endif
+
 /* ---- Python bindings: addresses and sizes as ints, floats as floats ---- */
 
 static int take_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
@@ -218,6 +323,30 @@ static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 7, "blocked_linear") < 0) return NULL;
+    const float *weight = ADDRESS(0), *x = ADDRESS(1), *bias = ADDRESS(3);
+    float *y = ADDRESS(2);
+    long rows = SIZE(4), out = SIZE(5), in = SIZE(6);
+    if (PyErr_Occurred()) return NULL;
+#ifdef HAVE_BLOCKED_LINEAR
+    if (__builtin_cpu_supports("avx512f")) {
+        blocked_linear_rows(weight, x, y, bias, rows, out, in);
+        Py_RETURN_NONE;
+    }
+#endif
+    PyErr_SetString(PyExc_RuntimeError, "blocked_linear needs a CPU with AVX-512");
+    return NULL;
+}
+
+static PyObject *blocked_linear_available(PyObject *self, PyObject *unused) {
+#ifdef HAVE_BLOCKED_LINEAR
+    return PyBool_FromLong(__builtin_cpu_supports("avx512f"));
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,
      "rms_norm(bf16, x, residual or 0, weight, out, residual_out or 0, rows, hidden, eps)"},
@@ -229,6 +358,11 @@ static PyMethodDef methods[] = {
      "heads, kv_index, kv_heads, d, block_size, num_blocks, scale, out)"},
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(bf16, gate_up, out, rows, size)"},
+    {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
+     "blocked_linear(weight, x, y, bias or 0, rows, out, in): float32, weight blocked by "
+     "LINEAR_BLOCK outputs"},
+    {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
+     "whether this CPU runs blocked_linear (AVX-512)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -239,4 +373,9 @@ static struct PyModuleDef module = {
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+    PyObject *result = PyModule_Create(&module);
+    if (result != NULL && PyModule_AddIntConstant(result, "LINEAR_BLOCK", LINEAR_BLOCK) < 0)
+        Py_CLEAR(result);
+    return result;
+}

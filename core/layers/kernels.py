@@ -1,7 +1,8 @@
-"""The operations of a decoder layer between its weight multiplies, as one object the layers
-are given: :class:`TorchKernels` (torch operations; any device and dtype) or
-:class:`NativeKernels` (the same operations in C for float32 on the CPU, from the optional
-extension ``shardline.layers._kernels``; anything else goes to the torch path).
+"""The operations of a decoder layer, as one object the layers are given: :class:`TorchKernels`
+(torch operations, linear weights packed for oneDNN; any device and dtype) or
+:class:`NativeKernels` (the same operations in C for float32 and bfloat16 on the CPU, and a
+float32 linear kernel of its own, from the optional extension ``shardline.layers._kernels``;
+anything else goes to the torch path).
 
 At decode batch sizes these operations are cheap arithmetic and costly dispatch: each torch
 operation costs microseconds of Python and dispatcher, and a layer ran about twenty of them.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from shardline.native import native_extension
 
@@ -24,8 +26,51 @@ if TYPE_CHECKING:
     from shardline.layers.attention import DecodeBatch, KVCache
 
 
+#: The batch size oneDNN packs weights for: measured the fastest packing for 1 and 16 rows.
+PACKED_FOR_ROWS = 16
+
+
+def packs(device: str, dtype: str) -> bool:
+    """Whether linear weights of ``dtype`` (a name: "float32") on ``device`` (a kind: "cpu")
+    are packed for oneDNN: float32 and bfloat16 on the CPU, where this torch has oneDNN."""
+    return (
+        device == "cpu"
+        and dtype in ("float32", "bfloat16")
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]``) in oneDNN's blocked layout, as a new parameter, where
+    :func:`packs` says so; else ``weight`` itself."""
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if weight.is_mkldnn or not packs(weight.device.type, dtype):
+        return weight
+    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
+    return nn.Parameter(blocked, requires_grad=False)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` with a plain or a :func:`packed` weight."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class TorchKernels:
-    """The per-layer operations in torch."""
+    """The per-layer operations in torch; linear weights packed for oneDNN
+    (:func:`~shardline.layers.linear.packed`)."""
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (``[out, in]``, loaded) in the layout :meth:`linear` reads fastest."""
+        return packed(weight)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x W^T + b`` with ``weight`` as :meth:`pack_linear` made it (or as loaded)."""
+        return linear(x, weight, bias)
 
     def rms_norm(
         self,
@@ -109,6 +154,37 @@ class NativeKernels(TorchKernels):
         self.native = native
         self._grouped_kv_index: dict[tuple[int, int], torch.Tensor] = {}
 
+    def pack_linear(self, weight):
+        """A float32 CPU weight, on a CPU with AVX-512 and a rank with one torch thread, blocked
+        for the C kernel (:func:`blocked`); else oneDNN's packing. The C kernel is
+        single-threaded: a rank with more threads keeps oneDNN's threaded one."""
+        if (
+            weight.dtype is torch.float32 and weight.dim() == 2
+            and packs(weight.device.type, "float32") and torch.get_num_threads() == 1
+            and self.native.blocked_linear_available()
+        ):  # fmt: skip
+            return blocked(weight, self.native.LINEAR_BLOCK)
+        return super().pack_linear(weight)
+
+    def linear(self, x, weight, bias):
+        if weight.dim() != 1:
+            return super().linear(x, weight, bias)
+        out_features, in_features = weight.blocked_shape
+        if x.shape[-1] != in_features or x.dtype is not torch.float32:
+            raise ValueError(
+                f"linear: input {tuple(x.shape)} {x.dtype}; the weight takes float32 rows of "
+                f"{in_features}"
+            )
+        rows = x.reshape(-1, in_features).contiguous()
+        y = rows.new_empty(rows.shape[0], out_features)
+        if bias is not None:
+            bias = bias.contiguous()
+        self.native.blocked_linear(
+            weight.data_ptr(), rows.data_ptr(), y.data_ptr(),
+            0 if bias is None else bias.data_ptr(), rows.shape[0], out_features, in_features,
+        )  # fmt: skip
+        return y.view(*x.shape[:-1], out_features)
+
     def rms_norm(self, x, weight, eps, residual=None):
         dtype = x.dtype
         if not (
@@ -180,6 +256,21 @@ class NativeKernels(TorchKernels):
             gate_up.dtype is torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), rows, size
         )
         return out
+
+
+def blocked(weight: torch.Tensor, block: int) -> nn.Parameter:
+    """``weight`` (``[out, in]``) as the C kernel reads it, one dimension of ``out * in``: block
+    after block of ``block`` outputs, each input by input (``[in, block]``), the last holding
+    the rest (``[in, out % block]``). Its ``blocked_shape`` is ``(out, in)``."""
+    out_features, in_features = weight.shape
+    whole = out_features // block * block
+    source = weight.detach()
+    parts = [source[:whole].reshape(-1, block, in_features).transpose(1, 2).reshape(-1)]
+    if whole < out_features:
+        parts.append(source[whole:].t().reshape(-1))
+    parameter = nn.Parameter(torch.cat(parts), requires_grad=False)
+    parameter.blocked_shape = (out_features, in_features)
+    return parameter
 
 
 def _fits(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bool:

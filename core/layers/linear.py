@@ -4,19 +4,20 @@ Each layer holds only its rank's shard and loads it from the *full* checkpoint t
 ``load_full`` (or ``load_part`` for merged layers): the narrowing is
 :mod:`shardline.layers.sharding`, so a rank never keeps more than its share.
 
-Once loaded, :func:`pack_linear_weights` hands each CPU weight (float32, bfloat16) to oneDNN
-in its blocked layout, and the layers multiply with oneDNN's linear kernel; measured here
-(``benchmarks/linear_kernels.py``) that is faster than torch's default GEMM at every decode
-batch size. Where oneDNN is missing the weights stay as they are and ``F.linear`` runs.
+Once loaded, :func:`pack_linear_weights` has each layer's kernels
+(:mod:`shardline.layers.kernels`) lay its weight out for their linear kernel: oneDNN's blocked
+layout (float32, bfloat16 on the CPU; faster than torch's default GEMM at every decode batch
+size, ``benchmarks/linear_kernels.py``), or the C kernel's own for float32 on a one-thread
+rank. Where neither applies the weights stay as they are and ``F.linear`` runs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardline.distributed import GroupCoordinator
+from shardline.layers.kernels import TORCH_KERNELS, TorchKernels
 from shardline.layers.sharding import (
     ShardSlice,
     TensorSource,
@@ -27,9 +28,6 @@ from shardline.layers.sharding import (
     row_slice,
 )
 from shardline.profiling import MATMUL
-
-#: The batch size oneDNN packs weights for: measured the fastest packing for 1 and 16 rows.
-PACKED_FOR_ROWS = 16
 
 
 def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -45,34 +43,6 @@ def weight_matrix(out_features: int, in_features: int, dtype: torch.dtype) -> nn
         storage = torch.zeros(in_features, out_features, dtype=dtype)
         return nn.Parameter(storage.t(), requires_grad=False)
     return nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype), requires_grad=False)
-
-
-def packs(device: str, dtype: str) -> bool:
-    """Whether linear weights of ``dtype`` (a name: "float32") on ``device`` (a kind: "cpu")
-    are packed for oneDNN: float32 and bfloat16 on the CPU, where this torch has oneDNN."""
-    return (
-        device == "cpu"
-        and dtype in ("float32", "bfloat16")
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (``[out, in]``) in oneDNN's blocked layout, as a new parameter, where
-    :func:`packs` says so; else ``weight`` itself."""
-    dtype = str(weight.dtype).removeprefix("torch.")
-    if weight.is_mkldnn or not packs(weight.device.type, dtype):
-        return weight
-    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
-    return nn.Parameter(blocked, requires_grad=False)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` with a plain or a :func:`packed` weight."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 def pack_linear_weights(model: nn.Module) -> None:
@@ -98,9 +68,11 @@ class ColumnParallelLinear(nn.Module):
         *,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
+        kernels: TorchKernels = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels = kernels
         self.in_features = in_features
         self.out_features = out_features
         self.out_per_rank = divide(out_features, tp.world_size, "output features")
@@ -115,10 +87,10 @@ class ColumnParallelLinear(nn.Module):
             copy_into(self.bias, part.apply(bias), "bias")
 
     def pack(self) -> None:
-        self.weight = packed(self.weight)
+        self.weight = self.kernels.pack_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.kernels.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -133,10 +105,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         *,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
+        kernels: TorchKernels = TORCH_KERNELS,
     ) -> None:
         for size in output_sizes:
             divide(size, tp.world_size, "output features of each merged part")
-        super().__init__(in_features, sum(output_sizes), tp, bias=bias, dtype=dtype)
+        super().__init__(
+            in_features, sum(output_sizes), tp, bias=bias, dtype=dtype, kernels=kernels
+        )
         self.output_sizes = list(output_sizes)
 
     def load_part(self, index: int, weight: TensorSource, bias: TensorSource | None = None) -> None:
@@ -169,9 +144,11 @@ class QKVParallelLinear(nn.Module):
         *,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
+        kernels: TorchKernels = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels = kernels
         self.heads = head_shard(num_heads, num_kv_heads, tp.world_size, tp.rank_in_group)
         self.head_dim = head_dim
         self.total_heads = num_heads
@@ -204,10 +181,10 @@ class QKVParallelLinear(nn.Module):
             copy_into(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
 
     def pack(self) -> None:
-        self.weight = packed(self.weight)
+        self.weight = self.kernels.pack_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.kernels.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -226,9 +203,11 @@ class RowParallelLinear(nn.Module):
         bias: bool = False,
         input_shard: ShardSlice | None = None,
         dtype: torch.dtype = torch.float32,
+        kernels: TorchKernels = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels = kernels
         self.in_features = in_features
         self.out_features = out_features
         # Even split by default; attention passes its heads' range, which may be uneven.
@@ -242,10 +221,10 @@ class RowParallelLinear(nn.Module):
             copy_into(self.bias, bias[:], "bias")
 
     def pack(self) -> None:
-        self.weight = packed(self.weight)
+        self.weight = self.kernels.pack_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, None))
+        y = self.tp.all_reduce(self.kernels.linear(x, self.weight, None))
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -58,6 +58,7 @@ class LlamaAttention(nn.Module):
             tp,
             bias=arch.attention_bias,
             dtype=dtype,
+            kernels=kernels,
         )
         heads = self.qkv_proj.heads
         self.o_proj = RowParallelLinear(
@@ -69,6 +70,7 @@ class LlamaAttention(nn.Module):
                 1, heads.q_start * arch.head_dim, heads.num_heads * arch.head_dim
             ),
             dtype=dtype,
+            kernels=kernels,
         )
         kv_index = torch.tensor(heads.kv_index_of_query_heads(), dtype=torch.long)
         self.attn = PagedAttention(arch.head_dim**-0.5, kv_index, kernels)
@@ -105,10 +107,10 @@ class LlamaMLP(nn.Module):
         self.kernels = kernels
         size = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [size, size], tp, bias=arch.mlp_bias, dtype=dtype
+            arch.hidden_size, [size, size], tp, bias=arch.mlp_bias, dtype=dtype, kernels=kernels
         )
         self.down_proj = RowParallelLinear(
-            size, arch.hidden_size, tp, bias=arch.mlp_bias, dtype=dtype
+            size, arch.hidden_size, tp, bias=arch.mlp_bias, dtype=dtype, kernels=kernels
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -185,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
             tied = self.embed_tokens if arch.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(
-                arch.vocab_size, arch.hidden_size, tp, tied_to=tied, dtype=dtype
+                arch.vocab_size, arch.hidden_size, tp, tied_to=tied, dtype=dtype, kernels=kernels
             )
         first_layer = self.layers[str(self.layer_range.start)]
         self.kv_heads_per_rank = first_layer.self_attn.qkv_proj.heads.num_kv_heads

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError
 from shardline.interfaces import ModelPlan, RankMemory
-from shardline.layers.linear import packs
+from shardline.layers.kernels import packs
 from shardline.layers.sharding import head_shard, vocab_shard
 from shardline.models.architecture import (
     LlamaArchitecture,
@@ -34,7 +34,7 @@ class LlamaPlan(ModelPlan):
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
-    #: Whether linear weights are packed for oneDNN (:func:`~shardline.layers.linear.packs`):
+    #: Whether linear weights are packed for oneDNN (:func:`~shardline.layers.kernels.packs`):
     #: a tied LM head then holds its own packed copy of the embedding table.
     packed: bool = False
 
