@@ -119,10 +119,10 @@ def main() -> int:
                 )  # fmt: skip
     print(
         f"{args.dtype}, {args.threads} thread(s), oneDNN packed for {PACKED_FOR_ROWS} rows: "
-        "us per call (GB/s of weights)"
+        "us per call (GB/s of weights); a speed-up is the other time over this one"
     )
     headers = ["weight", "rows", "[out, in]", "[in, out]", "oneDNN packed", "C blocked"]
-    headers += ["oneDNN / [out, in]", "C / oneDNN"]
+    headers += ["oneDNN speed-up", "C speed-up over oneDNN"]
     print(render(headers, table))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
