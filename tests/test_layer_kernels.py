@@ -124,6 +124,14 @@ def test_a_slot_or_block_outside_the_cache_is_an_error_not_a_write():
         NATIVE.decode_attention(
             torch.randn(1, 1, 8), cache, metadata.decode_batch(cache.block_size), 1.0, None
         )
+    metadata = AttentionMetadata([0, 1], [3], torch.zeros(1, dtype=torch.long), [[1]])
+    with pytest.raises(IndexError, match="query head 1 reads KV head 1 of 1"):
+        NATIVE.decode_attention(
+            torch.randn(1, 2, 8), cache, metadata.decode_batch(cache.block_size), 1.0,
+            torch.tensor([0, 1]),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="norm weight"):
+        NATIVE.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
 
 
 def test_bfloat16_rounds_where_the_torch_path_rounds():

@@ -296,6 +296,12 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
                          (long long)blocks[i], num_blocks);
             return NULL;
         }
+    for (long h = 0; h < heads; h++)
+        if (kv_index[h] < 0 || kv_index[h] >= kv_heads) {
+            PyErr_Format(PyExc_IndexError, "query head %ld reads KV head %lld of %ld", h,
+                         (long long)kv_index[h], kv_heads);
+            return NULL;
+        }
     float *scores = malloc((size_t)(longest + 2 * d + 1) * sizeof(float));
     if (scores == NULL) return PyErr_NoMemory();
     float *work = scores + longest;

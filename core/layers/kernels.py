@@ -178,6 +178,11 @@ class NativeKernels(TorchKernels):
         rows = x.reshape(-1, in_features).contiguous()
         y = rows.new_empty(rows.shape[0], out_features)
         if bias is not None:
+            if bias.dtype is not torch.float32 or bias.numel() != out_features:
+                raise ValueError(
+                    f"linear: bias {tuple(bias.shape)} {bias.dtype}; expected float32 "
+                    f"[{out_features}]"
+                )
             bias = bias.contiguous()
         self.native.blocked_linear(
             weight.data_ptr(), rows.data_ptr(), y.data_ptr(),
@@ -194,6 +199,8 @@ class NativeKernels(TorchKernels):
             return super().rms_norm(x, weight, eps, residual)
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        if weight.numel() != x.shape[1]:
+            raise ValueError(f"norm weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
         out = torch.empty_like(x)
         summed = None if residual is None else torch.empty_like(x)
         self.native.rms_norm(
@@ -209,7 +216,8 @@ class NativeKernels(TorchKernels):
         rows = qkv.shape[0]
         dtype = qkv.dtype
         if not (
-            _fits(qkv) and _fits(cos, torch.float32) and _fits(sin, torch.float32)
+            _fits(qkv) and qkv.dim() == 2 and _fits(cos, torch.float32)
+            and _fits(sin, torch.float32)
             and _fits(cache.key, dtype) and _fits(cache.value, dtype)
             and qkv.shape[1] == (q_heads + 2 * kv_heads) * d and cos.numel() == rows * d
             and sin.numel() == rows * d and cache.key.shape[-2] == kv_heads
@@ -228,7 +236,10 @@ class NativeKernels(TorchKernels):
     def decode_attention(self, q, cache, decode, scale, kv_index):
         heads, d = q.shape[1], q.shape[2]
         kv_heads = cache.key.shape[-2]
-        if not (_fits(q) and _fits(cache.key, q.dtype) and _fits(cache.value, q.dtype)):
+        if not (
+            _fits(q) and q.dim() == 3 and d == cache.key.shape[-1]
+            and _fits(cache.key, q.dtype) and _fits(cache.value, q.dtype)
+        ):  # fmt: skip
             return super().decode_attention(q, cache, decode, scale, kv_index)
         if kv_index is None:  # grouped: consecutive query heads share a KV head
             kv_index = self._grouped_kv_index.get((heads, kv_heads))
@@ -238,6 +249,16 @@ class NativeKernels(TorchKernels):
         elif kv_index.dtype is not torch.int64:
             kv_index = kv_index.to(torch.int64)
         query = q if decode.rows is None else q[decode.rows].contiguous()
+        count = query.shape[0]
+        if not (
+            kv_index.numel() == heads and decode.lengths.numel() == count
+            and decode.blocks.numel() == count * decode.blocks_per_seq
+        ):  # fmt: skip
+            raise ValueError(
+                f"decode attention: {count} queries of {heads} heads, {decode.lengths.numel()} "
+                f"lengths, {decode.blocks.numel()} blocks ({decode.blocks_per_seq} per "
+                f"sequence), {kv_index.numel()} KV head indices"
+            )
         out = torch.empty_like(query)
         self.native.decode_attention(
             q.dtype is torch.bfloat16, query.data_ptr(), cache.key.data_ptr(),
