@@ -17,13 +17,11 @@ p2p is the OSU latency: half a ping-pong between ranks 0 and 1.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,22 +223,6 @@ def communicator_launchers(settings: BenchSettings) -> dict[str, str | None]:
     return launchers
 
 
-@contextlib.contextmanager
-def native_paths(native: bool) -> Iterator[None]:
-    """``SHARDLINE_NATIVE`` for the rank processes started meanwhile (False: ``0``, the
-    pure-Python paths; True: as this process has it)."""
-    before = os.environ.get("SHARDLINE_NATIVE")
-    if not native:
-        os.environ["SHARDLINE_NATIVE"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("SHARDLINE_NATIVE", None)
-        else:
-            os.environ["SHARDLINE_NATIVE"] = before
-
-
 def run(settings: BenchSettings, json_path: str | None) -> int:
     launchers = communicator_launchers(settings)
     rows: list[dict] = []
@@ -249,15 +231,15 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
     runs = [(name, name, True) for name in settings.communicators]
     runs += [(f"{name}/py", name, False) for name in settings.python_fallback]
     for label, name, native in runs:
-        with (
-            native_paths(native),
-            LocalWorld(
-                settings.ranks,
-                CommunicatorSetup(name, settings.timeout_s),
-                call_timeout_s=settings.timeout_s + 60,
-                launcher=launchers[name],
-            ) as world,
-        ):
+        # The pure-Python paths: SHARDLINE_NATIVE=0 in the ranks' environment.
+        environ = None if native else {**os.environ, "SHARDLINE_NATIVE": "0"}
+        with LocalWorld(
+            settings.ranks,
+            CommunicatorSetup(name, settings.timeout_s),
+            call_timeout_s=settings.timeout_s + 60,
+            launcher=launchers[name],
+            environ=environ,
+        ) as world:
             for done, (operation, nbytes) in enumerate(plan, 1):
                 if progress:
                     line = f"{label}: {operation} {human_size(nbytes)} ({done}/{len(plan)})"

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +48,10 @@ def launcher_command(launcher: str, ranks: int) -> list[str]:
     return [*command, sys.executable]
 
 
-def launcher_environment() -> dict[str, str]:
-    """This environment, with this process's import path (so the ranks import what it
-    imports) and, as root, the two variables OpenMPI needs to run."""
-    environ = dict(os.environ)
+def launcher_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment), with this process's import path (so
+    the ranks import what it imports) and, as root, the two variables OpenMPI needs to run."""
+    environ = dict(os.environ if base is None else base)
     environ["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
     if os.geteuid() == 0:
         environ |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

@@ -24,7 +24,7 @@ import secrets
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardline.comm.store import serve_store
@@ -44,6 +44,7 @@ class LocalWorld:
     ``context`` is what ``setup`` returned (it may have a ``close()`` method).
 
     ``setup`` and every function must be picklable (module-level), as ranks are spawned.
+    ``environ`` is the ranks' environment (default: this process's).
     """
 
     def __init__(
@@ -53,12 +54,14 @@ class LocalWorld:
         start_timeout_s: float = 120.0,
         call_timeout_s: float = 120.0,
         launcher: str | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         if launcher not in (None, "mpiexec"):
             raise ValueError(f"launcher = {launcher!r}; allowed: None (spawn) or 'mpiexec'")
         self.world_size = world_size
         self.call_timeout_s = call_timeout_s
         self.broken: str | None = None
+        self._environ = environ
         self._store, self.rendezvous = serve_store(timeout_s=start_timeout_s)
         self._ranks = RankProcesses("shardline-rank")
         self._connections: list[multiprocessing.connection.Connection] = []
@@ -80,6 +83,7 @@ class LocalWorld:
                     serve_rank,
                     (rank, self.world_size, self.rendezvous, setup, child_end.fileno()),
                     pass_fds=(child_end.fileno(),),
+                    env=self._environ,
                 )
             finally:
                 child_end.close()
@@ -94,7 +98,7 @@ class LocalWorld:
         with socket.create_server(("127.0.0.1", 0)) as server:
             server.settimeout(1.0)
             host, port = server.getsockname()[:2]
-            environ = launcher_environment()
+            environ = launcher_environment(self._environ)
             environ["SHARDLINE_LOCAL_WORLD_AUTHKEY"] = authkey.hex()
             command = launcher_command("mpiexec", self.world_size)
             command += ["-m", "shardline.launch.mpiexec_rank", f"{host}:{port}"]

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure, WorkerError
@@ -39,11 +39,15 @@ class RankProcesses:
         self._stopped = threading.Event()
 
     def start(
-        self, target: Callable[..., Any], args: Sequence[Any], pass_fds: Sequence[int] = ()
+        self,
+        target: Callable[..., Any],
+        args: Sequence[Any],
+        pass_fds: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
     ) -> ChildProcess:
         """Start the next rank's process: ``target(*args)`` (see :meth:`Spawner.start`)."""
         rank = len(self.processes)
-        process = self._spawner.start(target, args, f"{self.name}-{rank}", pass_fds)
+        process = self._spawner.start(target, args, f"{self.name}-{rank}", pass_fds, env)
         self.processes.append(process)
         return process
 

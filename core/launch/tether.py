@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -122,10 +122,12 @@ class Spawner:
         args: Sequence[Any],
         name: str,
         pass_fds: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
     ) -> ChildProcess:
-        """Run ``target(*args)`` in a new Python process; ``pass_fds`` stay open there under
-        the same numbers. Its exit code is 0 when ``target`` returns, 1 when it raises (the
-        traceback goes to stderr)."""
+        """Run ``target(*args)`` in a new Python process, with ``env`` as its environment
+        (default: this process's); ``pass_fds`` stay open there under the same numbers. Its
+        exit code is 0 when ``target`` returns, 1 when it raises (the traceback goes to
+        stderr)."""
         # sys.path first (the target may live anywhere the parent can import from), and the
         # parent's multiprocessing authkey, which tensors passed through connections need.
         setting = (list(sys.path), bytes(multiprocessing.current_process().authkey))
@@ -139,6 +141,7 @@ class Spawner:
                 [sys.executable, "-c", program, str(read_end), name],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(read_end, *pass_fds),
+                env=None if env is None else dict(env),
             )
         except BaseException:
             os.close(write_end)

@@ -281,10 +281,7 @@ class MultiprocExecutor(Executor):
 
     def _collect_through(self, target: _PendingCall) -> None:
         """Collect replies of pending calls, oldest first, until ``target`` is resolved."""
-        while not target.future.done():
-            with self._collect_lock:
-                if self._pending and not target.future.done():
-                    self._collect_one(self._pending[0])
+        self._collect_until(target.future, blocking=True)
 
     def _collect_here(self, future: Future, deadline: float, wait_s: float | None) -> None:
         """Collect replies in this thread until ``future`` (a call's, with that ``deadline``)
@@ -292,7 +289,12 @@ class MultiprocExecutor(Executor):
         thread's (``wait_s`` from now)."""
         if wait_s is not None and deadline > time.monotonic() + wait_s:
             return
-        while not future.done() and self._collect_lock.acquire(blocking=False):
+        self._collect_until(future, blocking=False)
+
+    def _collect_until(self, future: Future, blocking: bool) -> None:
+        """Collect replies of pending calls, oldest first, until ``future`` resolves; not
+        ``blocking``: only while no other thread holds the collect lock."""
+        while not future.done() and self._collect_lock.acquire(blocking=blocking):
             try:
                 if self._pending and not future.done():
                     self._collect_one(self._pending[0])
