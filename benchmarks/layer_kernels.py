@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from linear_kernels import median_s  # this directory's timing helper
 
 from shardline.cli.table import render
 from shardline.layers.attention import AttentionMetadata, KVCache
@@ -27,14 +26,7 @@ BLOCK_SIZE, NUM_BLOCKS, CONTEXT = 16, 256, 140  # each sequence: 140 tokens in t
 
 
 def median_us(call, repeats: int = 2000) -> float:
-    for _ in range(20):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_s(call, repeats) * 1e6
 
 
 def operations(rows: int) -> dict:

@@ -51,17 +51,6 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
-static inline float dot(const float *a, const float *b, long n) {
-    float lanes[LANES] = {0};
-    long i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) lanes[j] += a[i + j] * b[i + j];
-    float sum = 0.0f;
-    for (int j = 0; j < LANES; j++) sum += lanes[j];
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
 static inline float sum_of(const float *a, long n) {
     float lanes[LANES] = {0};
     long i = 0;

@@ -32,7 +32,7 @@ WIDEST_CPU static void NAME(rms_norm_rows)(const ELEM *x, const ELEM *residual,
             source = sum;
         }
         for (long i = 0; i < hidden; i++) row[i] = LOAD(source, i);
-        float inv = 1.0f / sqrtf(dot(row, row, hidden) / (float)hidden + eps);
+        float inv = 1.0f / sqrtf(dot_f32(row, row, hidden) / (float)hidden + eps);
         ELEM *dst = out + r * hidden;
         for (long i = 0; i < hidden; i++) STORE(dst, i, LOAD(weight, i) * ROUND(row[i] * inv));
     }

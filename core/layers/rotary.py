@@ -7,7 +7,7 @@ import torch
 
 
 class RotaryEmbedding:
-    """Applies RoPE to query and key heads at given positions.
+    """The angles RoPE rotates query and key heads by, at given positions.
 
     ``cos``/``sin`` for every position up to ``max_positions`` are computed once, in float32.
     """
