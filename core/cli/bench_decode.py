@@ -6,7 +6,9 @@ under mpiexec with the ``external_launcher`` executor, the others under ``mp``),
 warm-up generation. Batch 1: the time between the first and the last streamed token of one
 request of ``--tokens`` tokens (end-of-sequence ignored), so prefill is not counted; the
 median of :data:`BATCH1_RUNS` such requests, one after another (this machine is shared: one
-request's figure moves with its neighbours).
+request's figure moves with its neighbours). The floor (:func:`decode_floor`) is measured just
+before each of them, since the memory bandwidth a run gets moves too (by half within a
+minute here): "of floor" is the median of the requests' own ratios.
 Concurrent: ``--concurrent`` requests submitted at once; all generated tokens over the wall
 time, prefill included. transformers: ``generate`` with a streamer timing each token, at
 1 and 2 torch threads. Both engines hold the weights in ``--dtype`` (float32 by default).
@@ -211,7 +213,7 @@ def _table(rows: list[dict]) -> str:
                 f"{batch1:.1f}",
                 f"{batch1 / reference:.2f}" if reference else "",
                 f"{floor:.1f}" if floor else "-",
-                f"{batch1 / floor:.2f}" if floor else "-",
+                f"{row['of_floor']:.2f}" if floor else "-",
                 f"{many:.1f}" if many else "-",
                 f"{many / reference:.2f}" if many and reference else "",
             ]
@@ -293,8 +295,7 @@ def _targets(rows: list[dict]) -> list[str]:
         )
     if custom and custom.get("floor_s"):
         lines.append(
-            f"tp2 custom_ar batch 1, of its floor: {custom['batch1_tok_s'] * custom['floor_s']:.2f}"
-            " (target >= 0.7)"
+            f"tp2 custom_ar batch 1, of its floor: {custom['of_floor']:.2f} (target >= 0.7)"
         )
     if hf2 and custom and custom.get("concurrent_tok_s"):
         ratio = custom["concurrent_tok_s"] / hf2["batch1_tok_s"]
@@ -335,8 +336,9 @@ def _measure_shardline(case: Case) -> dict | None:
         conversation = [{"role": "user", "content": QUESTION}]
         llm.chat(conversation, SamplingParams(max_tokens=4))
         params = SamplingParams(max_tokens=case.tokens, ignore_eos=True)
-        batch1_runs = []
+        batch1_runs, floors = [], []
         for _ in range(BATCH1_RUNS):
+            floors.append(decode_floor(llm.engine.executor))
             stamps: list[float] = []
             llm.chat(
                 conversation, params, stream=lambda *_, s=stamps: s.append(time.perf_counter())
@@ -354,7 +356,15 @@ def _measure_shardline(case: Case) -> dict | None:
             "batch1_runs_tok_s": batch1_runs,
             "concurrent_tok_s": sum(len(o.token_ids) for o in outputs) / elapsed,
             "executor": llm.engine.config.parallel.distributed_executor_backend,
-            **decode_floor(llm.engine.executor),
+            "weight_bytes": floors[0]["weight_bytes"],
+            "bandwidth": [
+                statistics.median(b) for b in zip(*(f["bandwidth"] for f in floors), strict=True)
+            ],
+            "floor_s": statistics.median(f["floor_s"] for f in floors),
+            "batch1_runs_floor_s": [f["floor_s"] for f in floors],
+            "of_floor": statistics.median(
+                tok_s * f["floor_s"] for tok_s, f in zip(batch1_runs, floors, strict=True)
+            ),
         }
         if case.profile:
             prompts = [llm.tokenizer.apply_chat_template(c) for c in [conversation, *many]]
@@ -368,7 +378,8 @@ def _measure_shardline(case: Case) -> dict | None:
 
 def decode_floor(executor) -> dict:
     """The floor of a decode step: the longest any rank takes to read its weights once at
-    the memory bandwidth it measures now (all ranks reading at the same time)."""
+    the memory bandwidth it measures now, all ranks reading at the same time
+    (``Worker.read_bandwidth``)."""
     weights = executor.collective_rpc("weight_bytes_per_step")
     bandwidths = executor.collective_rpc("read_bandwidth")
     floor_s = max(w / b for w, b in zip(weights, bandwidths, strict=True))

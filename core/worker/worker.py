@@ -158,13 +158,15 @@ class Worker:
         )
 
     def read_bandwidth(self, repeats: int = 5) -> float:
-        """Bytes per second this rank reads from memory with its torch threads: the fastest of
-        ``repeats`` sums over :data:`BANDWIDTH_PROBE_BYTES` (made and freed here), so that a
-        neighbour's burst lowers the floor's bandwidth no more than it must."""
+        """Bytes per second this rank reads from memory with its torch threads while every rank
+        of the world reads too (as in a decode step, where they share the memory bus): the
+        fastest of ``repeats`` sums over :data:`BANDWIDTH_PROBE_BYTES` (made and freed here),
+        each started after a world barrier. Collective: every rank of the world calls it."""
         probe = torch.ones(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32)
         probe.sum()
         times = []
         for _ in range(repeats):
+            self.state.world.barrier()
             start = time.perf_counter()
             probe.sum()
             times.append(time.perf_counter() - start)
