@@ -175,7 +175,8 @@ class NativeKernels(TorchKernels):
                 f"linear: input {tuple(x.shape)} {x.dtype}; the weight takes float32 rows of "
                 f"{in_features}"
             )
-        rows = x.reshape(-1, in_features).contiguous()
+        flat = x.dim() == 2 and x.is_contiguous()  # a step's activations: no reshape to pay
+        rows = x if flat else x.reshape(-1, in_features).contiguous()
         y = rows.new_empty(rows.shape[0], out_features)
         if bias is not None:
             if bias.dtype is not torch.float32 or bias.numel() != out_features:
@@ -188,7 +189,7 @@ class NativeKernels(TorchKernels):
             weight.data_ptr(), rows.data_ptr(), y.data_ptr(),
             0 if bias is None else bias.data_ptr(), rows.shape[0], out_features, in_features,
         )  # fmt: skip
-        return y.view(*x.shape[:-1], out_features)
+        return y if flat else y.view(*x.shape[:-1], out_features)
 
     def rms_norm(self, x, weight, eps, residual=None):
         dtype = x.dtype
