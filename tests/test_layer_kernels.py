@@ -81,11 +81,16 @@ def _metadata(query_lens: list[int], seq_lens: list[int], block_size: int) -> At
     [(6, None), (4, torch.tensor([0, 0, 1, 1])), (3, torch.tensor([1, 0, 1]))],
     ids=["grouped", "grouped-explicit", "uneven"],
 )
-def test_decode_attention_over_the_paged_cache(heads, kv_index):
-    d, kv_heads = 16, 2
-    cache = _filled_cache(kv_heads, d)
-    metadata = _metadata([1, 1, 1], [1, 9, 23], cache.block_size)  # a block, part, several
-    q = torch.randn(3, heads, d)
+@pytest.mark.parametrize(
+    "d,block_size", [(16, 4), (64, 16), (80, 32), (8, 4)], ids=["16x4", "64x16", "80x32", "8x4"]
+)
+def test_decode_attention_over_the_paged_cache(heads, kv_index, d, block_size):
+    """Head sizes the vector kernel takes (multiples of 16: 64 and 80 = 4 + 1 vectors) and
+    one it leaves to the portable loop (8); cached tokens in whole and partial groups of 16."""
+    kv_heads = 2
+    cache = _filled_cache(kv_heads, d, block_size=block_size)
+    metadata = _metadata([1, 1, 1, 1], [1, 9, 23, 70], cache.block_size)
+    q = torch.randn(4, heads, d)
     decode = metadata.decode_batch(cache.block_size)
     _close(
         NATIVE.decode_attention(q, cache, decode, 0.3, kv_index),

@@ -200,6 +200,99 @@ static void blocked_linear_rows(const float *weight, const float *x, float *y, c
         }
     }
 }
+
+/* The 16 lanes' sums of p[0..15], as lanes 0..15 of one vector: pairs of vectors interleaved
+ * and added (unpacks within 128-bit lanes), then the four 128-bit lanes folded (shuffles). */
+AVX512 static inline __m512 sum_each_of_16(const __m512 *p) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a, b, a, b] partials of p[2i], p[2i+1] */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                                 _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: [p4i, p4i+1, p4i+2, p4i+3] partials */
+        __m512d low = _mm512_unpacklo_pd(_mm512_castps_pd(pairs[2 * i]),
+                                         _mm512_castps_pd(pairs[2 * i + 1]));
+        __m512d high = _mm512_unpackhi_pd(_mm512_castps_pd(pairs[2 * i]),
+                                          _mm512_castps_pd(pairs[2 * i + 1]));
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(low), _mm512_castpd_ps(high));
+    }
+    __m512 front = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                 _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    __m512 back = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(front, back, 0x88),
+                         _mm512_shuffle_f32x4(front, back, 0xDD));
+}
+
+/* decode_attention_rows_f32 for d a multiple of 16 on AVX-512: the scores of 16 cached tokens
+ * at a time (one vector of partial products per token, summed lane by lane together), and
+ * the weighted values summed in registers, 64 of d at a time. Same softmax as the portable
+ * kernel (exp_approx); sums in another order. */
+AVX512 static void decode_attention_rows_avx512(
+    const float *q, const float *key_cache, const float *value_cache, const int64_t *blocks,
+    long per_seq, const int64_t *lengths, long batch, long heads, const int64_t *kv_index,
+    long kv_heads, long d, long block_size, float scale, float *out, float *scores) {
+    long chunks = d / 16, stride = kv_heads * d;
+    __m512 scale_v = _mm512_set1_ps(scale);
+    for (long b = 0; b < batch; b++) {
+        const int64_t *table = blocks + b * per_seq;
+        long length = (long)lengths[b];
+        long blocks_used = (length + block_size - 1) / block_size;
+        for (long h = 0; h < heads; h++) {
+            const float *query = q + (b * heads + h) * d;
+            long kv = (long)kv_index[h];
+            __m512 top_v = _mm512_set1_ps(-INFINITY);
+            for (long k = 0; k < blocks_used; k++) {
+                long first = k * block_size;
+                long count = length - first < block_size ? length - first : block_size;
+                const float *keys = key_cache + (table[k] * block_size * kv_heads + kv) * d;
+                for (long t0 = 0; t0 < count; t0 += 16) {
+                    long n = count - t0 < 16 ? count - t0 : 16;
+                    __m512 partial[16];
+                    for (long j = 0; j < 16; j++) {
+                        __m512 sum = _mm512_setzero_ps();
+                        if (j < n) {
+                            const float *key = keys + (t0 + j) * stride;
+                            for (long c = 0; c < chunks; c++)
+                                sum = _mm512_fmadd_ps(_mm512_loadu_ps(key + 16 * c),
+                                                      _mm512_loadu_ps(query + 16 * c), sum);
+                        }
+                        partial[j] = sum;
+                    }
+                    __mmask16 lanes = (__mmask16)((1u << n) - 1);
+                    __m512 score = _mm512_mul_ps(sum_each_of_16(partial), scale_v);
+                    _mm512_mask_storeu_ps(scores + first + t0, lanes, score);
+                    top_v = _mm512_mask_max_ps(top_v, lanes, top_v, score);
+                }
+            }
+            float top = _mm512_reduce_max_ps(top_v);
+            for (long t = 0; t < length; t++) scores[t] = exp_approx(scores[t] - top);
+            __m512 inv = _mm512_set1_ps(1.0f / sum_of(scores, length));
+            float *dst = out + (b * heads + h) * d;
+            for (long c = 0; c < chunks; c += 4) {
+                long m = chunks - c < 4 ? chunks - c : 4;
+                __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+                for (long k = 0; k < blocks_used; k++) {
+                    long first = k * block_size;
+                    long count = length - first < block_size ? length - first : block_size;
+                    const float *values =
+                        value_cache + (table[k] * block_size * kv_heads + kv) * d + 16 * c;
+                    for (long t = 0; t < count; t++) {
+                        const float *value = values + t * stride;
+                        __m512 weight = _mm512_set1_ps(scores[first + t]);
+                        acc0 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value), acc0);
+                        if (m > 1) acc1 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16), acc1);
+                        if (m > 2) acc2 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 32), acc2);
+                        if (m > 3) acc3 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 48), acc3);
+                    }
+                }
+                _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc0, inv));
+                if (m > 1) _mm512_storeu_ps(dst + 16 * c + 16, _mm512_mul_ps(acc1, inv));
+                if (m > 2) _mm512_storeu_ps(dst + 16 * c + 32, _mm512_mul_ps(acc2, inv));
+                if (m > 3) _mm512_storeu_ps(dst + 16 * c + 48, _mm512_mul_ps(acc3, inv));
+            }
+        }
+    }
+}
 #endif
 
 /* ---- Python bindings: addresses and sizes as ints, floats as floats ---- */
@@ -298,6 +391,12 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
         decode_attention_rows_bf16(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
                                    heads, kv_index, kv_heads, d, block_size, scale, out, scores,
                                    work);
+#ifdef HAVE_BLOCKED_LINEAR
+    else if (d % 16 == 0 && __builtin_cpu_supports("avx512f"))
+        decode_attention_rows_avx512(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
+                                     heads, kv_index, kv_heads, d, block_size, scale, out,
+                                     scores);
+#endif
     else
         decode_attention_rows_f32(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
                                   heads, kv_index, kv_heads, d, block_size, scale, out, scores,
