@@ -40,6 +40,10 @@ class StepTimer:
     def active(self) -> bool:
         return False
 
+    def record(self, part: str, seconds: float) -> None:
+        """Count ``seconds`` spent in ``part``, timed elsewhere (inside a C call), as a part
+        nested in the innermost open one."""
+
 
 _NOTHING = contextlib.nullcontext()
 #: The timer of code that is not being profiled.
@@ -79,6 +83,12 @@ class SpanTimer(StepTimer):
         self.entries[part] = self.entries.get(part, 0) + 1
         if self._open:
             self._open[-1][2] += spent
+
+    def record(self, part: str, seconds: float) -> None:
+        self.seconds[part] = self.seconds.get(part, 0.0) + seconds
+        self.entries[part] = self.entries.get(part, 0) + 1
+        if self._open:
+            self._open[-1][2] += seconds
 
     def report(self) -> dict[str, dict[str, float]]:
         """Part -> {"seconds": exclusive total, "entries": how often it was entered}."""

@@ -208,3 +208,98 @@ def test_a_rank_with_several_threads_or_another_dtype_keeps_onednn(monkeypatch):
         NATIVE.linear(x, NATIVE.pack_linear(weight.double()), None),
         x.double() @ weight.double().t(),
     )
+
+
+def _layer_blocks(monkeypatch, hidden: int, heads: tuple[int, int, int], size: int, bias: bool):
+    """A decoder layer's weights (random, blocked for the C linear kernel) and their blocks."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the C kernel's condition
+    if not native_module.blocked_linear_available():
+        pytest.skip("the fused layer calls need the C linear kernel: AVX-512, which this CPU lacks")
+    q_heads, kv_heads, d = heads
+    weights = {
+        "input_norm": torch.rand(hidden) + 0.5,
+        "qkv": torch.randn((q_heads + 2 * kv_heads) * d, hidden) * 0.1,
+        "qkv_bias": torch.randn((q_heads + 2 * kv_heads) * d) if bias else None,
+        "o": torch.randn(hidden, q_heads * d) * 0.1,
+        "post_norm": torch.rand(hidden) + 0.5,
+        "gate_up": torch.randn(2 * size, hidden) * 0.1,
+        "gate_up_bias": torch.randn(2 * size) if bias else None,
+        "down": torch.randn(hidden, size) * 0.1,
+    }
+    for name in ("qkv", "o", "gate_up", "down"):
+        weights[name] = NATIVE.pack_linear(weights[name])
+    kv_index = torch.tensor([0, 1, 1])[:q_heads]  # uneven, as a TP rank of SmolLM2 reads
+    blocks = NATIVE.layer_blocks(
+        input_norm=(weights["input_norm"], 1e-5), qkv=(weights["qkv"], weights["qkv_bias"]),
+        heads=heads, kv_index=kv_index, scale=0.3, o_weight=weights["o"],
+        post_norm=(weights["post_norm"], 1e-6),
+        gate_up=(weights["gate_up"], weights["gate_up_bias"]), down_weight=weights["down"],
+    )  # fmt: skip
+    assert blocks is not None
+    return weights, kv_index, blocks
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_fused_layer_half_is_its_operations_one_by_one(monkeypatch, bias):
+    """attention_block and mlp_block against the kernels they chain, called one by one on the
+    same inputs: bit-identical results and cache writes (uneven heads, a head size and widths
+    past the 16-wide lanes, several sequences, with and without the residual and biases)."""
+    heads, hidden, size = (3, 2, 32), 72, 40
+    weights, kv_index, blocks = _layer_blocks(monkeypatch, hidden, heads, size, bias)
+    metadata = _metadata([1, 1, 1], [3, 17, 30], 4)
+    decode = metadata.decode_batch(4)
+    metadata.slot_mapping = torch.tensor(
+        [table[(n - 1) // 4] * 4 + (n - 1) % 4 for table, n in zip(
+            metadata.block_tables, metadata.seq_lens, strict=True)]
+    )  # fmt: skip
+    rope = RotaryEmbedding(32, 10000.0, 64).at(torch.tensor(metadata.seq_lens) - 1)
+    x, residual = torch.randn(3, hidden), torch.randn(3, hidden)
+    for start in (None, residual):
+        fused_cache, single_cache = _filled_cache(2, 32), _filled_cache(2, 32)
+        single_cache.key.copy_(fused_cache.key)
+        single_cache.value.copy_(fused_cache.value)
+        partial, new_residual = NATIVE.attention_block(
+            blocks, x, start, rope, fused_cache, metadata.slot_mapping, decode
+        )
+        if start is None:
+            normed, expected_residual = NATIVE.rms_norm(x, weights["input_norm"], 1e-5), x
+        else:
+            normed, expected_residual = NATIVE.rms_norm(x, weights["input_norm"], 1e-5, start)
+        qkv = NATIVE.linear(normed, weights["qkv"], weights["qkv_bias"])
+        q = NATIVE.rotate_and_store(qkv, 3, 2, rope, single_cache, metadata.slot_mapping)
+        attended = NATIVE.decode_attention(q, single_cache, decode, 0.3, kv_index)
+        expected = NATIVE.linear(attended.reshape(3, -1), weights["o"], None)
+        assert torch.equal(partial, expected) and torch.equal(new_residual, expected_residual)
+        assert torch.equal(fused_cache.key, single_cache.key)
+        assert torch.equal(fused_cache.value, single_cache.value)
+    partial, new_residual = NATIVE.mlp_block(blocks, x, residual)
+    normed, expected_residual = NATIVE.rms_norm(x, weights["post_norm"], 1e-6, residual)
+    gate_up = NATIVE.linear(normed, weights["gate_up"], weights["gate_up_bias"])
+    expected = NATIVE.linear(NATIVE.silu_and_mul(gate_up), weights["down"], None)
+    assert torch.equal(partial, expected) and torch.equal(new_residual, expected_residual)
+
+
+def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take(monkeypatch):
+    _, _, blocks = _layer_blocks(monkeypatch, 72, (3, 2, 32), 40, False)
+    cache = KVCache(2, 4, 2, 32, torch.float32)
+    rope = RotaryEmbedding(32, 10000.0, 64).at(torch.tensor([2]))
+    x = torch.randn(1, 72)
+    metadata = AttentionMetadata([0, 1], [3], torch.tensor([8]), [[0]])
+    decode = metadata.decode_batch(4)
+    with pytest.raises(IndexError, match="slot 8 is outside the cache's 8 slots"):
+        NATIVE.attention_block(blocks, x, None, rope, cache, metadata.slot_mapping, decode)
+    metadata = AttentionMetadata([0, 1], [3], torch.tensor([2]), [[5]])
+    with pytest.raises(IndexError, match="block 5 is outside the cache's 2 blocks"):
+        NATIVE.attention_block(
+            blocks, x, None, rope, cache, metadata.slot_mapping, metadata.decode_batch(4)
+        )
+    assert not cache.key.any() and not cache.value.any()
+    # Not float32, or another width: None (the layer then runs its modules).
+    assert NATIVE.mlp_block(blocks, x.double(), x.double()) is None
+    assert NATIVE.mlp_block(blocks, torch.randn(1, 64), torch.randn(1, 64)) is None
+    # Weights the C linear kernel does not hold (oneDNN's, or torch's): no blocks at all.
+    assert TORCH_KERNELS.layer_blocks(
+        input_norm=(torch.ones(72), 1e-5), qkv=(torch.randn(224, 72), None), heads=(3, 2, 32),
+        kv_index=None, scale=0.3, o_weight=torch.randn(72, 96), post_norm=(torch.ones(72), 1e-5),
+        gate_up=(torch.randn(80, 72), None), down_weight=torch.randn(72, 40),
+    ) is None  # fmt: skip

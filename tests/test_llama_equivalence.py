@@ -1,7 +1,9 @@
 """The parallel Llama against HF transformers on the same safetensors files: a ragged
 prefill of two prompts, then a decode step through the paged KV cache, under TP=1, TP=2,
 PP=2 and TP=2 x PP=2 (real gloo worlds, through the executors that ship), on the C layer
-kernels (what a CPU rank runs) and on the torch ones; bfloat16 within its precision."""
+kernels (what a CPU rank runs) and on the torch ones; bfloat16 within its precision. The
+decode step (decodes only) runs each half of a layer in one C call where the ranks' weights
+are the C linear kernel's, bit-identical to the same step run module by module."""
 
 import pytest
 import torch
@@ -60,17 +62,29 @@ def _prefill_then_decode(worker, directory: str, environ: dict, dtype: str) -> d
     lens = [len(p) for p in PROMPTS]
     prefill = _step(model, state, caches, ids, positions, _metadata(lens, lens, tables))
     next_ids = torch.tensor([11, 42])  # fixed decode tokens, same on every stage
-    decode = _step(
-        model,
-        state,
-        caches,
-        next_ids,
-        torch.tensor(lens),
-        _metadata([1, 1], [n + 1 for n in lens], tables),
-    )
+
+    def decode_step():
+        decoding = _metadata([1, 1], [n + 1 for n in lens], tables)
+        return _step(model, state, caches, next_ids, torch.tensor(lens), decoding)
+
+    decode = decode_step()
+    # A step of decodes only runs each half of a layer in one call where the kernels have one;
+    # the same step again (same cache writes) with the layers' modules one by one.
+    fused = [layer.blocks is not None for layer in model.layers.values()]
+    blocked = [layer.mlp.down_proj.weight.dim() == 1 for layer in model.layers.values()]
+    for layer in model.layers.values():
+        layer.blocks = None
+    one_by_one = decode_step()
     if prefill is None:
         return None
-    return {"prefill": prefill.float(), "decode": decode.float(), "kernels": type(kernels).__name__}
+    return {
+        "prefill": prefill.float(),
+        "decode": decode.float(),
+        "decode_one_by_one": one_by_one.float(),
+        "fused": fused,
+        "blocked": blocked,
+        "kernels": type(kernels).__name__,
+    }
 
 
 # GQA with 8 query / 2 KV heads; and 9 / 3 heads (as SmolLM2), which no tp > 1 here divides.
@@ -135,8 +149,17 @@ def test_matches_transformers(checkpoints, shape, tp, pp, kernels, dtype):
     last_stage = results[(pp - 1) * tp :]
     assert all(r is None for r in results[: (pp - 1) * tp])
     close = TOLERANCE[dtype]
+    # A layer is fused where its weights are the C linear kernel's (float32, one torch thread:
+    # each mp rank; AVX-512).
+    blocks_here = (
+        kernels == "C" and dtype == "float32" and executor_name == "mp"
+        and layer_kernels(torch.device("cpu"), {}).native.blocked_linear_available()
+    )  # fmt: skip
     for result in last_stage:  # every TP rank of the last stage has the full logits
         assert result["kernels"] == ("NativeKernels" if kernels == "C" else "TorchKernels")
+        assert result["fused"] == result["blocked"]
+        assert all(result["blocked"]) or not blocks_here
+        assert torch.equal(result["decode"], result["decode_one_by_one"])
         torch.testing.assert_close(result["prefill"], expected_prefill, atol=close, rtol=close)
         torch.testing.assert_close(result["decode"], expected_decode, atol=close, rtol=close)
         if dtype == "float32":

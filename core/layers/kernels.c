@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
@@ -297,6 +298,65 @@ AVX512 static void decode_attention_rows_avx512(
 
 /* ---- Python bindings: addresses and sizes as ints, floats as floats ---- */
 
+/* Every slot inside the cache's num_slots, else IndexError (-1). */
+static int check_slots(const int64_t *slots, long rows, long num_slots) {
+    for (long r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is outside the cache's %ld slots",
+                         (long long)slots[r], num_slots);
+            return -1;
+        }
+    return 0;
+}
+
+/* A decode batch's lengths fit its blocks, the blocks are the cache's and each query head
+ * reads one of the KV heads, else ValueError / IndexError (-1); *longest: the longest length. */
+static int check_decode(const int64_t *lengths, long batch, long per_seq, long block_size,
+                        const int64_t *blocks, long num_blocks, const int64_t *kv_index,
+                        long heads, long kv_heads, long *longest) {
+    *longest = 0;
+    for (long b = 0; b < batch; b++) {
+        if (lengths[b] < 1 || lengths[b] > per_seq * block_size) {
+            PyErr_Format(PyExc_ValueError, "sequence length %lld does not fit %ld blocks of %ld",
+                         (long long)lengths[b], per_seq, block_size);
+            return -1;
+        }
+        *longest = lengths[b] > *longest ? (long)lengths[b] : *longest;
+    }
+    for (long i = 0; i < batch * per_seq; i++)
+        if (blocks[i] < 0 || blocks[i] >= num_blocks) {
+            PyErr_Format(PyExc_IndexError, "block %lld is outside the cache's %ld blocks",
+                         (long long)blocks[i], num_blocks);
+            return -1;
+        }
+    for (long h = 0; h < heads; h++)
+        if (kv_index[h] < 0 || kv_index[h] >= kv_heads) {
+            PyErr_Format(PyExc_IndexError, "query head %ld reads KV head %lld of %ld", h,
+                         (long long)kv_index[h], kv_heads);
+            return -1;
+        }
+    return 0;
+}
+
+/* Float32 decode attention on the widest kernel this CPU runs; scores: room for the longest
+ * sequence and 2 d floats more. */
+static void attend_f32(const float *q, const float *key_cache, const float *value_cache,
+                       const int64_t *blocks, long per_seq, const int64_t *lengths, long batch,
+                       long heads, const int64_t *kv_index, long kv_heads, long d,
+                       long block_size, float scale, float *out, float *scores, long longest) {
+#ifdef HAVE_BLOCKED_LINEAR
+    if (d % 16 == 0 && __builtin_cpu_supports("avx512f")) {
+        decode_attention_rows_avx512(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
+                                     heads, kv_index, kv_heads, d, block_size, scale, out,
+                                     scores);
+        return;
+    }
+#endif
+    decode_attention_rows_f32(q, key_cache, value_cache, blocks, per_seq, lengths, batch, heads,
+                              kv_index, kv_heads, d, block_size, scale, out, scores,
+                              scores + longest);
+}
+
 static int take_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
                      const char *name) {
     if (nargs != expected) {
@@ -338,13 +398,7 @@ static PyObject *rope_store(PyObject *self, PyObject *const *args, Py_ssize_t na
     const float *cos = ADDRESS(6), *sin = ADDRESS(7);
     const int64_t *slots = ADDRESS(11);
     long num_slots = SIZE(12);
-    if (PyErr_Occurred()) return NULL;
-    for (long r = 0; r < rows; r++)
-        if (slots[r] < 0 || slots[r] >= num_slots) {
-            PyErr_Format(PyExc_IndexError, "slot %lld is outside the cache's %ld slots",
-                         (long long)slots[r], num_slots);
-            return NULL;
-        }
+    if (PyErr_Occurred() || check_slots(slots, rows, num_slots) < 0) return NULL;
     if (bf16)
         rope_store_rows_bf16(qkv, rows, q_heads, kv_heads, d, cos, sin, q_out, key_cache,
                              value_cache, slots);
@@ -362,45 +416,19 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
     long per_seq = SIZE(5), batch = SIZE(7), heads = SIZE(8), kv_heads = SIZE(10), d = SIZE(11);
     long block_size = SIZE(12), num_blocks = SIZE(13);
     float scale = REAL(14);
-    if (PyErr_Occurred()) return NULL;
-    long longest = 0;
-    for (long b = 0; b < batch; b++) {
-        if (lengths[b] < 1 || lengths[b] > per_seq * block_size) {
-            PyErr_Format(PyExc_ValueError, "sequence length %lld does not fit %ld blocks of %ld",
-                         (long long)lengths[b], per_seq, block_size);
-            return NULL;
-        }
-        longest = lengths[b] > longest ? (long)lengths[b] : longest;
-    }
-    for (long i = 0; i < batch * per_seq; i++)
-        if (blocks[i] < 0 || blocks[i] >= num_blocks) {
-            PyErr_Format(PyExc_IndexError, "block %lld is outside the cache's %ld blocks",
-                         (long long)blocks[i], num_blocks);
-            return NULL;
-        }
-    for (long h = 0; h < heads; h++)
-        if (kv_index[h] < 0 || kv_index[h] >= kv_heads) {
-            PyErr_Format(PyExc_IndexError, "query head %ld reads KV head %lld of %ld", h,
-                         (long long)kv_index[h], kv_heads);
-            return NULL;
-        }
+    long longest;
+    if (PyErr_Occurred() || check_decode(lengths, batch, per_seq, block_size, blocks, num_blocks,
+                                         kv_index, heads, kv_heads, &longest) < 0)
+        return NULL;
     float *scores = malloc((size_t)(longest + 2 * d + 1) * sizeof(float));
     if (scores == NULL) return PyErr_NoMemory();
-    float *work = scores + longest;
     if (bf16)
         decode_attention_rows_bf16(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
                                    heads, kv_index, kv_heads, d, block_size, scale, out, scores,
-                                   work);
-#ifdef HAVE_BLOCKED_LINEAR
-    else if (d % 16 == 0 && __builtin_cpu_supports("avx512f"))
-        decode_attention_rows_avx512(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
-                                     heads, kv_index, kv_heads, d, block_size, scale, out,
-                                     scores);
-#endif
+                                   scores + longest);
     else
-        decode_attention_rows_f32(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
-                                  heads, kv_index, kv_heads, d, block_size, scale, out, scores,
-                                  work);
+        attend_f32(q, key_cache, value_cache, blocks, per_seq, lengths, batch, heads, kv_index,
+                   kv_heads, d, block_size, scale, out, scores, longest);
     free(scores);
     Py_RETURN_NONE;
 }
@@ -414,6 +442,119 @@ static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t narg
         silu_mul_rows_bf16(gate_up, out, rows, size);
     else
         silu_mul_rows_f32(gate_up, out, rows, size);
+    Py_RETURN_NONE;
+}
+
+/* ---- a decoder layer's halves, one call each (float32, blocked weights, decodes only) ----
+ * attention_block: [residual add +] RMSNorm, the qkv linear, RoPE + the cache store, decode
+ * attention, the o_proj linear (its bias, if any, is the caller's: after the all-reduce);
+ * mlp_block: [residual add +] RMSNorm, the gate_up linear, SiLU x up, the down linear. The
+ * kernels of the one-operation calls above, in the same order on the same values: results
+ * are bit-identical to that path. times (a double[2], or 0): seconds added to the matmuls
+ * ([0]) and to attention ([1]), for the profile. */
+
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* Adds the time since *since to times[part] (when timing) and restarts the clock. */
+static inline void lap(double *times, int part, double *since) {
+    if (times == NULL) return;
+    double now = seconds_now();
+    if (part >= 0) times[part] += now - *since;
+    *since = now;
+}
+
+enum { LAP_MATMUL = 0, LAP_ATTENTION = 1, LAP_OTHER = -1 };
+
+static int blocked_linear_or_error(void) {
+#ifdef HAVE_BLOCKED_LINEAR
+    if (__builtin_cpu_supports("avx512f")) return 0;
+#endif
+    PyErr_SetString(PyExc_RuntimeError, "the fused layer blocks need a CPU with AVX-512");
+    return -1;
+}
+
+static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 27, "attention_block") < 0) return NULL;
+    const float *x = ADDRESS(0), *residual = ADDRESS(1), *norm_weight = ADDRESS(2);
+    float eps = REAL(3);
+    long rows = SIZE(4), hidden = SIZE(5);
+    const float *qkv_weight = ADDRESS(6), *qkv_bias = ADDRESS(7);
+    long q_heads = SIZE(8), kv_heads = SIZE(9), d = SIZE(10);
+    const float *cos = ADDRESS(11), *sin = ADDRESS(12);
+    const int64_t *slots = ADDRESS(13);
+    float *key_cache = ADDRESS(14), *value_cache = ADDRESS(15);
+    long num_blocks = SIZE(16), block_size = SIZE(17);
+    const int64_t *blocks = ADDRESS(18);
+    long per_seq = SIZE(19);
+    const int64_t *lengths = ADDRESS(20), *kv_index = ADDRESS(21);
+    float scale = REAL(22);
+    const float *o_weight = ADDRESS(23);
+    float *partial = ADDRESS(24), *residual_out = ADDRESS(25);
+    double *times = ADDRESS(26);
+    long longest;
+    if (PyErr_Occurred() || blocked_linear_or_error() < 0 ||
+        check_slots(slots, rows, num_blocks * block_size) < 0 ||
+        check_decode(lengths, rows, per_seq, block_size, blocks, num_blocks, kv_index, q_heads,
+                     kv_heads, &longest) < 0)
+        return NULL;
+#ifdef HAVE_BLOCKED_LINEAR
+    long qkv_width = (q_heads + 2 * kv_heads) * d, attention_width = q_heads * d;
+    float *normed = malloc(sizeof(float) * (size_t)(rows * hidden + rows * qkv_width +
+                                                    2 * rows * attention_width + hidden +
+                                                    longest + 2 * d));
+    if (normed == NULL) return PyErr_NoMemory();
+    float *qkv = normed + rows * hidden, *q = qkv + rows * qkv_width;
+    float *attended = q + rows * attention_width, *row = attended + rows * attention_width;
+    float *scores = row + hidden;
+    double since = times ? seconds_now() : 0.0;
+    rms_norm_rows_f32(x, residual, norm_weight, normed, residual_out, rows, hidden, eps, row);
+    lap(times, LAP_OTHER, &since);
+    blocked_linear_rows(qkv_weight, normed, qkv, qkv_bias, rows, qkv_width, hidden);
+    lap(times, LAP_MATMUL, &since);
+    rope_store_rows_f32(qkv, rows, q_heads, kv_heads, d, cos, sin, q, key_cache, value_cache,
+                        slots);
+    lap(times, LAP_OTHER, &since);
+    attend_f32(q, key_cache, value_cache, blocks, per_seq, lengths, rows, q_heads, kv_index,
+               kv_heads, d, block_size, scale, attended, scores, longest);
+    lap(times, LAP_ATTENTION, &since);
+    blocked_linear_rows(o_weight, attended, partial, NULL, rows, hidden, attention_width);
+    lap(times, LAP_MATMUL, &since);
+    free(normed);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *mlp_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 13, "mlp_block") < 0) return NULL;
+    const float *x = ADDRESS(0), *residual = ADDRESS(1), *norm_weight = ADDRESS(2);
+    float eps = REAL(3);
+    long rows = SIZE(4), hidden = SIZE(5);
+    const float *gate_up_weight = ADDRESS(6), *gate_up_bias = ADDRESS(7);
+    long size = SIZE(8);
+    const float *down_weight = ADDRESS(9);
+    float *partial = ADDRESS(10), *residual_out = ADDRESS(11);
+    double *times = ADDRESS(12);
+    if (PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
+#ifdef HAVE_BLOCKED_LINEAR
+    float *normed = malloc(sizeof(float) * (size_t)(rows * hidden + 3 * rows * size + hidden));
+    if (normed == NULL) return PyErr_NoMemory();
+    float *gate_up = normed + rows * hidden, *activated = gate_up + 2 * rows * size;
+    float *row = activated + rows * size;
+    double since = times ? seconds_now() : 0.0;
+    rms_norm_rows_f32(x, residual, norm_weight, normed, residual_out, rows, hidden, eps, row);
+    lap(times, LAP_OTHER, &since);
+    blocked_linear_rows(gate_up_weight, normed, gate_up, gate_up_bias, rows, 2 * size, hidden);
+    lap(times, LAP_MATMUL, &since);
+    silu_mul_rows_f32(gate_up, activated, rows, size);
+    lap(times, LAP_OTHER, &since);
+    blocked_linear_rows(down_weight, activated, partial, NULL, rows, hidden, size);
+    lap(times, LAP_MATMUL, &since);
+    free(normed);
+#endif
     Py_RETURN_NONE;
 }
 
@@ -455,6 +596,15 @@ static PyMethodDef methods[] = {
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
      "blocked_linear(weight, x, y, bias or 0, rows, out, in): float32, weight blocked by "
      "LINEAR_BLOCK outputs"},
+    {"attention_block", (PyCFunction)(void (*)(void))attention_block, METH_FASTCALL,
+     "attention_block(x, residual or 0, norm_weight, eps, rows, hidden, qkv_weight, qkv_bias "
+     "or 0, q_heads, kv_heads, d, cos, sin, slots, key_cache, value_cache, num_blocks, "
+     "block_size, blocks, per_seq, lengths, kv_index, scale, o_weight, partial, residual_out "
+     "or 0, times or 0): float32, blocked weights"},
+    {"mlp_block", (PyCFunction)(void (*)(void))mlp_block, METH_FASTCALL,
+     "mlp_block(x, residual or 0, norm_weight, eps, rows, hidden, gate_up_weight, gate_up_bias "
+     "or 0, size, down_weight, partial, residual_out or 0, times or 0): float32, blocked "
+     "weights"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear (AVX-512)"},
     {NULL, NULL, 0, NULL},

@@ -13,6 +13,7 @@ The C path does each group in one call (``benchmarks/layer_kernels.py`` measures
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.native import native_extension
+from shardline.profiling import ATTENTION, MATMUL, NO_TIMER, StepTimer
 
 if TYPE_CHECKING:
     from shardline.layers.attention import DecodeBatch, KVCache
@@ -143,6 +145,43 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def layer_blocks(
+        self,
+        *,
+        input_norm: tuple[torch.Tensor, float],
+        qkv: tuple[torch.Tensor, torch.Tensor | None],
+        heads: tuple[int, int, int],
+        kv_index: torch.Tensor | None,
+        scale: float,
+        o_weight: torch.Tensor,
+        post_norm: tuple[torch.Tensor, float],
+        gate_up: tuple[torch.Tensor, torch.Tensor | None],
+        down_weight: torch.Tensor,
+    ) -> LayerBlocks | None:
+        """A decoder layer's weights, checked once (after packing), for running each half of
+        the layer in one call in steps of decodes only (:meth:`NativeKernels.attention_block`,
+        :meth:`NativeKernels.mlp_block`); None where these kernels have no such calls or do
+        not take these weights. ``input_norm``/``post_norm``: ``(weight, eps)``; ``qkv``,
+        ``gate_up``: ``(weight, bias)``; ``heads``: ``(query heads, KV heads, head size)``
+        on this rank; ``kv_index``: which KV head each query head reads (None: grouped)."""
+        return None
+
+
+@dataclass(frozen=True)
+class LayerBlocks:
+    """A decoder layer's sizes and weight addresses for the fused C calls, checked when made;
+    ``tensors`` keeps the tensors behind the addresses alive."""
+
+    hidden_size: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    scale: float
+    attention_args: tuple  # norm weight, eps, qkv weight, qkv bias, kv_index, o weight
+    mlp_args: tuple  # norm weight, eps, gate_up weight, gate_up bias, down weight
+    tensors: tuple[torch.Tensor, ...]
+
 
 class NativeKernels(TorchKernels):
     """The per-layer operations in C (``native``: the built extension) for a model on the CPU:
@@ -243,10 +282,7 @@ class NativeKernels(TorchKernels):
         ):  # fmt: skip
             return super().decode_attention(q, cache, decode, scale, kv_index)
         if kv_index is None:  # grouped: consecutive query heads share a KV head
-            kv_index = self._grouped_kv_index.get((heads, kv_heads))
-            if kv_index is None:
-                kv_index = torch.arange(heads, device="cpu") // (heads // kv_heads)
-                self._grouped_kv_index[heads, kv_heads] = kv_index
+            kv_index = self._grouped(heads, kv_heads)
         elif kv_index.dtype is not torch.int64:
             kv_index = kv_index.to(torch.int64)
         query = q if decode.rows is None else q[decode.rows].contiguous()
@@ -279,6 +315,132 @@ class NativeKernels(TorchKernels):
         )
         return out
 
+    def layer_blocks(
+        self, *, input_norm, qkv, heads, kv_index, scale, o_weight, post_norm, gate_up,
+        down_weight,
+    ):  # fmt: skip
+        """Where every linear weight is blocked for the C kernel (float32, :meth:`pack_linears`)
+        and the rest is float32 and contiguous."""
+        q_heads, kv_heads, d = heads
+        if kv_index is None:
+            kv_index = self._grouped(q_heads, kv_heads)
+        (input_weight, input_eps), (post_weight, post_eps) = input_norm, post_norm
+        (qkv_weight, qkv_bias), (gate_up_weight, gate_up_bias) = qkv, gate_up
+        width = input_weight.numel()
+        size = down_weight.blocked_shape[1] if down_weight.dim() == 1 else 0
+        if not (
+            all(w.dim() == 1 for w in (qkv_weight, o_weight, gate_up_weight, down_weight))
+            and all(
+                _fits(t, torch.float32)
+                for t in (input_weight, post_weight, qkv_bias, gate_up_bias) if t is not None
+            )
+            and post_weight.numel() == width
+            and qkv_weight.blocked_shape == ((q_heads + 2 * kv_heads) * d, width)
+            and o_weight.blocked_shape == (width, q_heads * d)
+            and gate_up_weight.blocked_shape == (2 * size, width)
+            and down_weight.blocked_shape == (width, size)
+            and kv_index.dtype is torch.int64 and kv_index.numel() == q_heads
+            and kv_index.is_contiguous()
+        ):  # fmt: skip
+            return None
+        return LayerBlocks(
+            width, q_heads, kv_heads, d, size, float(scale),
+            (input_weight.data_ptr(), float(input_eps), qkv_weight.data_ptr(),
+             _address(qkv_bias), kv_index.data_ptr(), o_weight.data_ptr()),
+            (post_weight.data_ptr(), float(post_eps), gate_up_weight.data_ptr(),
+             _address(gate_up_bias), down_weight.data_ptr()),
+            tuple(t for t in (input_weight, post_weight, qkv_weight, qkv_bias, kv_index,
+                              o_weight, gate_up_weight, gate_up_bias, down_weight)
+                  if t is not None),
+        )  # fmt: skip
+
+    def attention_block(
+        self,
+        blocks: LayerBlocks,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
+        decode: DecodeBatch,
+        timer: StepTimer = NO_TIMER,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The attention half of a decoder layer in one C call, in a step of decodes only
+        (``decode.rows`` None): :meth:`rms_norm` (with the residual add), the qkv
+        :meth:`linear`, :meth:`rotate_and_store`, :meth:`decode_attention` and the o_proj
+        :meth:`linear` without bias, bit-identical to those calls one by one. Returns
+        ``(this rank's o_proj output, before the all-reduce; the new residual)``, or None
+        where the step's tensors are not what the C call takes (the caller then runs the
+        operations one by one). ``timer`` gets the matmul and attention seconds."""
+        cos, sin = rope
+        rows, d = hidden.shape[0], blocks.head_dim
+        if not (
+            decode.rows is None and hidden.dim() == 2 and hidden.shape[1] == blocks.hidden_size
+            and _fits(hidden, torch.float32)
+            and (residual is None or (_fits(residual, torch.float32)
+                                      and residual.shape == hidden.shape))
+            and _fits(cos, torch.float32) and _fits(sin, torch.float32)
+            and cos.numel() == rows * d and sin.numel() == rows * d
+            and _fits(cache.key, torch.float32) and _fits(cache.value, torch.float32)
+            and cache.key.shape[-2:] == (blocks.kv_heads, d)
+            and slot_mapping.dtype is torch.int64 and slot_mapping.shape == (rows,)
+            and slot_mapping.is_contiguous()
+            and decode.lengths.numel() == rows
+            and decode.blocks.numel() == rows * decode.blocks_per_seq
+        ):  # fmt: skip
+            return None
+        norm, eps, qkv, qkv_bias, kv_index, o_weight = blocks.attention_args
+        partial = hidden.new_empty(rows, blocks.hidden_size)
+        summed = None if residual is None else torch.empty_like(hidden)
+        times = torch.zeros(2, dtype=torch.float64) if timer.active else None
+        self.native.attention_block(
+            hidden.data_ptr(), _address(residual), norm, eps, rows, blocks.hidden_size, qkv,
+            qkv_bias, blocks.q_heads, blocks.kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+            slot_mapping.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
+            cache.key.shape[0], cache.block_size, decode.blocks.data_ptr(),
+            decode.blocks_per_seq, decode.lengths.data_ptr(), kv_index, blocks.scale, o_weight,
+            partial.data_ptr(), _address(summed), _address(times),
+        )  # fmt: skip
+        _record(timer, times)
+        return partial, hidden if summed is None else summed
+
+    def mlp_block(
+        self,
+        blocks: LayerBlocks,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        timer: StepTimer = NO_TIMER,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The MLP half of a decoder layer in one C call: :meth:`rms_norm` with the residual
+        add, the gate_up :meth:`linear`, :meth:`silu_and_mul` and the down :meth:`linear`
+        without bias; returns as :meth:`attention_block`."""
+        rows = hidden.shape[0]
+        if not (
+            hidden.dim() == 2 and hidden.shape[1] == blocks.hidden_size
+            and _fits(hidden, torch.float32) and _fits(residual, torch.float32)
+            and residual.shape == hidden.shape
+        ):  # fmt: skip
+            return None
+        norm, eps, gate_up, gate_up_bias, down = blocks.mlp_args
+        partial = hidden.new_empty(rows, blocks.hidden_size)
+        summed = torch.empty_like(hidden)
+        times = torch.zeros(2, dtype=torch.float64) if timer.active else None
+        self.native.mlp_block(
+            hidden.data_ptr(), residual.data_ptr(), norm, eps, rows, blocks.hidden_size, gate_up,
+            gate_up_bias, blocks.intermediate_size, down, partial.data_ptr(), summed.data_ptr(),
+            _address(times),
+        )  # fmt: skip
+        _record(timer, times)
+        return partial, summed
+
+    def _grouped(self, heads: int, kv_heads: int) -> torch.Tensor:
+        """The KV head each of ``heads`` query heads reads when consecutive ones share one."""
+        kv_index = self._grouped_kv_index.get((heads, kv_heads))
+        if kv_index is None:
+            kv_index = torch.arange(heads, device="cpu") // (heads // kv_heads)
+            self._grouped_kv_index[heads, kv_heads] = kv_index
+        return kv_index
+
 
 def blocked(weight: torch.Tensor, block: int) -> nn.Parameter:
     """``weight`` (``[out, in]``) as the C kernel reads it, one dimension of ``out * in``: block
@@ -293,6 +455,18 @@ def blocked(weight: torch.Tensor, block: int) -> nn.Parameter:
     parameter = nn.Parameter(torch.cat(parts), requires_grad=False)
     parameter.blocked_shape = (out_features, in_features)
     return parameter
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    """A tensor's address for the C path; 0 for none."""
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def _record(timer: StepTimer, times: torch.Tensor | None) -> None:
+    """Give ``timer`` the matmul and attention seconds a fused C call measured (``times``)."""
+    if times is not None:
+        timer.record(MATMUL, float(times[0]))
+        timer.record(ATTENTION, float(times[1]))
 
 
 def _fits(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bool:

@@ -224,7 +224,12 @@ class RowParallelLinear(nn.Module):
         self.weight = self.kernels.pack_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.kernels.linear(x, self.weight, None))
+        return self.reduce(self.kernels.linear(x, self.weight, None))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's ``partial`` product (``X_rank W_rank^T``, no
+        bias): all-reduced over the TP group, then the bias added."""
+        y = self.tp.all_reduce(partial)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -22,7 +22,7 @@ from shardline.layers.attention import (
     attention_kernels,
 )
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shardline.layers.kernels import TORCH_KERNELS, TorchKernels
+from shardline.layers.kernels import TORCH_KERNELS, LayerBlocks, TorchKernels
 from shardline.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -39,6 +39,7 @@ from shardline.models.architecture import (
     expected_shape,
     partition_layers,
 )
+from shardline.profiling import NO_TIMER, StepTimer
 
 #: Reads a full checkpoint tensor by its HF name (lazily: only the parts indexed are read).
 WeightLookup = Callable[[str], TensorSource]
@@ -129,22 +130,61 @@ class LlamaDecoderLayer(nn.Module):
         self, arch: LlamaArchitecture, tp: GroupCoordinator, dtype, kernels: TorchKernels
     ) -> None:
         super().__init__()
+        self.kernels = kernels
+        #: The layer's fused calls (:meth:`prepare_blocks`); None: the modules run.
+        self.blocks: LayerBlocks | None = None
         eps = arch.rms_norm_eps
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, dtype, kernels)
         self.self_attn = LlamaAttention(arch, tp, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, dtype, kernels)
         self.mlp = LlamaMLP(arch, tp, dtype, kernels)
 
-    def forward(self, hidden, residual, rope, metadata, cache):
-        """Returns ``(hidden, residual)`` with the last add deferred to the next layer."""
-        if residual is None:
+    def forward(self, hidden, residual, rope, metadata, cache, timer: StepTimer = NO_TIMER):
+        """Returns ``(hidden, residual)`` with the last add deferred to the next layer.
+
+        In a step of decodes only, each half of the layer (attention, MLP) is one call of the
+        kernels where they have one (:meth:`prepare_blocks` found them): the same operations
+        on the same values as the modules one by one, without a Python call per operation;
+        ``timer`` then gets the matmul and attention time measured inside the call. Otherwise
+        the modules run."""
+        decode = metadata.decode_batch(cache.block_size)
+        fused = self.blocks is not None and decode is not None and decode.rows is None
+        attn, mlp = self.self_attn, self.mlp
+        block = None
+        if fused:
+            block = self.kernels.attention_block(
+                self.blocks, hidden, residual, rope, cache, metadata.slot_mapping, decode, timer
+            )
+        if block is not None:
+            partial, residual = block
+            hidden = attn.o_proj.reduce(partial)
+        elif residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = attn(self.input_layernorm(hidden), rope, metadata, cache)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, metadata, cache)
+            hidden = attn(hidden, rope, metadata, cache)
+        block = self.kernels.mlp_block(self.blocks, hidden, residual, timer) if fused else None
+        if block is not None:
+            partial, residual = block
+            return mlp.down_proj.reduce(partial), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return mlp(hidden), residual
+
+    def prepare_blocks(self) -> None:
+        """Ask the kernels for one call per half of the layer (after the weights are loaded and
+        packed; the blocks hold the weights as they are now)."""
+        attn, mlp = self.self_attn, self.mlp
+        heads = attn.qkv_proj.heads
+        self.blocks = self.kernels.layer_blocks(
+            input_norm=(self.input_layernorm.weight, self.input_layernorm.eps),
+            qkv=(attn.qkv_proj.weight, attn.qkv_proj.bias),
+            heads=(heads.num_heads, heads.num_kv_heads, attn.qkv_proj.head_dim),
+            kv_index=attn.attn.kv_index, scale=attn.attn.scale, o_weight=attn.o_proj.weight,
+            post_norm=(self.post_attention_layernorm.weight, self.post_attention_layernorm.eps),
+            gate_up=(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias),
+            down_weight=mlp.down_proj.weight,
+        )  # fmt: skip
 
     def load(self, prefix: str, weight: WeightLookup, arch: LlamaArchitecture) -> None:
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -171,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         check_tensor_parallel(arch, tp.world_size)
         self.arch = arch
         self.dtype = dtype
+        #: Gets the time of parts measured inside fused kernel calls while profiling.
+        self.timer: StepTimer = NO_TIMER
         self.layer_range = partition_layers(arch.num_layers, pp.world_size, pp.rank_in_group)
         self.is_first_stage = pp.is_first_rank
         self.is_last_stage = pp.is_last_rank
@@ -226,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         with attention_kernels():
             for i in self.layer_range:
                 hidden, residual = self.layers[str(i)](
-                    hidden, residual, rope, metadata, kv_caches[i]
+                    hidden, residual, rope, metadata, kv_caches[i], self.timer
                 )
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
@@ -273,3 +315,5 @@ class LlamaForCausalLM(nn.Module):
                 # Tied head on a stage without the embedding: load the shared table here.
                 self.lm_head.load_full(checked("model.embed_tokens.weight"))
         pack_linear_weights(self)
+        for layer in self.layers.values():
+            layer.prepare_blocks()

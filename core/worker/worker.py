@@ -117,6 +117,9 @@ class Worker:
         model = getattr(runner, "model", None)
         if isinstance(model, nn.Module):
             self._stop_profiling.append(time_modules(model, timer))
+            if hasattr(model, "timer"):  # parts timed inside its fused kernel calls
+                model.timer = timer
+                self._stop_profiling.append(lambda: setattr(model, "timer", NO_TIMER))
         for group in {id(g): g for g in (self.state.tp, self.state.pp)}.values():
             untimed = group.data
             group.data = TimedCommunicator(untimed, timer)
