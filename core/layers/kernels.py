@@ -385,8 +385,9 @@ class NativeKernels(TorchKernels):
             and cache.key.shape[-2:] == (blocks.kv_heads, d)
             and slot_mapping.dtype is torch.int64 and slot_mapping.shape == (rows,)
             and slot_mapping.is_contiguous()
-            and decode.lengths.numel() == rows
+            and decode.lengths.numel() == rows and decode.lengths.dtype is torch.int64
             and decode.blocks.numel() == rows * decode.blocks_per_seq
+            and decode.blocks.dtype is torch.int64
         ):  # fmt: skip
             return None
         norm, eps, qkv, qkv_bias, kv_index, o_weight = blocks.attention_args
