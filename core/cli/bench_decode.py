@@ -336,9 +336,10 @@ def _measure_shardline(case: Case) -> dict | None:
         conversation = [{"role": "user", "content": QUESTION}]
         llm.chat(conversation, SamplingParams(max_tokens=4))
         params = SamplingParams(max_tokens=case.tokens, ignore_eos=True)
+        weights = llm.engine.executor.collective_rpc("weight_bytes_per_step")
         batch1_runs, floors = [], []
         for _ in range(BATCH1_RUNS):
-            floors.append(decode_floor(llm.engine.executor))
+            floors.append(decode_floor(llm.engine.executor, weights))
             stamps: list[float] = []
             llm.chat(
                 conversation, params, stream=lambda *_, s=stamps: s.append(time.perf_counter())
@@ -356,7 +357,7 @@ def _measure_shardline(case: Case) -> dict | None:
             "batch1_runs_tok_s": batch1_runs,
             "concurrent_tok_s": sum(len(o.token_ids) for o in outputs) / elapsed,
             "executor": llm.engine.config.parallel.distributed_executor_backend,
-            "weight_bytes": floors[0]["weight_bytes"],
+            "weight_bytes": weights,
             "bandwidth": [
                 statistics.median(b) for b in zip(*(f["bandwidth"] for f in floors), strict=True)
             ],
@@ -376,14 +377,13 @@ def _measure_shardline(case: Case) -> dict | None:
         return result if llm.reports_results else None
 
 
-def decode_floor(executor) -> dict:
-    """The floor of a decode step: the longest any rank takes to read its weights once at
-    the memory bandwidth it measures now, all ranks reading at the same time
-    (``Worker.read_bandwidth``)."""
-    weights = executor.collective_rpc("weight_bytes_per_step")
+def decode_floor(executor, weight_bytes: list[int]) -> dict:
+    """The floor of a decode step: the longest any rank takes to read its weights once
+    (``weight_bytes``, per rank: ``Worker.weight_bytes_per_step``) at the memory bandwidth it
+    measures now, all ranks reading at the same time (``Worker.read_bandwidth``)."""
     bandwidths = executor.collective_rpc("read_bandwidth")
-    floor_s = max(w / b for w, b in zip(weights, bandwidths, strict=True))
-    return {"weight_bytes": weights, "bandwidth": bandwidths, "floor_s": floor_s}
+    floor_s = max(w / b for w, b in zip(weight_bytes, bandwidths, strict=True))
+    return {"bandwidth": bandwidths, "floor_s": floor_s}
 
 
 def profile_decode(engine, prompts: list[list[int]], params) -> dict:

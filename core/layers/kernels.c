@@ -469,11 +469,12 @@ static inline void lap(double *times, int part, double *since) {
 
 enum { LAP_MATMUL = 0, LAP_ATTENTION = 1, LAP_OTHER = -1 };
 
+/* 0 where this CPU runs the blocked linear kernel (AVX-512), else RuntimeError (-1). */
 static int blocked_linear_or_error(void) {
 #ifdef HAVE_BLOCKED_LINEAR
     if (__builtin_cpu_supports("avx512f")) return 0;
 #endif
-    PyErr_SetString(PyExc_RuntimeError, "the fused layer blocks need a CPU with AVX-512");
+    PyErr_SetString(PyExc_RuntimeError, "the blocked linear kernel needs a CPU with AVX-512");
     return -1;
 }
 
@@ -563,15 +564,11 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
     const float *weight = ADDRESS(0), *x = ADDRESS(1), *bias = ADDRESS(3);
     float *y = ADDRESS(2);
     long rows = SIZE(4), out = SIZE(5), in = SIZE(6);
-    if (PyErr_Occurred()) return NULL;
+    if (PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    if (__builtin_cpu_supports("avx512f")) {
-        blocked_linear_rows(weight, x, y, bias, rows, out, in);
-        Py_RETURN_NONE;
-    }
+    blocked_linear_rows(weight, x, y, bias, rows, out, in);
 #endif
-    PyErr_SetString(PyExc_RuntimeError, "blocked_linear needs a CPU with AVX-512");
-    return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *blocked_linear_available(PyObject *self, PyObject *unused) {

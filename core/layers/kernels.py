@@ -319,7 +319,7 @@ class NativeKernels(TorchKernels):
         self, *, input_norm, qkv, heads, kv_index, scale, o_weight, post_norm, gate_up,
         down_weight,
     ):  # fmt: skip
-        """Where every linear weight is blocked for the C kernel (float32, :meth:`pack_linears`)
+        """Where every linear weight is blocked for the C kernel (float32, :meth:`pack_linear`)
         and the rest is float32 and contiguous."""
         q_heads, kv_heads, d = heads
         if kv_index is None:
