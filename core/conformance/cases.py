@@ -6,6 +6,8 @@ and their sums over four ranks, exactly: any difference is a bug, not rounding.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shardline.dtypes import torch_dtype
@@ -28,30 +30,44 @@ def shape_of(name: str, dtype: str, leading: int = 1) -> tuple[int, ...]:
     return (base[0] * leading, *base[1:])
 
 
-def make_input(rank: int, name: str, dtype: str, leading: int = 1, salt: int = 0) -> torch.Tensor:
-    """Rank ``rank``'s input of shape ``name`` (non-contiguous for ``"noncontig"``)."""
-    shape = shape_of(name, dtype, leading)
-    numel = 1
-    for size in shape:
-        numel *= size
-    values = (torch.arange(numel, dtype=torch.int64) * 3 + rank * 5 + salt) % 11 - 5
+#: Inputs repeat every PERIOD elements (value ``(3 i + offset) % 11 - 5`` at flat index i),
+#: so they, and any elementwise reduction of them, are one period tiled.
+PERIOD = 11
+
+
+def _period(rank: int, salt: int) -> torch.Tensor:
+    return (torch.arange(PERIOD, dtype=torch.int64) * 3 + rank * 5 + salt) % PERIOD - 5
+
+
+def _laid_out(period: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``period`` tiled to ``shape`` (built transposed, then viewed back, for "noncontig")."""
+    numel = math.prod(shape)
+    flat = period.repeat(-(-numel // PERIOD))[:numel]
     if name == "noncontig":
-        # Built transposed, then viewed back: same values, non-contiguous strides.
-        tensor = values.reshape(shape[1], shape[0]).to(torch_dtype(dtype)).t()
+        tensor = flat.reshape(shape[1], shape[0]).t()
         assert not tensor.is_contiguous()
         return tensor
-    return values.reshape(shape).to(torch_dtype(dtype))
+    return flat.reshape(shape)
 
 
-def reduce_expected(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
-    stacked = torch.stack([t.contiguous() for t in inputs])
+def make_input(rank: int, name: str, dtype: str, leading: int = 1, salt: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s input of shape ``name`` (non-contiguous for ``"noncontig"``)."""
+    period = _period(rank, salt).to(torch_dtype(dtype))
+    return _laid_out(period, name, shape_of(name, dtype, leading))
+
+
+def reduce_expected(ranks: range, name: str, dtype: str, op: str, leading: int = 1) -> torch.Tensor:
+    """What reducing the inputs of ``ranks`` with ``op`` gives, contiguous: computed on one
+    period in ``dtype`` and tiled (elementwise, so the same as reducing the whole inputs)."""
+    stacked = torch.stack([_period(rank, 0).to(torch_dtype(dtype)) for rank in ranks])
     if op == "sum":
-        result = stacked.sum(0)
+        period = stacked.sum(0)
     elif op == "max":
-        result = stacked.amax(0) if stacked.numel() else stacked.sum(0)
+        period = stacked.amax(0)
     else:
-        result = stacked.amin(0) if stacked.numel() else stacked.sum(0)
-    return result.to(inputs[0].dtype)
+        period = stacked.amin(0)
+    shape = shape_of(name, dtype, leading)
+    return _laid_out(period.to(stacked.dtype), name, shape).contiguous()
 
 
 def assert_same(actual: torch.Tensor | None, expected: torch.Tensor, what: str) -> None:

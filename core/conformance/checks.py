@@ -26,7 +26,7 @@ def all_reduce(ctx, shape: str, dtype: str, op: str) -> None:
     tensor = make_input(comm.rank, shape, dtype)
     before = tensor.clone()
     result = comm.all_reduce(tensor, ReduceOp(op))
-    expected = reduce_expected([make_input(r, shape, dtype) for r in range(comm.world_size)], op)
+    expected = reduce_expected(range(comm.world_size), shape, dtype, op)
     assert_same(result, expected, f"all_reduce({op})")
     assert result.data_ptr() != tensor.data_ptr() or tensor.numel() == 0, "all_reduce is in place"
     _unchanged(before, tensor, "all_reduce")
@@ -47,7 +47,7 @@ def reduce_scatter(ctx, shape: str, dtype: str, op: str) -> None:
     tensor = make_input(comm.rank, shape, dtype, leading=n)
     before = tensor.clone()
     result = comm.reduce_scatter(tensor, 0, ReduceOp(op))
-    full = reduce_expected([make_input(r, shape, dtype, leading=n) for r in range(n)], op)
+    full = reduce_expected(range(n), shape, dtype, op, leading=n)
     assert_same(result, full.chunk(n, 0)[comm.rank].contiguous(), f"reduce_scatter({op})")
     _unchanged(before, tensor, "reduce_scatter")
 
@@ -297,17 +297,19 @@ def subgroups(ctx, rounds: int) -> None:
 
 
 def never_joins(ctx, deadline_s: float) -> tuple[float, str] | None:
-    """In a fresh group with a short deadline, the last rank stays alive but skips an
-    all_reduce: every other rank must raise CommTimeoutError by the deadline + 1 s, or
-    PeerLostError when a rank that timed out first closed the group (the contract allows
+    """In a fresh group with a short deadline, the last rank skips an all_reduce, staying
+    alive and connected (it returns at once, holding the group open until
+    :func:`close_held`): every other rank must raise CommTimeoutError by the deadline + 1 s,
+    or PeerLostError when a rank that timed out first closed the group (the contract allows
     it). Returns (seconds, the error's type name) on the waiting ranks."""
     comm = ctx.comm
     group = comm.new_group(list(range(comm.world_size)), timeout_s=deadline_s)
+    if comm.rank == comm.world_size - 1:
+        ctx.held.append(group)
+        group.barrier()
+        return None
     try:
         group.barrier()
-        if comm.rank == comm.world_size - 1:
-            time.sleep(deadline_s + 1.5)  # alive, connected, silent
-            return None
         start = time.monotonic()
         try:
             group.all_reduce(torch.ones(4))
@@ -323,15 +325,17 @@ def never_joins(ctx, deadline_s: float) -> tuple[float, str] | None:
 
 
 def recv_deadline(ctx, deadline_s: float) -> float | None:
-    """Rank 0 waits for a message rank 1 (alive, connected) never sends, with an explicit
-    wait timeout shorter than the group's deadline."""
+    """Rank 0 waits for a message rank 1 (alive, connected: holding the group open until
+    :func:`close_held`) never sends, with an explicit wait timeout shorter than the group's
+    deadline."""
     comm = ctx.comm
     group = comm.new_group(list(range(comm.world_size)), timeout_s=60.0)
+    if group.rank != 0:
+        ctx.held.append(group)
+        group.barrier()
+        return None
     try:
         group.barrier()
-        if group.rank != 0:
-            time.sleep(deadline_s + 1.5)
-            return None
         work = group.irecv(torch.empty(2), 1)
         start = time.monotonic()
         try:
@@ -349,3 +353,8 @@ def recv_deadline(ctx, deadline_s: float) -> float | None:
         raise AssertionError("a second wait after a timeout must raise the same error")
     finally:
         group.close()
+
+
+def close_held(ctx) -> None:
+    """Close the groups earlier calls left open on this rank."""
+    ctx.close_held()

@@ -11,7 +11,10 @@ pytestmark = pytest.mark.shardline_world_sizes(2, 3, 4)
 
 @pytest.mark.shardline_op("deadline: rank never joins")
 def test_rank_never_joins(conformance, world_size):
-    waited = conformance.run(world_size, checks.never_joins, DEADLINE_S)[:-1]
+    try:
+        waited = conformance.run(world_size, checks.never_joins, DEADLINE_S)[:-1]
+    finally:
+        conformance.run(world_size, checks.close_held)
     assert all(result is not None for result in waited)
     # Some rank saw the silence as a timeout; others may have lost the group it closed.
     assert "CommTimeoutError" in [kind for _, kind in waited], waited
@@ -19,5 +22,8 @@ def test_rank_never_joins(conformance, world_size):
 
 @pytest.mark.shardline_op("deadline: wait(timeout)")
 def test_wait_timeout(conformance, world_size):
-    elapsed = conformance.run(world_size, checks.recv_deadline, DEADLINE_S)
+    try:
+        elapsed = conformance.run(world_size, checks.recv_deadline, DEADLINE_S)
+    finally:
+        conformance.run(world_size, checks.close_held)
     assert elapsed[0] is not None

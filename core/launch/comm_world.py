@@ -3,7 +3,7 @@ control-plane world with its ParallelState on top."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardline.comm.host_directory import HostDirectory
 from shardline.comm.watchdog import SideChannel, WatchedCommunicator
@@ -18,15 +18,23 @@ from shardline.registry import Registry
 @dataclass
 class RankContext:
     """What a rank of a communicator world holds: its rank, the world communicator and a
-    control plane over it (objects and tensor dicts signed with the job secret)."""
+    control plane over it (objects and tensor dicts signed with the job secret). ``held``:
+    groups a call leaves open for a later call to close (a rank that stays silent in a group
+    while its peers time out); closed with the context at the latest."""
 
     rank: int
     world_size: int
     comm: Communicator
     control: ControlPlane
     secret: bytes
+    held: list[Communicator] = field(default_factory=list)
+
+    def close_held(self) -> None:
+        while self.held:
+            self.held.pop().close()
 
     def close(self) -> None:
+        self.close_held()
         self.comm.close()
 
 

@@ -17,6 +17,7 @@ tethered child; a rank also leaves when its command connection closes);
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -232,6 +233,9 @@ def serve_rank(
     except BaseException as error:
         connection.send(_error_reply(error))
         return
+    # What exists now (modules, the world) lives as long as the rank: out of the cyclic
+    # collector's sight, a gc.collect() in a function costs what that function made.
+    gc.freeze()
     connection.send(("ok", None))
     try:
         while True:
