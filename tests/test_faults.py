@@ -76,6 +76,7 @@ def _run_matrix(tmp_path):
             f"--executors={executors}",
             f"--communicators={communicators}",
             "--timeout=2",
+            "--jobs=2",  # the scenarios' worlds mostly wait: two at once on 2 cores
             f"--json={report_path}",
             timeout=MATRIX_TIMEOUT / 2,
         )
@@ -141,3 +142,18 @@ def test_unknown_names_are_one_clear_error():
     result = shardline("faults", "--executors=mp", "--communicators=glooo", timeout=60)
     assert result.returncode == 2
     assert "--communicators = 'glooo'" in result.stderr and "allowed:" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (["--jobs=0"], "--jobs = 0: allowed 1 to"),
+        ([f"--jobs={(os.cpu_count() or 1) + 1}"], "(this host's cores)"),
+        (["--jobs=2", "--across-hosts"], "--across-hosts runs one scenario at a time"),
+    ],
+)
+def test_jobs_beyond_the_host_are_one_clear_error(options, words):
+    result = shardline("faults", "--executors=mp", *options, timeout=60)
+    assert result.returncode == 2
+    assert words in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""

@@ -39,6 +39,16 @@ def run(args: argparse.Namespace) -> int:
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
     if args.timeout <= 0:
         raise ConfigError(f"--timeout = {args.timeout}: must be > 0", field="--timeout")
+    cores = os.cpu_count() or 1
+    if not 1 <= args.jobs <= cores:
+        raise ConfigError(
+            f"--jobs = {args.jobs}: allowed 1 to {cores} (this host's cores)", field="--jobs"
+        )
+    if args.jobs > 1 and args.across_hosts:
+        raise ConfigError(
+            f"--jobs = {args.jobs}: --across-hosts runs one scenario at a time (allowed: 1)",
+            field="--jobs",
+        )
     settings = matrix.Settings(timeout_s=args.timeout)
     if args.across_hosts:
         results, labels, scenarios = _across_hosts(args, registry, settings)
@@ -50,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         names = _names(args.scenarios, "--scenarios", list(SCENARIOS))
         scenarios = [SCENARIOS[name] for name in names]
         combos = matrix.combinations(registry, executors, communicators)
-        results = matrix.run_matrix(combos, scenarios, settings, _progress)
+        results = matrix.run_matrix(combos, scenarios, settings, _progress, args.jobs)
         labels = [combo.label for combo in combos]
     by_cell = {(r.scenario, r.combination): r for r in results}
     rows = [

@@ -127,6 +127,13 @@ def _add_faults_command(commands: argparse._SubParsersAction) -> None:
         "span hosts (default external_launcher, under torchrun; ray: a Ray cluster on the "
         "hosts, the driver in the first)",
     )
+    faults.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="scenarios run at once, each in its own world (default 1; at most the host's "
+        "cores; not with --across-hosts)",
+    )
     faults.add_argument("--json", help="write the report here")
 
 

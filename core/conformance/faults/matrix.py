@@ -16,7 +16,8 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,17 +295,24 @@ def write_injection_distribution(folder: Path) -> None:
 
 
 def run_matrix(
-    combos: Sequence[Combination], scenarios: Sequence[Scenario], settings: Settings, progress
+    combos: Sequence[Combination],
+    scenarios: Sequence[Scenario],
+    settings: Settings,
+    progress: Callable[[Result], None],
+    jobs: int = 1,
 ) -> list[Result]:
-    """Every scenario on every combination, one after another; ``progress(result)`` after
-    each."""
-    results = []
-    for combination in combos:
-        for scenario in scenarios:
-            result = run_scenario(combination, scenario, settings)
-            progress(result)
-            results.append(result)
-    return results
+    """Every scenario on every combination, ``jobs`` at a time (each in processes, a private
+    /dev/shm and a scratch folder of its own); ``progress(result)`` as each ends. The
+    results are in combination, then scenario order."""
+    cells = [(combination, scenario) for combination in combos for scenario in scenarios]
+
+    def run_one(cell: tuple[Combination, Scenario]) -> Result:
+        result = run_scenario(*cell, settings)
+        progress(result)
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="fault-scenario") as pool:
+        return list(pool.map(run_one, cells))
 
 
 def report(results: Sequence[Result], settings: Settings) -> dict[str, Any]:
