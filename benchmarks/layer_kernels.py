@@ -17,11 +17,12 @@ from linear_kernels import median_s  # this directory's timing helper
 
 from shardline.cli.table import render
 from shardline.layers.attention import AttentionMetadata, KVCache
-from shardline.layers.kernels import TORCH_KERNELS, NativeKernels, layer_kernels
+from shardline.layers.kernels import TORCH_KERNELS, KVHeadIndex, NativeKernels, layer_kernels
 from shardline.layers.rotary import RotaryEmbedding
 
 HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM = 576, 768, 5, 2, 64
-KV_INDEX = torch.tensor([0, 0, 1, 1, 1])  # which of the rank's KV heads each query head reads
+#: Which of the rank's KV heads each query head reads.
+KV_INDEX = KVHeadIndex.of(torch.tensor([0, 0, 1, 1, 1]))
 BLOCK_SIZE, NUM_BLOCKS, CONTEXT = 16, 256, 140  # each sequence: 140 tokens in the cache
 
 

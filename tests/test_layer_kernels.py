@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
-from shardline.layers.kernels import TORCH_KERNELS, NativeKernels, layer_kernels
+from shardline.layers.kernels import TORCH_KERNELS, KVHeadIndex, NativeKernels, layer_kernels
 from shardline.layers.rotary import RotaryEmbedding
 
 native_module = pytest.importorskip(
@@ -16,6 +16,8 @@ native_module = pytest.importorskip(
     reason="the C extension was not built (pip install found no compiler); torch path only",
 )
 NATIVE = NativeKernels(native_module)
+#: Four query heads reading two KV heads, two each (GQA).
+GROUPED_4_OVER_2 = KVHeadIndex.of(torch.tensor([0, 0, 1, 1]))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 4e-6) -> None:
@@ -77,17 +79,24 @@ def _metadata(query_lens: list[int], seq_lens: list[int], block_size: int) -> At
 
 
 @pytest.mark.parametrize(
-    "heads,kv_index",
-    [(6, None), (4, torch.tensor([0, 0, 1, 1])), (3, torch.tensor([1, 0, 1]))],
-    ids=["grouped", "grouped-explicit", "uneven"],
+    "kv_index,grouped",
+    [
+        (torch.arange(6) // 3, True),
+        (torch.tensor([0, 0, 1, 1], dtype=torch.int32), True),
+        (torch.tensor([1, 0, 1]), False),
+    ],
+    ids=["grouped", "grouped-int32", "uneven"],
 )
 @pytest.mark.parametrize(
     "d,block_size", [(16, 4), (64, 16), (80, 32), (8, 4)], ids=["16x4", "64x16", "80x32", "8x4"]
 )
-def test_decode_attention_over_the_paged_cache(heads, kv_index, d, block_size):
+def test_decode_attention_over_the_paged_cache(kv_index, grouped, d, block_size):
     """Head sizes the vector kernel takes (multiples of 16: 64 and 80 = 4 + 1 vectors) and
-    one it leaves to the portable loop (8); cached tokens in whole and partial groups of 16."""
-    kv_heads = 2
+    one it leaves to the portable loop (8); cached tokens in whole and partial groups of 16.
+    Grouped heads go to torch's GQA, the others are gathered per query head."""
+    heads, kv_heads = len(kv_index), 2
+    kv_index = KVHeadIndex.of(kv_index)
+    assert kv_index.grouped is grouped and kv_index.index.dtype is torch.int64
     cache = _filled_cache(kv_heads, d, block_size=block_size)
     metadata = _metadata([1, 1, 1, 1], [1, 9, 23, 70], cache.block_size)
     q = torch.randn(4, heads, d)
@@ -104,8 +113,8 @@ def test_a_step_mixing_prefill_and_decode_attends_alike():
     metadata = _metadata([1, 5, 1], [6, 5, 12], cache.block_size)
     q = torch.randn(7, heads, d)
     _close(
-        paged_attention(q, cache, metadata, 0.35, None, NATIVE),
-        paged_attention(q, cache, metadata, 0.35, None, TORCH_KERNELS),
+        paged_attention(q, cache, metadata, 0.35, GROUPED_4_OVER_2, NATIVE),
+        paged_attention(q, cache, metadata, 0.35, GROUPED_4_OVER_2, TORCH_KERNELS),
     )
 
 
@@ -127,13 +136,14 @@ def test_a_slot_or_block_outside_the_cache_is_an_error_not_a_write():
     metadata = AttentionMetadata([0, 1], [3], torch.zeros(1, dtype=torch.long), [[5]])
     with pytest.raises(IndexError, match="block 5 is outside the cache's 2 blocks"):
         NATIVE.decode_attention(
-            torch.randn(1, 1, 8), cache, metadata.decode_batch(cache.block_size), 1.0, None
-        )
+            torch.randn(1, 1, 8), cache, metadata.decode_batch(cache.block_size), 1.0,
+            KVHeadIndex.of(torch.tensor([0])),
+        )  # fmt: skip
     metadata = AttentionMetadata([0, 1], [3], torch.zeros(1, dtype=torch.long), [[1]])
     with pytest.raises(IndexError, match="query head 1 reads KV head 1 of 1"):
         NATIVE.decode_attention(
             torch.randn(1, 2, 8), cache, metadata.decode_batch(cache.block_size), 1.0,
-            torch.tensor([0, 1]),
+            KVHeadIndex.of(torch.tensor([0, 1])),
         )  # fmt: skip
     with pytest.raises(ValueError, match="norm weight"):
         NATIVE.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
@@ -167,8 +177,8 @@ def test_bfloat16_rounds_where_the_torch_path_rounds():
     decode = _metadata([1, 1], [7, 18], cache.block_size).decode_batch(cache.block_size)
     q = torch.randn(2, 4, 16).to(bf16)
     _close(
-        NATIVE.decode_attention(q, cache, decode, 0.25, None).float(),
-        TORCH_KERNELS.decode_attention(q, cache, decode, 0.25, None).float(),
+        NATIVE.decode_attention(q, cache, decode, 0.25, GROUPED_4_OVER_2).float(),
+        TORCH_KERNELS.decode_attention(q, cache, decode, 0.25, GROUPED_4_OVER_2).float(),
         2**-7,
     )
 
@@ -228,7 +238,7 @@ def _layer_blocks(monkeypatch, hidden: int, heads: tuple[int, int, int], size: i
     }
     for name in ("qkv", "o", "gate_up", "down"):
         weights[name] = NATIVE.pack_linear(weights[name])
-    kv_index = torch.tensor([0, 1, 1])[:q_heads]  # uneven, as a TP rank of SmolLM2 reads
+    kv_index = KVHeadIndex.of(torch.tensor([0, 1, 1])[:q_heads])  # uneven, as SmolLM2's TP rank
     blocks = NATIVE.layer_blocks(
         input_norm=(weights["input_norm"], 1e-5), qkv=(weights["qkv"], weights["qkv_bias"]),
         heads=heads, kv_index=kv_index, scale=0.3, o_weight=weights["o"],
@@ -300,6 +310,7 @@ def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take
     # Weights the C linear kernel does not hold (oneDNN's, or torch's): no blocks at all.
     assert TORCH_KERNELS.layer_blocks(
         input_norm=(torch.ones(72), 1e-5), qkv=(torch.randn(224, 72), None), heads=(3, 2, 32),
-        kv_index=None, scale=0.3, o_weight=torch.randn(72, 96), post_norm=(torch.ones(72), 1e-5),
+        kv_index=KVHeadIndex.of(torch.tensor([0, 1, 1])), scale=0.3,
+        o_weight=torch.randn(72, 96), post_norm=(torch.ones(72), 1e-5),
         gate_up=(torch.randn(80, 72), None), down_weight=torch.randn(72, 40),
     ) is None  # fmt: skip

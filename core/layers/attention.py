@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shardline.layers.kernels import TORCH_KERNELS, TorchKernels, per_query_head
+from shardline.layers.kernels import TORCH_KERNELS, KVHeadIndex, TorchKernels, per_query_head
 from shardline.profiling import ATTENTION
 
 
@@ -122,18 +122,12 @@ class PagedAttention(nn.Module):
     profile_part = ATTENTION
 
     def __init__(
-        self, scale: float, kv_index: torch.Tensor, kernels: TorchKernels = TORCH_KERNELS
+        self, scale: float, kv_index: KVHeadIndex, kernels: TorchKernels = TORCH_KERNELS
     ) -> None:
         super().__init__()
         self.scale = scale
         self.kernels = kernels
-        heads, kv_heads = len(kv_index), int(kv_index.max()) + 1
-        grouped = heads % kv_heads == 0 and torch.equal(
-            kv_index, torch.arange(heads) // (heads // kv_heads)
-        )
-        # Consecutive query heads sharing a KV head: the kernel reads the shared heads
-        # itself (GQA); else each query head's keys are gathered for it.
-        self.kv_index = None if grouped else kv_index
+        self.kv_index = kv_index
 
     def forward(self, q: torch.Tensor, cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         return paged_attention(q, cache, metadata, self.scale, self.kv_index, self.kernels)
@@ -144,12 +138,12 @@ def paged_attention(
     cache: KVCache,
     metadata: AttentionMetadata,
     scale: float,
-    kv_index: torch.Tensor | None,
+    kv_index: KVHeadIndex,
     kernels: TorchKernels = TORCH_KERNELS,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (``[N, heads, d]``) over each sequence's cached keys, this
-    batch's already written. Query head ``i`` reads KV head ``kv_index[i]``, or with
-    ``kv_index`` None KV head ``i // (heads / kv_heads)`` (GQA). Returns ``[N, heads * d]``."""
+    batch's already written. Query head ``i`` reads KV head ``kv_index.index[i]``. Returns
+    ``[N, heads * d]``."""
     decode = metadata.decode_batch(cache.block_size)
     if decode is not None and decode.rows is None:  # decodes only
         return kernels.decode_attention(q, cache, decode, scale, kv_index).reshape(q.shape[0], -1)
@@ -169,7 +163,7 @@ def paged_attention(
         query_positions = seq_len - n_q + torch.arange(n_q, device=q.device)
         visible = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
         attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=visible, scale=scale, enable_gqa=kv_index is None
+            query, keys, values, attn_mask=visible, scale=scale, enable_gqa=kv_index.grouped
         )
         out[start:end] = attended.transpose(0, 1)
     return out.reshape(q.shape[0], -1)

@@ -120,12 +120,12 @@ class TorchKernels:
         cache: KVCache,
         decode: DecodeBatch,
         scale: float,
-        kv_index: torch.Tensor | None,
+        kv_index: KVHeadIndex,
     ) -> torch.Tensor:
         """Attention of every one-token sequence of ``decode`` (its rows of ``q``,
         ``[N, heads, d]``) over its cached keys: ``[B, heads, d]``. Keys and values are
         gathered block by block (whole blocks are contiguous) and cut to the longest
-        sequence; query head ``i`` reads KV head ``kv_index[i]`` (None: the kernel's GQA)."""
+        sequence; query head ``i`` reads KV head ``kv_index.index[i]``."""
         count = decode.blocks.shape[0] // decode.blocks_per_seq
 
         def gathered(table: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, L, d]
@@ -136,7 +136,7 @@ class TorchKernels:
         query = (q if decode.rows is None else q[decode.rows]).unsqueeze(2)  # [B, heads, 1, d]
         attended = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=decode.visible, scale=scale,
-            enable_gqa=kv_index is None,
+            enable_gqa=kv_index.grouped,
         )  # fmt: skip
         return attended.squeeze(2)
 
@@ -163,7 +163,7 @@ class TorchKernels:
         :meth:`NativeKernels.mlp_block`); None where these kernels have no such calls or do
         not take these weights. ``input_norm``/``post_norm``: ``(weight, eps)``; ``qkv``,
         ``gate_up``: ``(weight, bias)``; ``heads``: ``(query heads, KV heads, head size)``
-        on this rank; ``kv_index``: which KV head each query head reads (None: grouped)."""
+        on this rank; ``kv_index``: which KV head each query head reads."""
         return None
 
 
@@ -191,7 +191,6 @@ class NativeKernels(TorchKernels):
 
     def __init__(self, native: ModuleType) -> None:
         self.native = native
-        self._grouped_kv_index: dict[tuple[int, int], torch.Tensor] = {}
 
     def pack_linear(self, weight):
         """A float32 CPU weight, on a CPU with AVX-512 and a rank with one torch thread, blocked
@@ -281,10 +280,7 @@ class NativeKernels(TorchKernels):
             and _fits(cache.key, q.dtype) and _fits(cache.value, q.dtype)
         ):  # fmt: skip
             return super().decode_attention(q, cache, decode, scale, kv_index)
-        if kv_index is None:  # grouped: consecutive query heads share a KV head
-            kv_index = self._grouped(heads, kv_heads)
-        elif kv_index.dtype is not torch.int64:
-            kv_index = kv_index.to(torch.int64)
+        kv_index = kv_index.index
         query = q if decode.rows is None else q[decode.rows].contiguous()
         count = query.shape[0]
         if not (
@@ -322,8 +318,7 @@ class NativeKernels(TorchKernels):
         """Where every linear weight is blocked for the C kernel (float32, :meth:`pack_linear`)
         and the rest is float32 and contiguous."""
         q_heads, kv_heads, d = heads
-        if kv_index is None:
-            kv_index = self._grouped(q_heads, kv_heads)
+        kv_index = kv_index.index
         (input_weight, input_eps), (post_weight, post_eps) = input_norm, post_norm
         (qkv_weight, qkv_bias), (gate_up_weight, gate_up_bias) = qkv, gate_up
         width = input_weight.numel()
@@ -434,14 +429,6 @@ class NativeKernels(TorchKernels):
         _record(timer, times)
         return partial, summed
 
-    def _grouped(self, heads: int, kv_heads: int) -> torch.Tensor:
-        """The KV head each of ``heads`` query heads reads when consecutive ones share one."""
-        kv_index = self._grouped_kv_index.get((heads, kv_heads))
-        if kv_index is None:
-            kv_index = torch.arange(heads, device="cpu") // (heads // kv_heads)
-            self._grouped_kv_index[heads, kv_heads] = kv_index
-        return kv_index
-
 
 def blocked(weight: torch.Tensor, block: int) -> nn.Parameter:
     """``weight`` (``[out, in]``) as the C kernel reads it, one dimension of ``out * in``: block
@@ -492,14 +479,34 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class KVHeadIndex:
+    """Which KV head each query head of a layer reads (``index``: int64, contiguous, one per
+    query head), and whether consecutive query heads share each KV head (``grouped``: torch's
+    attention reads a shared head itself, GQA; otherwise keys are gathered per query head)."""
+
+    index: torch.Tensor
+    grouped: bool
+
+    @classmethod
+    def of(cls, index: torch.Tensor) -> KVHeadIndex:
+        index = index.to(device="cpu", dtype=torch.int64).contiguous()
+        heads, kv_heads = len(index), int(index.max()) + 1
+        grouped = heads % kv_heads == 0 and torch.equal(
+            index, torch.arange(heads) // (heads // kv_heads)
+        )
+        return cls(index, grouped)
+
+
 def per_query_head(
-    keys: torch.Tensor, values: torch.Tensor, kv_index: torch.Tensor | None
+    keys: torch.Tensor, values: torch.Tensor, kv_index: KVHeadIndex
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values (heads on dim -3) as the query heads read them: gathered per query
-    head by ``kv_index``, or as they are for the kernel's own GQA (``kv_index`` None)."""
-    if kv_index is None:
+    """Keys and values (heads on dim -3) as the query heads read them: as they are for
+    torch's GQA where ``kv_index`` is grouped, else gathered per query head."""
+    if kv_index.grouped:
         return keys, values
-    return keys.index_select(-3, kv_index), values.index_select(-3, kv_index)
+    index = kv_index.index.to(keys.device)
+    return keys.index_select(-3, index), values.index_select(-3, index)
 
 
 #: The torch path, shared: it holds no state.

@@ -22,7 +22,7 @@ from shardline.layers.attention import (
     attention_kernels,
 )
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shardline.layers.kernels import TORCH_KERNELS, LayerBlocks, TorchKernels
+from shardline.layers.kernels import TORCH_KERNELS, KVHeadIndex, LayerBlocks, TorchKernels
 from shardline.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -73,7 +73,7 @@ class LlamaAttention(nn.Module):
             dtype=dtype,
             kernels=kernels,
         )
-        kv_index = torch.tensor(heads.kv_index_of_query_heads(), dtype=torch.long)
+        kv_index = KVHeadIndex.of(torch.tensor(heads.kv_index_of_query_heads()))
         self.attn = PagedAttention(arch.head_dim**-0.5, kv_index, kernels)
 
     def forward(
