@@ -151,7 +151,7 @@ class TorchKernels:
         input_norm: tuple[torch.Tensor, float],
         qkv: tuple[torch.Tensor, torch.Tensor | None],
         heads: tuple[int, int, int],
-        kv_index: torch.Tensor | None,
+        kv_index: KVHeadIndex,
         scale: float,
         o_weight: torch.Tensor,
         post_norm: tuple[torch.Tensor, float],
@@ -159,11 +159,38 @@ class TorchKernels:
         down_weight: torch.Tensor,
     ) -> LayerBlocks | None:
         """A decoder layer's weights, checked once (after packing), for running each half of
-        the layer in one call in steps of decodes only (:meth:`NativeKernels.attention_block`,
-        :meth:`NativeKernels.mlp_block`); None where these kernels have no such calls or do
+        the layer in one call in steps of decodes only (:meth:`attention_block`,
+        :meth:`mlp_block`); None where these kernels have no such calls or do
         not take these weights. ``input_norm``/``post_norm``: ``(weight, eps)``; ``qkv``,
         ``gate_up``: ``(weight, bias)``; ``heads``: ``(query heads, KV heads, head size)``
         on this rank; ``kv_index``: which KV head each query head reads."""
+        return None
+
+    def attention_block(
+        self,
+        blocks: LayerBlocks,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
+        decode: DecodeBatch,
+        timer: StepTimer = NO_TIMER,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The attention half of a decoder layer in one call, with ``blocks`` from
+        :meth:`layer_blocks`: ``(o_proj's partial output, residual)``, or None where the
+        step's tensors do not fit the call (the layer's modules run then). The torch path
+        makes no blocks, so it has no such call."""
+        return None
+
+    def mlp_block(
+        self,
+        blocks: LayerBlocks,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        timer: StepTimer = NO_TIMER,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The MLP half of a decoder layer in one call, as :meth:`attention_block`."""
         return None
 
 
