@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.comm.waiting import host_cores
 from shardline.conformance.faults.scenarios import SCENARIOS
 from support.cli import ROOT, shardline
 from support.segments import job_segments
@@ -148,7 +149,7 @@ def test_unknown_names_are_one_clear_error():
     ("options", "words"),
     [
         (["--jobs=0"], "--jobs = 0: allowed 1 to"),
-        ([f"--jobs={(os.cpu_count() or 1) + 1}"], "(this host's cores)"),
+        ([f"--jobs={host_cores() + 1}"], "(this host's cores)"),
         (["--jobs=2", "--across-hosts"], "--across-hosts runs one scenario at a time"),
     ],
 )

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from shardline.cli.table import render
+from shardline.comm.waiting import host_cores
 from shardline.conformance.faults import across_hosts, matrix
 from shardline.conformance.faults.scenarios import HOST_SCENARIOS, SCENARIOS, Scenario
 from shardline.errors import ConfigError
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
     if args.timeout <= 0:
         raise ConfigError(f"--timeout = {args.timeout}: must be > 0", field="--timeout")
-    cores = os.cpu_count() or 1
+    cores = host_cores()
     if not 1 <= args.jobs <= cores:
         raise ConfigError(
             f"--jobs = {args.jobs}: allowed 1 to {cores} (this host's cores)", field="--jobs"

@@ -307,23 +307,23 @@ class NativeKernels(TorchKernels):
             and _fits(cache.key, q.dtype) and _fits(cache.value, q.dtype)
         ):  # fmt: skip
             return super().decode_attention(q, cache, decode, scale, kv_index)
-        kv_index = kv_index.index
+        kv_heads_read = kv_index.index
         query = q if decode.rows is None else q[decode.rows].contiguous()
         count = query.shape[0]
         if not (
-            kv_index.numel() == heads and decode.lengths.numel() == count
+            kv_heads_read.numel() == heads and decode.lengths.numel() == count
             and decode.blocks.numel() == count * decode.blocks_per_seq
         ):  # fmt: skip
             raise ValueError(
                 f"decode attention: {count} queries of {heads} heads, {decode.lengths.numel()} "
                 f"lengths, {decode.blocks.numel()} blocks ({decode.blocks_per_seq} per "
-                f"sequence), {kv_index.numel()} KV head indices"
+                f"sequence), {kv_heads_read.numel()} KV head indices"
             )
         out = torch.empty_like(query)
         self.native.decode_attention(
             q.dtype is torch.bfloat16, query.data_ptr(), cache.key.data_ptr(),
             cache.value.data_ptr(), decode.blocks.data_ptr(), decode.blocks_per_seq,
-            decode.lengths.data_ptr(), query.shape[0], heads, kv_index.data_ptr(), kv_heads, d,
+            decode.lengths.data_ptr(), query.shape[0], heads, kv_heads_read.data_ptr(), kv_heads, d,
             cache.block_size, cache.key.shape[0], float(scale), out.data_ptr(),
         )  # fmt: skip
         return out
@@ -345,7 +345,7 @@ class NativeKernels(TorchKernels):
         """Where every linear weight is blocked for the C kernel (float32, :meth:`pack_linear`)
         and the rest is float32 and contiguous."""
         q_heads, kv_heads, d = heads
-        kv_index = kv_index.index
+        kv_heads_read = kv_index.index
         (input_weight, input_eps), (post_weight, post_eps) = input_norm, post_norm
         (qkv_weight, qkv_bias), (gate_up_weight, gate_up_bias) = qkv, gate_up
         width = input_weight.numel()
@@ -361,17 +361,17 @@ class NativeKernels(TorchKernels):
             and o_weight.blocked_shape == (width, q_heads * d)
             and gate_up_weight.blocked_shape == (2 * size, width)
             and down_weight.blocked_shape == (width, size)
-            and kv_index.dtype is torch.int64 and kv_index.numel() == q_heads
-            and kv_index.is_contiguous()
+            and kv_heads_read.dtype is torch.int64 and kv_heads_read.numel() == q_heads
+            and kv_heads_read.is_contiguous()
         ):  # fmt: skip
             return None
         return LayerBlocks(
             width, q_heads, kv_heads, d, size, float(scale),
             (input_weight.data_ptr(), float(input_eps), qkv_weight.data_ptr(),
-             _address(qkv_bias), kv_index.data_ptr(), o_weight.data_ptr()),
+             _address(qkv_bias), kv_heads_read.data_ptr(), o_weight.data_ptr()),
             (post_weight.data_ptr(), float(post_eps), gate_up_weight.data_ptr(),
              _address(gate_up_bias), down_weight.data_ptr()),
-            tuple(t for t in (input_weight, post_weight, qkv_weight, qkv_bias, kv_index,
+            tuple(t for t in (input_weight, post_weight, qkv_weight, qkv_bias, kv_heads_read,
                               o_weight, gate_up_weight, gate_up_bias, down_weight)
                   if t is not None),
         )  # fmt: skip
