@@ -12,6 +12,13 @@ this machine), in one run:
 Each weight set is larger than the caches (several copies, used in turn), so every call reads
 its weight from memory; GB/s is the weight's bytes over the median time.
 
+Then a whole batch-1 step of one TP=2 rank's weights (30 layers' four, then the LM head, in a
+step's order) with the C kernel, the weights placed two ways: each in its own allocation, made
+between other allocations as a model's loading makes them, and back to back in one buffer
+(``NativeKernels.weight_packer``, what a model now uses); each round also sums a 256 MiB
+tensor, the decode floor's bandwidth probe (``Worker.read_bandwidth``), so each placement's
+GB/s is also a fraction of the probe's.
+
     python benchmarks/linear_kernels.py [--dtype float32|bfloat16] [--threads 1] [--json F]
 """
 
@@ -34,6 +41,7 @@ from shardline.layers.kernels import (
     linear,
     packed,
 )
+from shardline.worker.worker import BANDWIDTH_PROBE_BYTES
 
 #: (name, out, in) per rank: SmolLM2-135M's qkv, o, gate+up, down and LM head.
 SHAPES = {
@@ -93,6 +101,44 @@ def measure(out_features: int, in_features: int, rows: int, dtype: torch.dtype) 
     return result
 
 
+#: One TP=2 rank's weights in a decode step's order: 30 layers, then the LM head.
+STEP_WEIGHTS = [shape for _, *shape in SHAPES[2][:4]] * 30 + [SHAPES[2][4][1:]]
+STEP_ROUNDS = 30
+
+
+def measure_step(native: NativeKernels) -> dict:
+    """GB/s (median of :data:`STEP_ROUNDS`) of one row through :data:`STEP_WEIGHTS`, weights
+    in their own allocations and in one buffer, and of the floor's probe, in turn."""
+    block = native.native.LINEAR_BLOCK
+    apart, loaded = [], []
+    for out_features, in_features in STEP_WEIGHTS:
+        loaded.append(torch.randn(out_features, in_features))
+        apart.append(blocked(loaded[-1], block))
+    packer = native.weight_packer(loaded)
+    together = [packer(weight) for weight in loaded]
+    del loaded
+    rows = {size: torch.randn(1, size) for _, size in STEP_WEIGHTS}
+    weight_bytes = sum(o * i * 4 for o, i in STEP_WEIGHTS)
+    probe = torch.ones(BANDWIDTH_PROBE_BYTES // 4)
+
+    def step(weights: list[torch.Tensor]) -> None:
+        for weight, (_, in_features) in zip(weights, STEP_WEIGHTS, strict=True):
+            native.linear(rows[in_features], weight, None)
+
+    runs = {
+        "own allocations": (lambda: step(apart), weight_bytes),
+        "one buffer": (lambda: step(together), weight_bytes),
+        "probe (torch.sum)": (probe.sum, BANDWIDTH_PROBE_BYTES),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(STEP_ROUNDS):
+        for name, (run, size) in runs.items():
+            start = time.perf_counter()
+            run()
+            rates[name].append(size / (time.perf_counter() - start) / 1e9)
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -124,9 +170,27 @@ def main() -> int:
     headers = ["weight", "rows", "[out, in]", "[in, out]", "oneDNN packed", "C blocked"]
     headers += ["oneDNN speed-up", "C speed-up over oneDNN"]
     print(render(headers, table))
+    native = c_kernels(dtype)
+    step = measure_step(native) if native is not None else None
+    if step is not None:
+        probe = step["probe (torch.sum)"]
+        print(
+            f"\na TP=2 rank's batch-1 step of weights ({len(STEP_WEIGHTS)} weights, "
+            f"{sum(o * i * 4 for o, i in STEP_WEIGHTS) / 2**20:.0f} MiB), C kernel; median of "
+            f"{STEP_ROUNDS} rounds"
+        )
+        print(
+            render(
+                ["weights placed", "GB/s", "of the probe"],
+                [[name, f"{rate:.1f}", f"{rate / probe:.2f}"] for name, rate in step.items()],
+            )
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"dtype": args.dtype, "threads": args.threads, "rows": records}, handle)
+            json.dump(
+                {"dtype": args.dtype, "threads": args.threads, "rows": records, "step": step},
+                handle,
+            )
     return 0
 
 

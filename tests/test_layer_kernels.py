@@ -9,6 +9,7 @@ import torch
 
 from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
 from shardline.layers.kernels import TORCH_KERNELS, KVHeadIndex, NativeKernels, layer_kernels
+from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
 
 native_module = pytest.importorskip(
@@ -184,7 +185,7 @@ def test_bfloat16_rounds_where_the_torch_path_rounds():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 16, 40])
-@pytest.mark.parametrize("out_features,in_features", [(100, 37), (64, 16), (130, 576)])
+@pytest.mark.parametrize("out_features,in_features", [(100, 37), (64, 16), (130, 576), (320, 40)])
 def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features, monkeypatch):
     """Blocked by 64 outputs (a partial last block, inputs past the 16-wide lanes), every
     row tile size, with and without a bias, and a 3-d input; the layout takes no more memory
@@ -205,6 +206,63 @@ def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features, mo
     torch.testing.assert_close(
         NATIVE.linear(x3, blocked, None), torch.nn.functional.linear(x3, weight), **close
     )
+
+
+@pytest.mark.parametrize("out_features", [64, 128, 320, 330])
+def test_one_row_gets_the_same_bits_alone_as_in_a_batch(out_features, monkeypatch):
+    """A single row reads two blocks at a time (two streams), a batch one block per tile:
+    each output is the same sum in the same order either way (pairs of blocks, an odd block
+    left over, a partial last block; with a bias)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+    weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
+    x = torch.randn(7, 96)
+    batch = NATIVE.linear(x, weight, bias)
+    for row in range(7):
+        assert torch.equal(NATIVE.linear(x[row : row + 1], weight, bias), batch[row : row + 1])
+
+
+def test_a_models_blocked_weights_lie_back_to_back_in_packing_order(monkeypatch):
+    """weight_packer puts the blocked weights in one buffer, each where the one before ended
+    (rounded up to a cache line), in the order they are packed; a weight the C kernel does
+    not take (bfloat16) is packed as before and takes no room; more than the packer was
+    made for is an error, not a write past the buffer."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+    weights = [torch.randn(70, 3), torch.randn(64, 8).bfloat16(), torch.randn(130, 9)]
+    pack = NATIVE.weight_packer(weights)
+    first, other, last = (pack(weight) for weight in weights)
+    assert other.dim() == 2 and other.dtype is torch.bfloat16
+    assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+    assert last.data_ptr() - first.data_ptr() == 4 * 224  # 210 floats, to 14 cache lines
+    x = torch.randn(2, 9)
+    torch.testing.assert_close(NATIVE.linear(x, last, None), x @ weights[2].t())
+    with pytest.raises(ValueError, match="weight arena"):
+        pack(torch.randn(70, 3))
+
+
+def test_packing_a_model_gives_each_kernels_object_one_packer_in_module_order(monkeypatch):
+    """pack_linear_weights packs every module with a ``pack`` method in module order, with
+    one packer per kernels object: the C kernels' weights end up back to back."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+
+    class Layer(torch.nn.Module):
+        def __init__(self, out_features: int, kernels) -> None:
+            super().__init__()
+            self.kernels, self.weight = kernels, torch.randn(out_features, 16)
+
+        def pack(self, packer) -> None:
+            self.weight = packer(self.weight)
+
+    model = torch.nn.Sequential(Layer(64, NATIVE), Layer(32, TORCH_KERNELS), Layer(80, NATIVE))
+    pack_linear_weights(model)
+    first, other, last = (layer.weight for layer in model)
+    assert first.dim() == last.dim() == 1 and other.dim() == 2
+    assert last.data_ptr() - first.data_ptr() == 4 * 64 * 16
 
 
 def test_a_rank_with_several_threads_or_another_dtype_keeps_onednn(monkeypatch):

@@ -14,7 +14,7 @@ from torch import nn
 
 from shardline.distributed import GroupCoordinator
 from shardline.interfaces import ReduceOp
-from shardline.layers.kernels import TORCH_KERNELS, TorchKernels
+from shardline.layers.kernels import TORCH_KERNELS, TorchKernels, WeightPacker
 from shardline.layers.linear import weight_matrix
 from shardline.layers.sharding import TensorSource, vocab_shard
 from shardline.profiling import EMBEDDING_LOOKUP, MATMUL
@@ -83,11 +83,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
 
-    def pack(self) -> None:
-        """Lay the head's weight out for its kernels' linear
-        (:meth:`~shardline.layers.kernels.TorchKernels.pack_linear`). A tied head then holds
+    def pack(self, packer: WeightPacker | None = None) -> None:
+        """Lay the head's weight out for its kernels' linear (``packer``, from
+        :meth:`~shardline.layers.kernels.TorchKernels.weight_packer`, or
+        :meth:`~shardline.layers.kernels.TorchKernels.pack_linear`). A tied head then holds
         its own copy: the embedding keeps the plain table its lookups read."""
-        self.weight = self.kernels.pack_linear(self.weight)
+        self.weight = (packer or self.kernels.pack_linear)(self.weight)
 
     def forward(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab_size]`` logits, identical on every TP rank; with

@@ -103,7 +103,10 @@ static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as
  * ([in][64]); the last holds the rest ([in][out % 64] when out is not a multiple of 64), so the
  * layout takes exactly out x in floats. A tile of R rows of x and one block keeps R x 4 vectors of 16 sums
  * in registers, broadcasting x[r, i] against the block's row i: the block streams through once
- * per 6 rows, with no horizontal sums. AVX-512 only (checked at run time); float32. */
+ * per 6 rows, with no horizontal sums. A single row (a decode of one sequence) reads two full
+ * blocks at a time: two streams through memory, which one core reads faster than one
+ * (benchmarks/linear_kernels.py); each output's sum is the same either way. AVX-512 only
+ * (checked at run time); float32. */
 
 #define LINEAR_BLOCK 64
 #define LINEAR_TILE_ROWS 6
@@ -179,10 +182,38 @@ DEFINE_LINEAR_TILE(4)
 DEFINE_LINEAR_TILE(5)
 DEFINE_LINEAR_TILE(6)
 
+/* One row against the two full blocks at block (outputs 0..127 of y and bias): the same
+ * sums, in the same order, as linear_tile_1 on each block. */
+AVX512 static void linear_row_two_blocks(const float *block, long in, const float *x, float *y,
+                                         const float *bias) {
+    const float *second = block + in * LINEAR_BLOCK;
+    __m512 acc[2][4];
+    for (int b = 0; b < 2; b++)
+        for (int k = 0; k < 4; k++) acc[b][k] = _mm512_setzero_ps();
+    for (long i = 0; i < in; i++) {
+        __m512 value = _mm512_set1_ps(x[i]);
+        const float *rows[2] = {block + i * LINEAR_BLOCK, second + i * LINEAR_BLOCK};
+        for (int b = 0; b < 2; b++)
+            for (int k = 0; k < 4; k++)
+                acc[b][k] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[b] + 16 * k), value, acc[b][k]);
+    }
+    for (int b = 0; b < 2; b++)
+        for (int k = 0; k < 4; k++) {
+            long at = b * LINEAR_BLOCK + 16 * k;
+            __m512 sum = bias ? _mm512_add_ps(acc[b][k], _mm512_loadu_ps(bias + at)) : acc[b][k];
+            _mm512_storeu_ps(y + at, sum);
+        }
+}
+
 static void blocked_linear_rows(const float *weight, const float *x, float *y, const float *bias,
                                 long rows, long out, long in) {
-    long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
-    for (long k = 0; k < blocks; k++) {
+    long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK, first = 0;
+    if (rows == 1)
+        for (; first + 2 <= out / LINEAR_BLOCK; first += 2)
+            linear_row_two_blocks(weight + first * in * LINEAR_BLOCK, in, x,
+                                  y + first * LINEAR_BLOCK,
+                                  bias ? bias + first * LINEAR_BLOCK : NULL);
+    for (long k = first; k < blocks; k++) {
         const float *block = weight + k * in * LINEAR_BLOCK;  /* the last may be narrower */
         long width = out - k * LINEAR_BLOCK < LINEAR_BLOCK ? out - k * LINEAR_BLOCK : LINEAR_BLOCK;
         const float *block_bias = bias ? bias + k * LINEAR_BLOCK : NULL;

@@ -12,7 +12,7 @@ The C path does each group in one call (``benchmarks/layer_kernels.py`` measures
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 #: The batch size oneDNN packs weights for: measured the fastest packing for 1 and 16 rows.
 PACKED_FOR_ROWS = 16
+
+#: Lays one loaded ``[out, in]`` weight out for a kernels object's linear (returns the new
+#: parameter, or the weight itself where it stays as it is).
+WeightPacker = Callable[[torch.Tensor], torch.Tensor]
 
 
 def packs(device: str, dtype: str) -> bool:
@@ -67,6 +71,13 @@ class TorchKernels:
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` (``[out, in]``, loaded) in the layout :meth:`linear` reads fastest."""
         return packed(weight)
+
+    def weight_packer(self, weights: Sequence[torch.Tensor]) -> WeightPacker:
+        """A :meth:`pack_linear` for a model's weights, ``weights`` (loaded), to be called on
+        each of them in this order (the order a step multiplies by them); it may place them
+        together. The caller should not keep ``weights``: each original is freed as the
+        packer replaces it."""
+        return self.pack_linear
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -223,13 +234,35 @@ class NativeKernels(TorchKernels):
         """A float32 CPU weight, on a CPU with AVX-512 and a rank with one torch thread, blocked
         for the C kernel (:func:`blocked`); else oneDNN's packing. The C kernel is
         single-threaded: a rank with more threads keeps oneDNN's threaded one."""
-        if (
+        if self._blocks(weight):
+            return blocked(weight, self.native.LINEAR_BLOCK)
+        return super().pack_linear(weight)
+
+    def weight_packer(self, weights):
+        """:meth:`pack_linear`, with the blocked weights back to back in one buffer in the
+        order they are packed: a decode step then reads its weights as one stream through
+        memory rather than one per weight, which a core reads faster
+        (``benchmarks/linear_kernels.py``). The buffer's pages are touched only as weights are
+        written to it, so packing needs no more memory than one weight at a time did."""
+        sizes = [weight.numel() for weight in weights if self._blocks(weight)]
+        if not sizes:
+            return super().weight_packer(weights)
+        arena = WeightArena(sum(_aligned(size) for size in sizes))
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            if not self._blocks(weight):
+                return super(NativeKernels, self).pack_linear(weight)
+            return blocked(weight, self.native.LINEAR_BLOCK, arena.take(weight.numel()))
+
+        return pack
+
+    def _blocks(self, weight: torch.Tensor) -> bool:
+        """Whether :meth:`pack_linear` blocks ``weight`` for the C kernel."""
+        return (
             weight.dtype is torch.float32 and weight.dim() == 2
             and packs(weight.device.type, "float32") and torch.get_num_threads() == 1
             and self.native.blocked_linear_available()
-        ):  # fmt: skip
-            return blocked(weight, self.native.LINEAR_BLOCK)
-        return super().pack_linear(weight)
+        )  # fmt: skip
 
     def linear(self, x, weight, bias):
         if weight.dim() != 1:
@@ -457,19 +490,50 @@ class NativeKernels(TorchKernels):
         return partial, summed
 
 
-def blocked(weight: torch.Tensor, block: int) -> nn.Parameter:
+def blocked(weight: torch.Tensor, block: int, out: torch.Tensor | None = None) -> nn.Parameter:
     """``weight`` (``[out, in]``) as the C kernel reads it, one dimension of ``out * in``: block
     after block of ``block`` outputs, each input by input (``[in, block]``), the last holding
-    the rest (``[in, out % block]``). Its ``blocked_shape`` is ``(out, in)``."""
+    the rest (``[in, out % block]``); written into ``out`` (that many float32 elements) where
+    given. Its ``blocked_shape`` is ``(out, in)``."""
     out_features, in_features = weight.shape
     whole = out_features // block * block
     source = weight.detach()
-    parts = [source[:whole].reshape(-1, block, in_features).transpose(1, 2).reshape(-1)]
+    if out is None:
+        out = torch.empty(out_features * in_features, dtype=weight.dtype)
+    out[: whole * in_features].view(-1, in_features, block).copy_(
+        source[:whole].view(-1, block, in_features).transpose(1, 2)
+    )
     if whole < out_features:
-        parts.append(source[whole:].t().reshape(-1))
-    parameter = nn.Parameter(torch.cat(parts), requires_grad=False)
+        out[whole * in_features :].view(in_features, -1).copy_(source[whole:].t())
+    parameter = nn.Parameter(out, requires_grad=False)
     parameter.blocked_shape = (out_features, in_features)
     return parameter
+
+
+class WeightArena:
+    """One float32 buffer of ``size`` elements handed out front to back in pieces, each
+    starting on a 64-byte boundary (a cache line). Made with ``torch.empty``: memory is
+    committed only as pieces are written."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = torch.empty(size, dtype=torch.float32)
+        self.used = 0
+
+    def take(self, size: int) -> torch.Tensor:
+        """The next ``size`` elements (a view of the buffer)."""
+        if self.used + size > self.buffer.numel():
+            raise ValueError(
+                f"weight arena: {size} more elements do not fit ({self.used} of "
+                f"{self.buffer.numel()} used); pack only the weights it was made for"
+            )
+        piece = self.buffer[self.used : self.used + size]
+        self.used += _aligned(size)
+        return piece
+
+
+def _aligned(size: int) -> int:
+    """``size`` float32 elements rounded up to whole 64-byte cache lines."""
+    return -(-size // 16) * 16
 
 
 def _address(tensor: torch.Tensor | None) -> int:

@@ -8,7 +8,8 @@ Once loaded, :func:`pack_linear_weights` has each layer's kernels
 (:mod:`shardline.layers.kernels`) lay its weight out for their linear kernel: oneDNN's blocked
 layout (float32, bfloat16 on the CPU; faster than torch's default GEMM at every decode batch
 size, ``benchmarks/linear_kernels.py``), or the C kernel's own for float32 on a one-thread
-rank. Where neither applies the weights stay as they are and ``F.linear`` runs.
+rank, all of a model's back to back in one buffer in the order a step reads them. Where
+neither applies the weights stay as they are and ``F.linear`` runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from shardline.distributed import GroupCoordinator
-from shardline.layers.kernels import TORCH_KERNELS, TorchKernels
+from shardline.layers.kernels import TORCH_KERNELS, TorchKernels, WeightPacker
 from shardline.layers.sharding import (
     ShardSlice,
     TensorSource,
@@ -47,11 +48,17 @@ def weight_matrix(out_features: int, in_features: int, dtype: torch.dtype) -> nn
 
 def pack_linear_weights(model: nn.Module) -> None:
     """Pack the weight of every layer of ``model`` that has a ``pack`` method (call once the
-    weights are loaded; loading into a packed weight is not possible)."""
+    weights are loaded; loading into a packed weight is not possible), in module order (the
+    order a step multiplies by them) with one :meth:`~TorchKernels.weight_packer` per
+    kernels object, so that the C kernel's weights lie back to back in that order."""
+    packable: dict[int, list[nn.Module]] = {}
     for module in model.modules():
-        pack = getattr(module, "pack", None)
-        if callable(pack):
-            pack()
+        if callable(getattr(module, "pack", None)):
+            packable.setdefault(id(module.kernels), []).append(module)
+    for modules in packable.values():
+        packer = modules[0].kernels.weight_packer([module.weight for module in modules])
+        for module in modules:
+            module.pack(packer)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -86,8 +93,8 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None and bias is not None:
             copy_into(self.bias, part.apply(bias), "bias")
 
-    def pack(self) -> None:
-        self.weight = self.kernels.pack_linear(self.weight)
+    def pack(self, packer: WeightPacker | None = None) -> None:
+        self.weight = (packer or self.kernels.pack_linear)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.weight, self.bias)
@@ -180,8 +187,8 @@ class QKVParallelLinear(nn.Module):
         if self.bias is not None and bias is not None:
             copy_into(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
 
-    def pack(self) -> None:
-        self.weight = self.kernels.pack_linear(self.weight)
+    def pack(self, packer: WeightPacker | None = None) -> None:
+        self.weight = (packer or self.kernels.pack_linear)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.weight, self.bias)
@@ -220,8 +227,8 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and bias is not None:
             copy_into(self.bias, bias[:], "bias")
 
-    def pack(self) -> None:
-        self.weight = self.kernels.pack_linear(self.weight)
+    def pack(self, packer: WeightPacker | None = None) -> None:
+        self.weight = (packer or self.kernels.pack_linear)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.kernels.linear(x, self.weight, None))
