@@ -28,6 +28,8 @@ MATMUL = "matmul (weights)"
 ATTENTION = "attention"
 EMBEDDING_LOOKUP = "embedding lookup"
 OTHER_LAYER_OPS = "other per-layer ops"
+#: The part of all-reduces (:class:`TimedCommunicator`'s, and those made inside C calls).
+COMM_ALL_REDUCE = "comm all_reduce"
 
 
 class StepTimer:
@@ -140,7 +142,7 @@ class TimedCommunicator(DelegatingCommunicator):
         return TimedCommunicator(group, self.timer)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        with self.timer("comm all_reduce"):
+        with self.timer(COMM_ALL_REDUCE):
             return self.inner.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -101,6 +101,39 @@ def test_a_killed_rank_leaves_no_segment():
     assert _segments(world.rendezvous.job) == set()
 
 
+@pytest.mark.timeout(180)
+def test_a_native_run_sums_as_all_reduce_does_and_the_calls_go_on_after_it():
+    """Communicator.native_all_reduce: a C entry point for the next calls (a decode step's
+    all-reduces, made from C without the GIL): every rank gets the same bits all_reduce gives
+    for the same inputs, and all_reduce works after the run."""
+    pytest.importorskip("shardline_custom_allreduce._native", reason="extension not built")
+    pytest.importorskip("shardline.layers._kernels", reason="kernels extension not built")
+    with LocalWorld(3, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
+        results = world.run(allreduce_checks.native_runs, 2, 5)
+    first = results[0][2]
+    for calls, failures, natively, reduced, after in results:
+        assert calls == 5 and failures == [None] * 5
+        for native, expected, rank0 in zip(natively, reduced, first, strict=True):
+            assert torch.equal(native, expected) and torch.equal(native, rank0)
+        assert torch.equal(after, torch.full((3,), 3.0))
+
+
+@pytest.mark.timeout(120)
+def test_a_native_run_names_the_rank_that_never_arrives_by_its_deadline():
+    pytest.importorskip("shardline_custom_allreduce._native", reason="extension not built")
+    pytest.importorskip("shardline.layers._kernels", reason="kernels extension not built")
+    with LocalWorld(3, CommunicatorSetup("custom_ar", 2.0), call_timeout_s=60) as world:
+        results = world.run(allreduce_checks.native_run_with_a_silent_rank, 1)
+    assert results[1] is None
+    for rank in (0, 2):
+        failure, seconds, error = results[rank]
+        assert failure == (
+            f"custom_ar all_reduce on rank {rank} of 3: ranks [1] did not arrive within 2 s"
+        )
+        assert 2.0 <= seconds < 4.0
+        assert error.startswith(failure)
+
+
 def test_the_base_is_built_without_running_any_other_plugin():
     """A one-rank custom_ar world imports the gloo plugin for its base and no other one."""
     program = (

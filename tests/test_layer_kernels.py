@@ -293,15 +293,18 @@ def _layer_blocks(monkeypatch, hidden: int, heads: tuple[int, int, int], size: i
         "gate_up": torch.randn(2 * size, hidden) * 0.1,
         "gate_up_bias": torch.randn(2 * size) if bias else None,
         "down": torch.randn(hidden, size) * 0.1,
+        "o_bias": torch.randn(hidden) if bias else None,
+        "down_bias": torch.randn(hidden) if bias else None,
     }
     for name in ("qkv", "o", "gate_up", "down"):
         weights[name] = NATIVE.pack_linear(weights[name])
     kv_index = KVHeadIndex.of(torch.tensor([0, 1, 1])[:q_heads])  # uneven, as SmolLM2's TP rank
     blocks = NATIVE.layer_blocks(
         input_norm=(weights["input_norm"], 1e-5), qkv=(weights["qkv"], weights["qkv_bias"]),
-        heads=heads, kv_index=kv_index, scale=0.3, o_weight=weights["o"],
+        heads=heads, kv_index=kv_index, scale=0.3, o_proj=(weights["o"], weights["o_bias"]),
         post_norm=(weights["post_norm"], 1e-6),
-        gate_up=(weights["gate_up"], weights["gate_up_bias"]), down_weight=weights["down"],
+        gate_up=(weights["gate_up"], weights["gate_up_bias"]),
+        down=(weights["down"], weights["down_bias"]),
     )  # fmt: skip
     assert blocks is not None
     return weights, kv_index, blocks
@@ -347,6 +350,62 @@ def test_a_fused_layer_half_is_its_operations_one_by_one(monkeypatch, bias):
     assert torch.equal(partial, expected) and torch.equal(new_residual, expected_residual)
 
 
+class _OneRank:
+    """A tensor-parallel group of one rank: nothing to reduce between the halves."""
+
+    world_size = 1
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_layer_in_one_call_is_the_layers_one_by_one(monkeypatch, bias):
+    """decode_layers (three layers, one rank) against each layer's fused halves with the
+    row-parallel bias and the residual stream between them, as the decoder layer chains them:
+    the same bits out and in the caches, starting with no residual (the first stage) and with
+    one (a later pipeline stage)."""
+    heads, hidden, size = (3, 2, 32), 72, 40
+    layers = [_layer_blocks(monkeypatch, hidden, heads, size, bias) for _ in range(3)]
+    metadata = _metadata([1, 1, 1], [3, 17, 30], 4)
+    decode = metadata.decode_batch(4)
+    metadata.slot_mapping = torch.tensor(
+        [table[(n - 1) // 4] * 4 + (n - 1) % 4 for table, n in zip(
+            metadata.block_tables, metadata.seq_lens, strict=True)]
+    )  # fmt: skip
+    rope = RotaryEmbedding(32, 10000.0, 64).at(torch.tensor(metadata.seq_lens) - 1)
+    x, residual = torch.randn(3, hidden), torch.randn(3, hidden)
+    for start in (None, residual):
+        caches = [_filled_cache(2, 32) for _ in layers]
+        copies = [KVCache(40, 4, 2, 32, torch.float32) for _ in layers]
+        for cache, copy in zip(caches, copies, strict=True):
+            copy.key.copy_(cache.key)
+            copy.value.copy_(cache.value)
+        stack = NATIVE.layer_stack([blocks for _, _, blocks in layers], caches)
+        got, got_residual = NATIVE.decode_layers(
+            stack, x, start, rope, metadata.slot_mapping, decode, _OneRank()
+        )
+        expected, stream = x, start
+        for (weights, _, blocks), cache in zip(layers, copies, strict=True):
+            partial, stream = NATIVE.attention_block(
+                blocks, expected, stream, rope, cache, metadata.slot_mapping, decode
+            )
+            expected = partial if weights["o_bias"] is None else partial + weights["o_bias"]
+            partial, stream = NATIVE.mlp_block(blocks, expected, stream)
+            expected = partial if weights["down_bias"] is None else partial + weights["down_bias"]
+        assert torch.equal(got, expected) and torch.equal(got_residual, stream)
+        for cache, copy in zip(caches, copies, strict=True):
+            assert torch.equal(cache.key, copy.key) and torch.equal(cache.value, copy.value)
+
+
+def test_a_layer_stack_takes_only_layers_of_one_shape_and_float32_caches(monkeypatch):
+    first = _layer_blocks(monkeypatch, 72, (3, 2, 32), 40, False)[2]
+    wider = _layer_blocks(monkeypatch, 72, (3, 2, 32), 48, False)[2]
+    caches = [_filled_cache(2, 32), _filled_cache(2, 32)]
+    assert NATIVE.layer_stack([first, first], caches) is not None
+    assert NATIVE.layer_stack([first, wider], caches) is None
+    assert NATIVE.layer_stack([first, None], caches) is None
+    assert NATIVE.layer_stack([first], [KVCache(40, 4, 2, 32, torch.bfloat16)]) is None
+    assert TORCH_KERNELS.layer_stack([first], caches[:1]) is None
+
+
 def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take(monkeypatch):
     _, _, blocks = _layer_blocks(monkeypatch, 72, (3, 2, 32), 40, False)
     cache = KVCache(2, 4, 2, 32, torch.float32)
@@ -369,6 +428,6 @@ def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take
     assert TORCH_KERNELS.layer_blocks(
         input_norm=(torch.ones(72), 1e-5), qkv=(torch.randn(224, 72), None), heads=(3, 2, 32),
         kv_index=KVHeadIndex.of(torch.tensor([0, 1, 1])), scale=0.3,
-        o_weight=torch.randn(72, 96), post_norm=(torch.ones(72), 1e-5),
-        gate_up=(torch.randn(80, 72), None), down_weight=torch.randn(72, 40),
+        o_proj=(torch.randn(72, 96), None), post_norm=(torch.ones(72), 1e-5),
+        gate_up=(torch.randn(80, 72), None), down=(torch.randn(72, 40), None),
     ) is None  # fmt: skip

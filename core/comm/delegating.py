@@ -8,7 +8,7 @@ import abc
 
 import torch
 
-from shardline.interfaces import Capabilities, Communicator, ReduceOp, Work
+from shardline.interfaces import Capabilities, Communicator, NativeAllReduce, ReduceOp, Work
 
 
 class DelegatingCommunicator(Communicator):
@@ -60,6 +60,9 @@ class DelegatingCommunicator(Communicator):
 
     def barrier(self) -> None:
         self.inner.barrier()
+
+    def native_all_reduce(self, like: torch.Tensor, calls: int) -> NativeAllReduce | None:
+        return self.inner.native_all_reduce(like, calls)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.inner.send(tensor, dst)

@@ -22,8 +22,13 @@ import torch
 from shardline.comm.delegating import DelegatingCommunicator
 from shardline.comm.host_directory import HostDirectory
 from shardline.comm.store import connect_store
-from shardline.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
-from shardline.interfaces import Communicator, ReduceOp, Work
+from shardline.errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    PeerLostError,
+    ShardlineError,
+)
+from shardline.interfaces import Communicator, NativeAllReduce, ReduceOp, Work
 from shardline.interfaces.communicator_backend import Rendezvous
 
 #: How long a rank that timed out waits for the others' fingerprints (inside the "deadline
@@ -134,6 +139,28 @@ class WatchedCommunicator(DelegatingCommunicator):
 
     def barrier(self) -> None:
         return self._watch("barrier", None, None, super().barrier)
+
+    def native_all_reduce(self, like: torch.Tensor, calls: int) -> NativeAllReduce | None:
+        """The inner communicator's, fingerprinted as one operation (``calls`` all-reduces
+        from C); its failures get the watchdog's diagnosis. None in debug mode
+        (``check_every``), which compares every operation."""
+        native = None if self.check_every else self.inner.native_all_reduce(like, calls)
+        if native is None:
+            return None
+        self._seq += 1
+        fingerprint = Fingerprint(
+            self._seq, f"all_reduce x{calls} (native)", tuple(like.shape),
+            str(like.dtype).removeprefix("torch."), None,
+        )  # fmt: skip
+        self.last = fingerprint
+
+        def failed(message: str) -> ShardlineError:
+            error = native.failed(message)
+            if isinstance(error, CommTimeoutError | PeerLostError):
+                return self.diagnose(error, fingerprint)
+            return error
+
+        return NativeAllReduce(native.capsule, calls, failed)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         return self._watch("send", tensor, dst, super().send, tensor, dst)

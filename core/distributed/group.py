@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardline.distributed.control_plane import AllGatherSplit, ControlPlane
-from shardline.interfaces import Communicator, ReduceOp, Work
+from shardline.interfaces import Communicator, NativeAllReduce, ReduceOp, Work
 
 
 class GroupCoordinator:
@@ -81,6 +81,14 @@ class GroupCoordinator:
         if self.world_size == 1:
             return tensor
         return self.data.all_reduce(tensor, op)
+
+    def native_all_reduce(self, like: torch.Tensor, calls: int) -> NativeAllReduce | None:
+        """The data communicator's next ``calls`` sums as a C entry point
+        (:meth:`~shardline.interfaces.Communicator.native_all_reduce`); None with one rank
+        (nothing to reduce) or where the communicator has none."""
+        if self.world_size == 1:
+            return None
+        return self.data.native_all_reduce(like, calls)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's tensor along ``dim``. With one rank, returns ``tensor``."""

@@ -1,7 +1,7 @@
 """The contracts every provided part keeps: one small module each, docstrings are the spec."""
 
 from shardline.interfaces.capabilities import Capabilities
-from shardline.interfaces.communicator import Communicator, ReduceOp
+from shardline.interfaces.communicator import Communicator, NativeAllReduce, ReduceOp
 from shardline.interfaces.communicator_backend import CommunicatorBackend, Rendezvous
 from shardline.interfaces.executor import Executor, Host
 from shardline.interfaces.intermediate import IntermediateTensors
@@ -26,6 +26,7 @@ __all__ = [
     "ModelPlan",
     "ModelRunner",
     "ModelRunnerOutput",
+    "NativeAllReduce",
     "NewRequest",
     "RankMemory",
     "ReduceOp",

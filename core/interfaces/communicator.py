@@ -31,13 +31,17 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from shardline.interfaces.capabilities import Capabilities
 from shardline.interfaces.work import Work
 
 if TYPE_CHECKING:
     import torch
+
+    from shardline.errors import ShardlineError
 
 
 class ReduceOp(enum.StrEnum):
@@ -46,6 +50,19 @@ class ReduceOp(enum.StrEnum):
     SUM = "sum"
     MAX = "max"
     MIN = "min"
+
+
+@dataclass(frozen=True)
+class NativeAllReduce:
+    """A communicator's all-reduce (sum) as a C entry point, for C code that runs many
+    operations in one call: ``capsule`` is a PyCapsule named ``shardline.native_all_reduce``
+    holding the struct of ``shardline/comm/native_all_reduce.h``; ``calls`` is how many
+    all-reduces it makes before it is used up. When the C code reports a failure, raise
+    ``failed(message)``."""
+
+    capsule: Any
+    calls: int
+    failed: Callable[[str], ShardlineError]
 
 
 class Communicator(abc.ABC):
@@ -105,6 +122,15 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return only after every rank of the group has entered the barrier."""
+
+    def native_all_reduce(self, like: torch.Tensor, calls: int) -> NativeAllReduce | None:
+        """Optional: the next ``calls`` all-reduces (sum) of this group, for tensors of
+        ``like``'s shape and dtype (contiguous, on the CPU), made from C without the GIL
+        (:class:`NativeAllReduce`); every rank asks for the same calls at the same point of
+        its operations, and makes them all before any other operation of this group. None
+        (this default) where the backend has no such path: the caller then calls
+        :meth:`all_reduce`. Results equal :meth:`all_reduce`'s, bit for bit."""
+        return None
 
     # ---- point to point -------------------------------------------------------------------
 

@@ -18,6 +18,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "native_all_reduce.h"
+
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
 #define WIDEST_CPU __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -476,13 +478,15 @@ static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
-/* ---- a decoder layer's halves, one call each (float32, blocked weights, decodes only) ----
- * attention_block: [residual add +] RMSNorm, the qkv linear, RoPE + the cache store, decode
- * attention, the o_proj linear (its bias, if any, is the caller's: after the all-reduce);
- * mlp_block: [residual add +] RMSNorm, the gate_up linear, SiLU x up, the down linear. The
- * kernels of the one-operation calls above, in the same order on the same values: results
- * are bit-identical to that path. times (a double[2], or 0): seconds added to the matmuls
- * ([0]) and to attention ([1]), for the profile. */
+/* ---- a decoder layer's halves (float32, blocked weights, decodes only) --------------------
+ * The attention half: [residual add +] RMSNorm, the qkv linear, RoPE + the cache store, decode
+ * attention, the o_proj linear (its bias, if any, comes after the all-reduce); the MLP half:
+ * [residual add +] RMSNorm, the gate_up linear, SiLU x up, the down linear. The kernels of the
+ * one-operation calls above, in the same order on the same values: results are bit-identical
+ * to that path. attention_block and mlp_block run one half; decode_layers runs every layer of
+ * a step, with the all-reduces between the halves made through a communicator's C entry point
+ * (native_all_reduce.h). times (a double[3], or NULL): seconds added to the matmuls ([0]),
+ * attention ([1]) and the all-reduces ([2]), for the profile. */
 
 static double seconds_now(void) {
     struct timespec now;
@@ -498,7 +502,7 @@ static inline void lap(double *times, int part, double *since) {
     *since = now;
 }
 
-enum { LAP_MATMUL = 0, LAP_ATTENTION = 1, LAP_OTHER = -1 };
+enum { LAP_MATMUL = 0, LAP_ATTENTION = 1, LAP_COMM = 2, LAP_OTHER = -1 };
 
 /* 0 where this CPU runs the blocked linear kernel (AVX-512), else RuntimeError (-1). */
 static int blocked_linear_or_error(void) {
@@ -509,84 +513,233 @@ static int blocked_linear_or_error(void) {
     return -1;
 }
 
+/* One layer's weights and cache (blocked linears; biases may be NULL). */
+typedef struct {
+    const float *input_norm, *qkv_weight, *qkv_bias, *o_weight, *o_bias;
+    const float *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    const int64_t *kv_index;
+    float *key_cache, *value_cache;
+    float input_eps, post_eps;
+} Layer;
+
+/* The sizes every layer of a rank shares, and one step's decode batch. */
+typedef struct {
+    long rows, hidden, q_heads, kv_heads, d, size, num_blocks, block_size, per_seq, longest;
+    float scale;
+    const float *cos, *sin;
+    const int64_t *slots, *blocks, *lengths;
+} Step;
+
+/* Floats of scratch one half of a layer needs (attention's is the larger unless the MLP is
+ * wide): normed rows, qkv, queries, attended rows, a norm row and the attention scores. */
+static size_t scratch_floats(const Step *step) {
+    long qkv_width = (step->q_heads + 2 * step->kv_heads) * step->d;
+    long attention = step->rows * (step->hidden + qkv_width + 2 * step->q_heads * step->d) +
+                     step->hidden + step->longest + 2 * step->d;
+    long mlp = step->rows * (step->hidden + 3 * step->size) + step->hidden;
+    return (size_t)(attention > mlp ? attention : mlp);
+}
+
+#ifdef HAVE_BLOCKED_LINEAR
+/* partial = o_proj(attention(norm(x [+ residual]))); residual_out = x + residual where
+ * residual is given. partial may be x. */
+static void attention_half(const Layer *layer, const Step *step, const float *x,
+                           const float *residual, float *residual_out, float *partial,
+                           float *scratch, double *times) {
+    long rows = step->rows, hidden = step->hidden, d = step->d;
+    long qkv_width = (step->q_heads + 2 * step->kv_heads) * d, width = step->q_heads * d;
+    float *normed = scratch, *qkv = normed + rows * hidden, *q = qkv + rows * qkv_width;
+    float *attended = q + rows * width, *row = attended + rows * width, *scores = row + hidden;
+    double since = times ? seconds_now() : 0.0;
+    rms_norm_rows_f32(x, residual, layer->input_norm, normed, residual_out, rows, hidden,
+                      layer->input_eps, row);
+    lap(times, LAP_OTHER, &since);
+    blocked_linear_rows(layer->qkv_weight, normed, qkv, layer->qkv_bias, rows, qkv_width, hidden);
+    lap(times, LAP_MATMUL, &since);
+    rope_store_rows_f32(qkv, rows, step->q_heads, step->kv_heads, d, step->cos, step->sin, q,
+                        layer->key_cache, layer->value_cache, step->slots);
+    lap(times, LAP_OTHER, &since);
+    attend_f32(q, layer->key_cache, layer->value_cache, step->blocks, step->per_seq,
+               step->lengths, rows, step->q_heads, layer->kv_index, step->kv_heads, d,
+               step->block_size, step->scale, attended, scores, step->longest);
+    lap(times, LAP_ATTENTION, &since);
+    blocked_linear_rows(layer->o_weight, attended, partial, NULL, rows, hidden, width);
+    lap(times, LAP_MATMUL, &since);
+}
+
+/* partial = down(silu(gate) * up of norm(x + residual)); residual_out = x + residual. */
+static void mlp_half(const Layer *layer, const Step *step, const float *x, const float *residual,
+                     float *residual_out, float *partial, float *scratch, double *times) {
+    long rows = step->rows, hidden = step->hidden, size = step->size;
+    float *normed = scratch, *gate_up = normed + rows * hidden;
+    float *activated = gate_up + 2 * rows * size, *row = activated + rows * size;
+    double since = times ? seconds_now() : 0.0;
+    rms_norm_rows_f32(x, residual, layer->post_norm, normed, residual_out, rows, hidden,
+                      layer->post_eps, row);
+    lap(times, LAP_OTHER, &since);
+    blocked_linear_rows(layer->gate_up_weight, normed, gate_up, layer->gate_up_bias, rows,
+                        2 * size, hidden);
+    lap(times, LAP_MATMUL, &since);
+    silu_mul_rows_f32(gate_up, activated, rows, size);
+    lap(times, LAP_OTHER, &since);
+    blocked_linear_rows(layer->down_weight, activated, partial, NULL, rows, hidden, size);
+    lap(times, LAP_MATMUL, &since);
+}
+
+/* x += bias, per row (NULL: nothing). */
+static void add_bias(float *x, const float *bias, long rows, long hidden) {
+    if (bias == NULL) return;
+    for (long r = 0; r < rows; r++)
+        for (long i = 0; i < hidden; i++) x[r * hidden + i] += bias[i];
+}
+
+/* The all-reduce between halves through entry (NULL: one rank, nothing to do); 0, or -1 with
+ * the communicator's message in error. */
+static int reduce_between(const shardline_native_all_reduce *entry, float *partial,
+                          double *times, char *error, size_t size) {
+    if (entry == NULL) return 0;
+    double since = times ? seconds_now() : 0.0;
+    int status = entry->all_reduce(entry->context, partial, error, size);
+    lap(times, LAP_COMM, &since);
+    return status;
+}
+#endif
+
+/* Checks a step's decode batch against the cache and fills step->longest (-1: exception). */
+static int check_step(Step *step, const int64_t *kv_index) {
+    return check_slots(step->slots, step->rows, step->num_blocks * step->block_size) < 0 ||
+                   check_decode(step->lengths, step->rows, step->per_seq, step->block_size,
+                                step->blocks, step->num_blocks, kv_index, step->q_heads,
+                                step->kv_heads, &step->longest) < 0
+               ? -1
+               : 0;
+}
+
 static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (take_args(args, nargs, 27, "attention_block") < 0) return NULL;
-    const float *x = ADDRESS(0), *residual = ADDRESS(1), *norm_weight = ADDRESS(2);
-    float eps = REAL(3);
-    long rows = SIZE(4), hidden = SIZE(5);
-    const float *qkv_weight = ADDRESS(6), *qkv_bias = ADDRESS(7);
-    long q_heads = SIZE(8), kv_heads = SIZE(9), d = SIZE(10);
-    const float *cos = ADDRESS(11), *sin = ADDRESS(12);
-    const int64_t *slots = ADDRESS(13);
-    float *key_cache = ADDRESS(14), *value_cache = ADDRESS(15);
-    long num_blocks = SIZE(16), block_size = SIZE(17);
-    const int64_t *blocks = ADDRESS(18);
-    long per_seq = SIZE(19);
-    const int64_t *lengths = ADDRESS(20), *kv_index = ADDRESS(21);
-    float scale = REAL(22);
-    const float *o_weight = ADDRESS(23);
+    const float *x = ADDRESS(0), *residual = ADDRESS(1);
+    Layer layer = {.input_norm = ADDRESS(2), .input_eps = REAL(3), .qkv_weight = ADDRESS(6),
+                   .qkv_bias = ADDRESS(7), .key_cache = ADDRESS(14),
+                   .value_cache = ADDRESS(15), .kv_index = ADDRESS(21),
+                   .o_weight = ADDRESS(23)};
+    Step step = {.rows = SIZE(4), .hidden = SIZE(5), .q_heads = SIZE(8), .kv_heads = SIZE(9),
+                 .d = SIZE(10), .cos = ADDRESS(11), .sin = ADDRESS(12), .slots = ADDRESS(13),
+                 .num_blocks = SIZE(16), .block_size = SIZE(17), .blocks = ADDRESS(18),
+                 .per_seq = SIZE(19), .lengths = ADDRESS(20), .scale = REAL(22)};
     float *partial = ADDRESS(24), *residual_out = ADDRESS(25);
     double *times = ADDRESS(26);
-    long longest;
-    if (PyErr_Occurred() || blocked_linear_or_error() < 0 ||
-        check_slots(slots, rows, num_blocks * block_size) < 0 ||
-        check_decode(lengths, rows, per_seq, block_size, blocks, num_blocks, kv_index, q_heads,
-                     kv_heads, &longest) < 0)
+    if (PyErr_Occurred() || blocked_linear_or_error() < 0 || check_step(&step, layer.kv_index) < 0)
         return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    long qkv_width = (q_heads + 2 * kv_heads) * d, attention_width = q_heads * d;
-    float *normed = malloc(sizeof(float) * (size_t)(rows * hidden + rows * qkv_width +
-                                                    2 * rows * attention_width + hidden +
-                                                    longest + 2 * d));
-    if (normed == NULL) return PyErr_NoMemory();
-    float *qkv = normed + rows * hidden, *q = qkv + rows * qkv_width;
-    float *attended = q + rows * attention_width, *row = attended + rows * attention_width;
-    float *scores = row + hidden;
-    double since = times ? seconds_now() : 0.0;
-    rms_norm_rows_f32(x, residual, norm_weight, normed, residual_out, rows, hidden, eps, row);
-    lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(qkv_weight, normed, qkv, qkv_bias, rows, qkv_width, hidden);
-    lap(times, LAP_MATMUL, &since);
-    rope_store_rows_f32(qkv, rows, q_heads, kv_heads, d, cos, sin, q, key_cache, value_cache,
-                        slots);
-    lap(times, LAP_OTHER, &since);
-    attend_f32(q, key_cache, value_cache, blocks, per_seq, lengths, rows, q_heads, kv_index,
-               kv_heads, d, block_size, scale, attended, scores, longest);
-    lap(times, LAP_ATTENTION, &since);
-    blocked_linear_rows(o_weight, attended, partial, NULL, rows, hidden, attention_width);
-    lap(times, LAP_MATMUL, &since);
-    free(normed);
+    float *scratch = malloc(sizeof(float) * scratch_floats(&step));
+    if (scratch == NULL) return PyErr_NoMemory();
+    attention_half(&layer, &step, x, residual, residual_out, partial, scratch, times);
+    free(scratch);
 #endif
     Py_RETURN_NONE;
 }
 
 static PyObject *mlp_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (take_args(args, nargs, 13, "mlp_block") < 0) return NULL;
-    const float *x = ADDRESS(0), *residual = ADDRESS(1), *norm_weight = ADDRESS(2);
-    float eps = REAL(3);
-    long rows = SIZE(4), hidden = SIZE(5);
-    const float *gate_up_weight = ADDRESS(6), *gate_up_bias = ADDRESS(7);
-    long size = SIZE(8);
-    const float *down_weight = ADDRESS(9);
+    const float *x = ADDRESS(0), *residual = ADDRESS(1);
+    Layer layer = {.post_norm = ADDRESS(2), .post_eps = REAL(3), .gate_up_weight = ADDRESS(6),
+                   .gate_up_bias = ADDRESS(7), .down_weight = ADDRESS(9)};
+    Step step = {.rows = SIZE(4), .hidden = SIZE(5), .size = SIZE(8)};
     float *partial = ADDRESS(10), *residual_out = ADDRESS(11);
     double *times = ADDRESS(12);
     if (PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    float *normed = malloc(sizeof(float) * (size_t)(rows * hidden + 3 * rows * size + hidden));
-    if (normed == NULL) return PyErr_NoMemory();
-    float *gate_up = normed + rows * hidden, *activated = gate_up + 2 * rows * size;
-    float *row = activated + rows * size;
-    double since = times ? seconds_now() : 0.0;
-    rms_norm_rows_f32(x, residual, norm_weight, normed, residual_out, rows, hidden, eps, row);
-    lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(gate_up_weight, normed, gate_up, gate_up_bias, rows, 2 * size, hidden);
-    lap(times, LAP_MATMUL, &since);
-    silu_mul_rows_f32(gate_up, activated, rows, size);
-    lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(down_weight, activated, partial, NULL, rows, hidden, size);
-    lap(times, LAP_MATMUL, &since);
-    free(normed);
+    float *scratch = malloc(sizeof(float) * scratch_floats(&step));
+    if (scratch == NULL) return PyErr_NoMemory();
+    mlp_half(&layer, &step, x, residual, residual_out, partial, scratch, times);
+    free(scratch);
 #endif
+    Py_RETURN_NONE;
+}
+
+/* Fields of one layer in decode_layers' table of addresses (int64), in this order. */
+enum {
+    TABLE_INPUT_NORM, TABLE_QKV_WEIGHT, TABLE_QKV_BIAS, TABLE_O_WEIGHT, TABLE_O_BIAS,
+    TABLE_POST_NORM, TABLE_GATE_UP_WEIGHT, TABLE_GATE_UP_BIAS, TABLE_DOWN_WEIGHT,
+    TABLE_DOWN_BIAS, TABLE_KV_INDEX, TABLE_KEY_CACHE, TABLE_VALUE_CACHE, TABLE_FIELDS
+};
+
+static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 24, "decode_layers") < 0) return NULL;
+    const int64_t *table = ADDRESS(0);
+    const double *eps = ADDRESS(1);
+    long layers = SIZE(2);
+    const float *x = ADDRESS(3), *residual = ADDRESS(4);
+    Step step = {.rows = SIZE(5), .hidden = SIZE(6), .q_heads = SIZE(7), .kv_heads = SIZE(8),
+                 .d = SIZE(9), .size = SIZE(10), .scale = REAL(11), .cos = ADDRESS(12),
+                 .sin = ADDRESS(13), .slots = ADDRESS(14), .num_blocks = SIZE(15),
+                 .block_size = SIZE(16), .blocks = ADDRESS(17), .per_seq = SIZE(18),
+                 .lengths = ADDRESS(19)};
+    float *hidden_out = ADDRESS(20), *residual_out = ADDRESS(21);
+    PyObject *all_reduce = args[22];
+    double *times = ADDRESS(23);
+    if (PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
+    const shardline_native_all_reduce *entry = NULL;
+    if (all_reduce != Py_None) {
+        entry = PyCapsule_GetPointer(all_reduce, SHARDLINE_NATIVE_ALL_REDUCE);
+        if (entry == NULL) return NULL;
+    }
+    for (long l = 0; l < layers; l++)
+        if (check_step(&step, (const int64_t *)table[l * TABLE_FIELDS + TABLE_KV_INDEX]) < 0)
+            return NULL;
+    char error[512] = "";
+    int status = 0;
+#ifdef HAVE_BLOCKED_LINEAR
+    float *scratch = malloc(sizeof(float) * scratch_floats(&step));
+    if (scratch == NULL) return PyErr_NoMemory();
+    size_t row_bytes = sizeof(float) * (size_t)(step.rows * step.hidden);
+    Py_BEGIN_ALLOW_THREADS
+    for (long l = 0; l < layers && status == 0; l++) {
+        const int64_t *fields = table + l * TABLE_FIELDS;
+#define FIELD(name) ((void *)fields[TABLE_##name])
+        Layer layer = {FIELD(INPUT_NORM), FIELD(QKV_WEIGHT), FIELD(QKV_BIAS), FIELD(O_WEIGHT),
+                       FIELD(O_BIAS), FIELD(POST_NORM), FIELD(GATE_UP_WEIGHT),
+                       FIELD(GATE_UP_BIAS), FIELD(DOWN_WEIGHT), FIELD(DOWN_BIAS),
+                       FIELD(KV_INDEX), FIELD(KEY_CACHE), FIELD(VALUE_CACHE),
+                       (float)eps[2 * l], (float)eps[2 * l + 1]};
+#undef FIELD
+        if (l > 0) /* the previous layer's output and residual stream */
+            attention_half(&layer, &step, hidden_out, residual_out, residual_out, hidden_out,
+                           scratch, times);
+        else if (residual != NULL) /* a later pipeline stage: the stream comes with x */
+            attention_half(&layer, &step, x, residual, residual_out, hidden_out, scratch, times);
+        else { /* the first layer: x is the residual stream */
+            attention_half(&layer, &step, x, NULL, NULL, hidden_out, scratch, times);
+            memcpy(residual_out, x, row_bytes);
+        }
+        status = reduce_between(entry, hidden_out, times, error, sizeof error);
+        if (status != 0) break;
+        add_bias(hidden_out, layer.o_bias, step.rows, step.hidden);
+        mlp_half(&layer, &step, hidden_out, residual_out, residual_out, hidden_out, scratch,
+                 times);
+        status = reduce_between(entry, hidden_out, times, error, sizeof error);
+        add_bias(hidden_out, layer.down_bias, step.rows, step.hidden);
+    }
+    Py_END_ALLOW_THREADS
+    free(scratch);
+#endif
+    if (status != 0) return PyUnicode_FromString(error);
+    Py_RETURN_NONE;
+}
+
+static PyObject *native_all_reduce_call(PyObject *self, PyObject *const *args,
+                                        Py_ssize_t nargs) {
+    if (take_args(args, nargs, 2, "native_all_reduce_call") < 0) return NULL;
+    const shardline_native_all_reduce *entry =
+        PyCapsule_GetPointer(args[0], SHARDLINE_NATIVE_ALL_REDUCE);
+    void *data = ADDRESS(1);
+    if (entry == NULL || PyErr_Occurred()) return NULL;
+    char error[512] = "";
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = entry->all_reduce(entry->context, data, error, sizeof error);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyUnicode_FromString(error);
     Py_RETURN_NONE;
 }
 
@@ -629,10 +782,20 @@ static PyMethodDef methods[] = {
      "or 0, q_heads, kv_heads, d, cos, sin, slots, key_cache, value_cache, num_blocks, "
      "block_size, blocks, per_seq, lengths, kv_index, scale, o_weight, partial, residual_out "
      "or 0, times or 0): float32, blocked weights"},
+    {"decode_layers", (PyCFunction)(void (*)(void))decode_layers, METH_FASTCALL,
+     "decode_layers(table, eps, layers, x, residual or 0, rows, hidden, q_heads, kv_heads, d, "
+     "size, scale, cos, sin, slots, num_blocks, block_size, blocks, per_seq, lengths, "
+     "hidden_out, residual_out, all_reduce capsule or None, times or 0): every layer of a "
+     "decode step; None, or the all-reduce's error message"},
     {"mlp_block", (PyCFunction)(void (*)(void))mlp_block, METH_FASTCALL,
      "mlp_block(x, residual or 0, norm_weight, eps, rows, hidden, gate_up_weight, gate_up_bias "
      "or 0, size, down_weight, partial, residual_out or 0, times or 0): float32, blocked "
      "weights"},
+    {"native_all_reduce_call", (PyCFunction)(void (*)(void))native_all_reduce_call,
+     METH_FASTCALL,
+     "native_all_reduce_call(capsule, data): one call of a communicator's native all-reduce "
+     "(native_all_reduce.h) on the tensor at data, without the GIL; None, or its error "
+     "message"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear (AVX-512)"},
     {NULL, NULL, 0, NULL},
@@ -647,7 +810,9 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *result = PyModule_Create(&module);
-    if (result != NULL && PyModule_AddIntConstant(result, "LINEAR_BLOCK", LINEAR_BLOCK) < 0)
+    if (result != NULL &&
+        (PyModule_AddIntConstant(result, "LINEAR_BLOCK", LINEAR_BLOCK) < 0 ||
+         PyModule_AddIntConstant(result, "LAYER_TABLE_FIELDS", TABLE_FIELDS) < 0))
         Py_CLEAR(result);
     return result;
 }

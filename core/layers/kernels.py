@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.native import native_extension
-from shardline.profiling import ATTENTION, MATMUL, NO_TIMER, StepTimer
+from shardline.profiling import ATTENTION, COMM_ALL_REDUCE, MATMUL, NO_TIMER, StepTimer
 
 if TYPE_CHECKING:
+    from shardline.distributed import GroupCoordinator
     from shardline.layers.attention import DecodeBatch, KVCache
 
 
@@ -164,17 +165,44 @@ class TorchKernels:
         heads: tuple[int, int, int],
         kv_index: KVHeadIndex,
         scale: float,
-        o_weight: torch.Tensor,
+        o_proj: tuple[torch.Tensor, torch.Tensor | None],
         post_norm: tuple[torch.Tensor, float],
         gate_up: tuple[torch.Tensor, torch.Tensor | None],
-        down_weight: torch.Tensor,
+        down: tuple[torch.Tensor, torch.Tensor | None],
     ) -> LayerBlocks | None:
         """A decoder layer's weights, checked once (after packing), for running each half of
         the layer in one call in steps of decodes only (:meth:`attention_block`,
-        :meth:`mlp_block`); None where these kernels have no such calls or do
-        not take these weights. ``input_norm``/``post_norm``: ``(weight, eps)``; ``qkv``,
-        ``gate_up``: ``(weight, bias)``; ``heads``: ``(query heads, KV heads, head size)``
-        on this rank; ``kv_index``: which KV head each query head reads."""
+        :meth:`mlp_block`) or every layer in one (:meth:`decode_layers`); None where these
+        kernels have no such calls or do not take these weights. ``input_norm``/``post_norm``:
+        ``(weight, eps)``; ``qkv``, ``o_proj``, ``gate_up``, ``down``: ``(weight, bias)`` (the
+        row-parallel biases are added after the all-reduce); ``heads``: ``(query heads, KV
+        heads, head size)`` on this rank; ``kv_index``: which KV head each query head reads."""
+        return None
+
+    def layer_stack(
+        self, layers: Sequence[LayerBlocks | None], caches: Sequence[KVCache]
+    ) -> LayerStack | None:
+        """Every layer of a model's stage (their :meth:`layer_blocks`, in order) with its
+        cache, checked once, for :meth:`decode_layers`; None where these kernels have no such
+        call or the layers do not all take it."""
+        return None
+
+    def decode_layers(
+        self,
+        stack: LayerStack,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        decode: DecodeBatch,
+        tp: GroupCoordinator,
+        timer: StepTimer = NO_TIMER,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer of ``stack`` in one call, in a step of decodes only: ``(hidden,
+        residual)`` as the layers one by one return them, or None where the step's tensors do
+        not fit the call or ``tp``'s communicator has no
+        :meth:`~shardline.distributed.GroupCoordinator.native_all_reduce` (the layers then
+        run; every rank decides the same)."""
         return None
 
     def attention_block(
@@ -218,7 +246,22 @@ class LayerBlocks:
     scale: float
     attention_args: tuple  # norm weight, eps, qkv weight, qkv bias, kv_index, o weight
     mlp_args: tuple  # norm weight, eps, gate_up weight, gate_up bias, down weight
+    reduced_biases: tuple[int, int]  # o_proj's and down's, added after the all-reduce (or 0)
     tensors: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A stage's layers and caches for :meth:`NativeKernels.decode_layers`: their sizes (the
+    first layer's, equal in all), ``table`` (int64 ``[layers, LAYER_TABLE_FIELDS]``:
+    addresses in the C call's order) and ``eps`` (float64 ``[layers, 2]``); ``blocks`` and
+    ``caches`` keep the memory behind the addresses alive."""
+
+    first: LayerBlocks
+    table: torch.Tensor
+    eps: torch.Tensor
+    blocks: tuple[LayerBlocks, ...]
+    caches: tuple[KVCache, ...]
 
 
 class NativeKernels(TorchKernels):
@@ -372,8 +415,7 @@ class NativeKernels(TorchKernels):
         return out
 
     def layer_blocks(
-        self, *, input_norm, qkv, heads, kv_index, scale, o_weight, post_norm, gate_up,
-        down_weight,
+        self, *, input_norm, qkv, heads, kv_index, scale, o_proj, post_norm, gate_up, down,
     ):  # fmt: skip
         """Where every linear weight is blocked for the C kernel (float32, :meth:`pack_linear`)
         and the rest is float32 and contiguous."""
@@ -381,14 +423,17 @@ class NativeKernels(TorchKernels):
         kv_heads_read = kv_index.index
         (input_weight, input_eps), (post_weight, post_eps) = input_norm, post_norm
         (qkv_weight, qkv_bias), (gate_up_weight, gate_up_bias) = qkv, gate_up
+        (o_weight, o_bias), (down_weight, down_bias) = o_proj, down
         width = input_weight.numel()
         size = down_weight.blocked_shape[1] if down_weight.dim() == 1 else 0
+        biases = (qkv_bias, gate_up_bias, o_bias, down_bias)
         if not (
             all(w.dim() == 1 for w in (qkv_weight, o_weight, gate_up_weight, down_weight))
             and all(
                 _fits(t, torch.float32)
-                for t in (input_weight, post_weight, qkv_bias, gate_up_bias) if t is not None
+                for t in (input_weight, post_weight, *biases) if t is not None
             )
+            and all(b is None or b.numel() == width for b in (o_bias, down_bias))
             and post_weight.numel() == width
             and qkv_weight.blocked_shape == ((q_heads + 2 * kv_heads) * d, width)
             and o_weight.blocked_shape == (width, q_heads * d)
@@ -404,10 +449,48 @@ class NativeKernels(TorchKernels):
              _address(qkv_bias), kv_heads_read.data_ptr(), o_weight.data_ptr()),
             (post_weight.data_ptr(), float(post_eps), gate_up_weight.data_ptr(),
              _address(gate_up_bias), down_weight.data_ptr()),
-            tuple(t for t in (input_weight, post_weight, qkv_weight, qkv_bias, kv_heads_read,
-                              o_weight, gate_up_weight, gate_up_bias, down_weight)
+            (_address(o_bias), _address(down_bias)),
+            tuple(t for t in (input_weight, post_weight, qkv_weight, kv_heads_read, o_weight,
+                              gate_up_weight, down_weight, *biases)
                   if t is not None),
         )  # fmt: skip
+
+    def layer_stack(self, layers, caches):
+        """Where every layer has blocks of one shape and every cache is float32, contiguous and
+        of one size."""
+        if not layers or any(blocks is None for blocks in layers) or len(caches) != len(layers):
+            return None
+        first, cache = layers[0], caches[0]
+        sizes = (first.hidden_size, first.q_heads, first.kv_heads, first.head_dim,
+                 first.intermediate_size, first.scale)  # fmt: skip
+        if not all(
+            (b.hidden_size, b.q_heads, b.kv_heads, b.head_dim, b.intermediate_size, b.scale)
+            == sizes
+            and _fits(c.key, torch.float32) and _fits(c.value, torch.float32)
+            and c.key.shape == cache.key.shape and c.block_size == cache.block_size
+            and c.key.shape[-2:] == (first.kv_heads, first.head_dim)
+            for b, c in zip(layers, caches, strict=True)
+        ):  # fmt: skip
+            return None
+        rows, eps = [], []
+        for b, c in zip(layers, caches, strict=True):
+            norm, input_eps, qkv, qkv_bias, kv_index, o_weight = b.attention_args
+            post, post_eps, gate_up, gate_up_bias, down = b.mlp_args
+            o_bias, down_bias = b.reduced_biases
+            rows.append([
+                norm, qkv, qkv_bias, o_weight, o_bias, post, gate_up, gate_up_bias, down,
+                down_bias, kv_index, c.key.data_ptr(), c.value.data_ptr(),
+            ])  # fmt: skip
+            eps.append([input_eps, post_eps])
+        table = torch.tensor(rows, dtype=torch.int64)
+        if table.shape[1] != self.native.LAYER_TABLE_FIELDS:
+            raise RuntimeError(
+                f"layer table of {table.shape[1]} fields; the extension reads "
+                f"{self.native.LAYER_TABLE_FIELDS} (rebuild it: pip install -e .)"
+            )
+        return LayerStack(
+            first, table, torch.tensor(eps, dtype=torch.float64), tuple(layers), tuple(caches)
+        )
 
     def attention_block(
         self,
@@ -430,19 +513,9 @@ class NativeKernels(TorchKernels):
         cos, sin = rope
         rows, d = hidden.shape[0], blocks.head_dim
         if not (
-            decode.rows is None and hidden.dim() == 2 and hidden.shape[1] == blocks.hidden_size
-            and _fits(hidden, torch.float32)
-            and (residual is None or (_fits(residual, torch.float32)
-                                      and residual.shape == hidden.shape))
-            and _fits(cos, torch.float32) and _fits(sin, torch.float32)
-            and cos.numel() == rows * d and sin.numel() == rows * d
+            _decode_step_fits(blocks, hidden, residual, rope, slot_mapping, decode)
             and _fits(cache.key, torch.float32) and _fits(cache.value, torch.float32)
             and cache.key.shape[-2:] == (blocks.kv_heads, d)
-            and slot_mapping.dtype is torch.int64 and slot_mapping.shape == (rows,)
-            and slot_mapping.is_contiguous()
-            and decode.lengths.numel() == rows and decode.lengths.dtype is torch.int64
-            and decode.blocks.numel() == rows * decode.blocks_per_seq
-            and decode.blocks.dtype is torch.int64
         ):  # fmt: skip
             return None
         norm, eps, qkv, qkv_bias, kv_index, o_weight = blocks.attention_args
@@ -488,6 +561,65 @@ class NativeKernels(TorchKernels):
         )  # fmt: skip
         _record(timer, times)
         return partial, summed
+
+    def decode_layers(self, stack, hidden, residual, rope, slot_mapping, decode, tp,
+                      timer=NO_TIMER):  # fmt: skip
+        """Every layer in one C call that holds no GIL while it runs (``decode_layers`` of the
+        extension): the fused halves, with the all-reduce, the row-parallel bias and the
+        residual add between them, bit-identical to the layers one by one. A failed
+        all-reduce raises its communicator's error (``NativeAllReduce.failed``)."""
+        first, cache = stack.first, stack.caches[0]
+        layers = len(stack.blocks)
+        if not _decode_step_fits(first, hidden, residual, rope, slot_mapping, decode):
+            return None
+        all_reduce = None
+        if tp.world_size > 1:  # asked last: it reserves the communicator's next calls
+            all_reduce = tp.native_all_reduce(hidden, 2 * layers)
+            if all_reduce is None:
+                return None
+        cos, sin = rope
+        out, summed = torch.empty_like(hidden), torch.empty_like(hidden)
+        times = torch.zeros(3, dtype=torch.float64) if timer.active else None
+        failure = self.native.decode_layers(
+            stack.table.data_ptr(), stack.eps.data_ptr(), layers, hidden.data_ptr(),
+            _address(residual), hidden.shape[0], first.hidden_size, first.q_heads,
+            first.kv_heads, first.head_dim, first.intermediate_size, first.scale,
+            cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), cache.key.shape[0],
+            cache.block_size, decode.blocks.data_ptr(), decode.blocks_per_seq,
+            decode.lengths.data_ptr(), out.data_ptr(), summed.data_ptr(),
+            None if all_reduce is None else all_reduce.capsule, _address(times),
+        )  # fmt: skip
+        if failure is not None:
+            raise all_reduce.failed(failure)
+        _record(timer, times)
+        return out, summed
+
+
+def _decode_step_fits(
+    blocks: LayerBlocks,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    decode: DecodeBatch,
+) -> bool:
+    """Whether a step's tensors are what the fused C calls take: decodes only, float32 and
+    contiguous, of the layer's sizes."""
+    cos, sin = rope
+    rows, d = hidden.shape[0], blocks.head_dim
+    return (
+        decode.rows is None and hidden.dim() == 2 and hidden.shape[1] == blocks.hidden_size
+        and _fits(hidden, torch.float32)
+        and (residual is None or (_fits(residual, torch.float32)
+                                  and residual.shape == hidden.shape))
+        and _fits(cos, torch.float32) and _fits(sin, torch.float32)
+        and cos.numel() == rows * d and sin.numel() == rows * d
+        and slot_mapping.dtype is torch.int64 and slot_mapping.shape == (rows,)
+        and slot_mapping.is_contiguous()
+        and decode.lengths.numel() == rows and decode.lengths.dtype is torch.int64
+        and decode.blocks.numel() == rows * decode.blocks_per_seq
+        and decode.blocks.dtype is torch.int64
+    )  # fmt: skip
 
 
 def blocked(weight: torch.Tensor, block: int, out: torch.Tensor | None = None) -> nn.Parameter:
@@ -542,10 +674,13 @@ def _address(tensor: torch.Tensor | None) -> int:
 
 
 def _record(timer: StepTimer, times: torch.Tensor | None) -> None:
-    """Give ``timer`` the matmul and attention seconds a fused C call measured (``times``)."""
+    """Give ``timer`` the matmul, attention (and all-reduce) seconds a fused C call measured
+    (``times``)."""
     if times is not None:
         timer.record(MATMUL, float(times[0]))
         timer.record(ATTENTION, float(times[1]))
+        if times.numel() > 2:
+            timer.record(COMM_ALL_REDUCE, float(times[2]))
 
 
 def _fits(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bool:

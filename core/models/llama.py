@@ -22,7 +22,13 @@ from shardline.layers.attention import (
     attention_kernels,
 )
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shardline.layers.kernels import TORCH_KERNELS, KVHeadIndex, LayerBlocks, TorchKernels
+from shardline.layers.kernels import (
+    TORCH_KERNELS,
+    KVHeadIndex,
+    LayerBlocks,
+    LayerStack,
+    TorchKernels,
+)
 from shardline.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -180,10 +186,11 @@ class LlamaDecoderLayer(nn.Module):
             input_norm=(self.input_layernorm.weight, self.input_layernorm.eps),
             qkv=(attn.qkv_proj.weight, attn.qkv_proj.bias),
             heads=(heads.num_heads, heads.num_kv_heads, attn.qkv_proj.head_dim),
-            kv_index=attn.attn.kv_index, scale=attn.attn.scale, o_weight=attn.o_proj.weight,
+            kv_index=attn.attn.kv_index, scale=attn.attn.scale,
+            o_proj=(attn.o_proj.weight, attn.o_proj.bias),
             post_norm=(self.post_attention_layernorm.weight, self.post_attention_layernorm.eps),
             gate_up=(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias),
-            down_weight=mlp.down_proj.weight,
+            down=(mlp.down_proj.weight, mlp.down_proj.bias),
         )  # fmt: skip
 
     def load(self, prefix: str, weight: WeightLookup, arch: LlamaArchitecture) -> None:
@@ -211,6 +218,11 @@ class LlamaForCausalLM(nn.Module):
         check_tensor_parallel(arch, tp.world_size)
         self.arch = arch
         self.dtype = dtype
+        self.tp = tp
+        self.kernels = kernels
+        #: Every layer for one decode_layers call, made for the caches in _stack_caches.
+        self._stack: LayerStack | None = None
+        self._stack_caches: dict[int, KVCache] | None = None
         #: Gets the time of parts measured inside fused kernel calls while profiling.
         self.timer: StepTimer = NO_TIMER
         self.layer_range = partition_layers(arch.num_layers, pp.world_size, pp.rank_in_group)
@@ -266,14 +278,38 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         rope = self.rotary.at(positions)
         with attention_kernels():
-            for i in self.layer_range:
-                hidden, residual = self.layers[str(i)](
-                    hidden, residual, rope, metadata, kv_caches[i], self.timer
-                )
+            stacked = self._decode_layers(hidden, residual, rope, metadata, kv_caches)
+            if stacked is not None:
+                hidden, residual = stacked
+            else:
+                for i in self.layer_range:
+                    hidden, residual = self.layers[str(i)](
+                        hidden, residual, rope, metadata, kv_caches[i], self.timer
+                    )
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _decode_layers(self, hidden, residual, rope, metadata, kv_caches):
+        """Every layer in one kernels call (:meth:`~TorchKernels.decode_layers`) in a step of
+        decodes only, where the kernels and the TP communicator have it; else None."""
+        first_cache = kv_caches[self.layer_range.start]
+        decode = metadata.decode_batch(first_cache.block_size)
+        if decode is None or decode.rows is not None:
+            return None
+        if self._stack is None or self._stack_caches is not kv_caches:
+            self._stack_caches = kv_caches
+            self._stack = self.kernels.layer_stack(
+                [self.layers[str(i)].blocks for i in self.layer_range],
+                [kv_caches[i] for i in self.layer_range],
+            )
+        if self._stack is None:
+            return None
+        return self.kernels.decode_layers(
+            self._stack, hidden, residual, rope, metadata.slot_mapping, decode, self.tp,
+            self.timer,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -317,3 +353,4 @@ class LlamaForCausalLM(nn.Module):
         pack_linear_weights(self)
         for layer in self.layers.values():
             layer.prepare_blocks()
+        self._stack = self._stack_caches = None  # made again from the new blocks

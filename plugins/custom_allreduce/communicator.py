@@ -49,7 +49,13 @@ import numpy as np
 import torch
 
 from shardline.errors import CommTimeoutError, CommunicationError
-from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous
+from shardline.interfaces import (
+    Communicator,
+    CommunicatorBackend,
+    NativeAllReduce,
+    ReduceOp,
+    Rendezvous,
+)
 from shardline.registry import Registry
 from shardline.sdk import (
     ControlPlane,
@@ -195,13 +201,7 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         segment = self._segment
         if segment is None or not tensor.is_cpu:
             return self.inner.all_reduce(tensor, op)
-        key = (tensor.shape, tensor.dtype, op)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(tensor, ReduceOp(op))
-            if len(self._plans) >= _PLANS_KEPT:
-                self._plans.clear()
-            self._plans[key] = plan
+        plan = self._plan_for(tensor, op)
         if plan is _BASE:
             return self.inner.all_reduce(tensor, op)
         self._calls = call = self._calls + 1
@@ -221,6 +221,39 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         if not segment.all_at(_ARRIVED, call):
             self._wait_all(_ARRIVED, call, "all_reduce")
         return plan.reduce(parity)
+
+    def native_all_reduce(self, like: torch.Tensor, calls: int) -> NativeAllReduce | None:
+        """The next ``calls`` one-shot sums of tensors like ``like`` as a C entry point
+        (``OneShot.native_run``: the same copy, flags, reduction and waits, in place), where
+        they take the C one-shot path; otherwise (another host in the group, too large, a
+        dtype the C path lacks, no extension) the base's, if it has one."""
+        native = self._world.native
+        if self._segment is None or native is None or not like.is_cpu:
+            return self.inner.native_all_reduce(like, calls)
+        plan = self._plan_for(like, ReduceOp.SUM)
+        if not isinstance(plan, native.OneShot):
+            return self.inner.native_all_reduce(like, calls)
+        first = self._calls + 1
+        self._calls += calls
+        capsule = plan.native_run(
+            first, calls, self.timeout_s, _YIELD_S, self._polling.share_cpu
+        )  # fmt: skip
+        rank = self.rank
+        return NativeAllReduce(
+            capsule, calls, lambda message: CommTimeoutError(message, op="all_reduce", rank=rank)
+        )
+
+    def _plan_for(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        """The prepared :meth:`_plan` for tensors like ``tensor`` (kept per shape, dtype and
+        op)."""
+        key = (tensor.shape, tensor.dtype, op)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(tensor, ReduceOp(op))
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def _plan(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
         """How an all-reduce of tensors like ``tensor`` runs: on the base, in two shots, or

@@ -3,11 +3,20 @@
  * with a release store, spin on the peers' flags with acquire loads, and reduce every slot in
  * rank order into a new tensor. What is not done here stays in Python: waits past the spin
  * (wait_until: yield, sleep, deadline), the two-shot path, and dtypes not listed in DTYPES.
+ *
+ * A plan also makes a native entry point (native_all_reduce.h) for a run of calls made from C
+ * without the GIL: the same steps in place, with the wait's later phases (yield, sleep with
+ * backoff, the deadline) done here as wait_until does them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <sched.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+#include <time.h>
+
+#include "native_all_reduce.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -208,6 +217,112 @@ static PyObject *OneShot_arrived(OneShot *self, PyObject *call_object) {
     return PyBool_FromLong(all_arrived(self, call));
 }
 
+/* ---- a run of one-shot sums made from C (native_all_reduce.h) ---------------------------- */
+
+typedef struct {
+    shardline_native_all_reduce entry; /* first: the capsule's pointer */
+    OneShot *plan;                     /* held */
+    int64_t next_call, end_call;
+    double timeout_s, yield_s;
+    int share_cpu;
+} NativeRun;
+
+static double monotonic_seconds(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* Wait until every rank announced ``call``, as wait_until does: spin, yield (share_cpu) for
+ * yield_s, then sleep from 20 us doubling to 2 ms; past timeout_s, -1 with the message. */
+static int wait_all_arrived(const NativeRun *run, int64_t call, char *error, size_t size) {
+    const OneShot *plan = run->plan;
+    for (int check = 0; check < plan->spin_checks; check++) {
+        if (all_arrived(plan, call)) return 0;
+        CPU_RELAX();
+    }
+    double start = monotonic_seconds(), sleep_s = 20e-6;
+    while (!all_arrived(plan, call)) {
+        double waited = monotonic_seconds() - start;
+        if (waited >= run->timeout_s) {
+            int used = snprintf(error, size, "custom_ar all_reduce on rank %d of %d: ranks [",
+                                plan->rank, plan->world_size);
+            for (int rank = 0, first = 1; rank < plan->world_size; rank++)
+                if (__atomic_load_n(&plan->flags[rank * plan->flag_words], __ATOMIC_ACQUIRE) <
+                        call && used >= 0 && (size_t)used < size) {
+                    used += snprintf(error + used, size - used, first ? "%d" : ", %d", rank);
+                    first = 0;
+                }
+            if (used >= 0 && (size_t)used < size)
+                snprintf(error + used, size - used, "] did not arrive within %g s",
+                         run->timeout_s);
+            return -1;
+        }
+        if (waited < run->yield_s) {
+            if (run->share_cpu) sched_yield();
+            continue;
+        }
+        struct timespec pause = {0, (long)(sleep_s * 1e9)};
+        nanosleep(&pause, NULL);
+        sleep_s = sleep_s * 2 < 2e-3 ? sleep_s * 2 : 2e-3;
+    }
+    return 0;
+}
+
+static int native_run_all_reduce(void *context, void *data, char *error, size_t size) {
+    NativeRun *run = context;
+    OneShot *plan = run->plan;
+    if (run->next_call >= run->end_call) {
+        snprintf(error, size, "custom_ar: a native all-reduce run was called more often than "
+                              "the calls it was made for");
+        return -1;
+    }
+    int64_t call = run->next_call++;
+    memcpy(slot(plan, call, plan->rank), data, plan->nbytes);
+    __atomic_store_n(&plan->flags[plan->rank * plan->flag_words], call, __ATOMIC_RELEASE);
+    if (wait_all_arrived(run, call, error, size) < 0) return -1;
+    fold(data, slot(plan, call, 0), slot(plan, call, 1), plan->count, plan->dtype, plan->op);
+    for (int rank = 2; rank < plan->world_size; rank++)
+        fold(data, data, slot(plan, call, rank), plan->count, plan->dtype, plan->op);
+    return 0;
+}
+
+static void native_run_free(PyObject *capsule) {
+    NativeRun *run = PyCapsule_GetPointer(capsule, SHARDLINE_NATIVE_ALL_REDUCE);
+    if (run == NULL) return;
+    Py_XDECREF(run->plan);
+    PyMem_Free(run);
+}
+
+static PyObject *OneShot_native_run(OneShot *self, PyObject *args) {
+    long long first_call, calls;
+    double timeout_s, yield_s;
+    int share_cpu;
+    if (!PyArg_ParseTuple(args, "LLddp", &first_call, &calls, &timeout_s, &yield_s, &share_cpu))
+        return NULL;
+    if (first_call < 1 || calls < 0) {
+        PyErr_SetString(PyExc_ValueError, "first_call must be >= 1 and calls >= 0");
+        return NULL;
+    }
+    NativeRun *run = PyMem_Malloc(sizeof *run);
+    if (run == NULL) return PyErr_NoMemory();
+    run->entry.all_reduce = native_run_all_reduce;
+    run->entry.context = run;
+    Py_INCREF(self);
+    run->plan = self;
+    run->next_call = first_call;
+    run->end_call = first_call + calls;
+    run->timeout_s = timeout_s;
+    run->yield_s = yield_s;
+    run->share_cpu = share_cpu;
+    PyObject *capsule = PyCapsule_New(run, SHARDLINE_NATIVE_ALL_REDUCE, native_run_free);
+    if (capsule == NULL) {
+        Py_DECREF(self);
+        PyMem_Free(run);
+    }
+    return capsule;
+}
+
 static int OneShot_init(OneShot *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"memory",     "flags_offset", "flag_stride", "slots_offset",
                                "slot_bytes", "world_size",   "rank",        "dtype",
@@ -271,6 +386,10 @@ static PyMethodDef OneShot_methods[] = {
      "finish(tensor, call): the reduced new tensor of ``call``, once every rank arrived."},
     {"arrived", (PyCFunction)OneShot_arrived, METH_O,
      "arrived(call): whether every rank announced ``call`` (acquire loads)."},
+    {"native_run", (PyCFunction)OneShot_native_run, METH_VARARGS,
+     "native_run(first_call, calls, timeout_s, yield_s, share_cpu): a PyCapsule "
+     "(native_all_reduce.h) making calls first_call .. first_call + calls - 1 in place from C, "
+     "each waiting as wait_until does and failing after timeout_s."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject OneShotType = {

@@ -101,3 +101,37 @@ def back_to_back(ctx, calls: int, seed: int):
         if not torch.equal(total, torch.full((count,), expected)):
             wrong.append(call)
     return wrong
+
+
+def native_runs(ctx, rows: int, calls: int):
+    """Sums of ``calls`` rank-dependent float32 ``[rows, 576]`` tensors through the
+    communicator's native entry point (in place, from C), then through ``all_reduce`` on the
+    same inputs, then one more ``all_reduce`` (the call numbers go on after a native run)."""
+    from shardline.layers import _kernels
+
+    comm = ctx.comm
+    inputs = [
+        torch.randn(rows, 576, generator=torch.Generator().manual_seed(comm.rank + 10 * call))
+        for call in range(calls)
+    ]
+    native = comm.native_all_reduce(inputs[0], calls)
+    natively = [value.clone() for value in inputs]
+    failures = [_kernels.native_all_reduce_call(native.capsule, t.data_ptr()) for t in natively]
+    reduced = [comm.all_reduce(value) for value in inputs]
+    after = comm.all_reduce(torch.full((3,), float(comm.rank)))
+    return native.calls, failures, natively, reduced, after
+
+
+def native_run_with_a_silent_rank(ctx, silent: int):
+    """Every rank but ``silent`` makes one call of a native run; the others' error messages
+    and how long each took to come."""
+    from shardline.layers import _kernels
+
+    comm = ctx.comm
+    value = torch.ones(2, 576)
+    native = comm.native_all_reduce(value, 1)
+    if comm.rank == silent:
+        return None
+    start = time.monotonic()
+    failure = _kernels.native_all_reduce_call(native.capsule, value.data_ptr())
+    return failure, time.monotonic() - start, str(native.failed(failure or ""))
