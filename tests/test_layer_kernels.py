@@ -310,6 +310,18 @@ def _layer_blocks(monkeypatch, hidden: int, heads: tuple[int, int, int], size: i
     return weights, kv_index, blocks
 
 
+def _three_decodes():
+    """A step of three one-token sequences (3, 17 and 30 tokens, blocks of 4, head size 32),
+    each writing its last slot: ``(metadata, its decode batch, the step's rope)``."""
+    metadata = _metadata([1, 1, 1], [3, 17, 30], 4)
+    metadata.slot_mapping = torch.tensor(
+        [table[(n - 1) // 4] * 4 + (n - 1) % 4 for table, n in zip(
+            metadata.block_tables, metadata.seq_lens, strict=True)]
+    )  # fmt: skip
+    rope = RotaryEmbedding(32, 10000.0, 64).at(torch.tensor(metadata.seq_lens) - 1)
+    return metadata, metadata.decode_batch(4), rope
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_fused_layer_half_is_its_operations_one_by_one(monkeypatch, bias):
     """attention_block and mlp_block against the kernels they chain, called one by one on the
@@ -317,13 +329,7 @@ def test_a_fused_layer_half_is_its_operations_one_by_one(monkeypatch, bias):
     past the 16-wide lanes, several sequences, with and without the residual and biases)."""
     heads, hidden, size = (3, 2, 32), 72, 40
     weights, kv_index, blocks = _layer_blocks(monkeypatch, hidden, heads, size, bias)
-    metadata = _metadata([1, 1, 1], [3, 17, 30], 4)
-    decode = metadata.decode_batch(4)
-    metadata.slot_mapping = torch.tensor(
-        [table[(n - 1) // 4] * 4 + (n - 1) % 4 for table, n in zip(
-            metadata.block_tables, metadata.seq_lens, strict=True)]
-    )  # fmt: skip
-    rope = RotaryEmbedding(32, 10000.0, 64).at(torch.tensor(metadata.seq_lens) - 1)
+    metadata, decode, rope = _three_decodes()
     x, residual = torch.randn(3, hidden), torch.randn(3, hidden)
     for start in (None, residual):
         fused_cache, single_cache = _filled_cache(2, 32), _filled_cache(2, 32)
@@ -364,13 +370,7 @@ def test_every_layer_in_one_call_is_the_layers_one_by_one(monkeypatch, bias):
     one (a later pipeline stage)."""
     heads, hidden, size = (3, 2, 32), 72, 40
     layers = [_layer_blocks(monkeypatch, hidden, heads, size, bias) for _ in range(3)]
-    metadata = _metadata([1, 1, 1], [3, 17, 30], 4)
-    decode = metadata.decode_batch(4)
-    metadata.slot_mapping = torch.tensor(
-        [table[(n - 1) // 4] * 4 + (n - 1) % 4 for table, n in zip(
-            metadata.block_tables, metadata.seq_lens, strict=True)]
-    )  # fmt: skip
-    rope = RotaryEmbedding(32, 10000.0, 64).at(torch.tensor(metadata.seq_lens) - 1)
+    metadata, decode, rope = _three_decodes()
     x, residual = torch.randn(3, hidden), torch.randn(3, hidden)
     for start in (None, residual):
         caches = [_filled_cache(2, 32) for _ in layers]
