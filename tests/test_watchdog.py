@@ -8,22 +8,41 @@ import time
 import pytest
 import torch
 
+from shardline.comm.delegating import DelegatingCommunicator
 from shardline.comm.store import serve_store
 from shardline.comm.watchdog import SideChannel, WatchedCommunicator
 from shardline.distributed.control_plane import ControlPlane
 from shardline.errors import CollectiveMismatchError, CommTimeoutError
+from shardline.interfaces import NativeAllReduce
 from shardline_gloo.communicator import GlooBackend
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _run_ranks(body, timeout_s=2.0, check_every=0):
-    """Run ``body(comm)`` on two watched gloo ranks; returns each rank's result or error."""
+class _WithNativeEntry(DelegatingCommunicator):
+    """gloo offering a native all-reduce entry point that nobody calls (``capsule`` None):
+    what the watchdog makes of the entry point and of its failure is under test."""
+
+    def wrap_group(self, group, ranks):
+        return _WithNativeEntry(group)
+
+    def native_all_reduce(self, like, calls):
+        rank = self.rank
+        return NativeAllReduce(
+            None, calls, lambda message: CommTimeoutError(message, op="all_reduce", rank=rank)
+        )
+
+
+def _run_ranks(body, timeout_s=2.0, check_every=0, native=False):
+    """Run ``body(comm)`` on two watched gloo ranks (with a native entry point where
+    ``native``); returns each rank's result or error."""
     _store, rendezvous = serve_store()
     results: dict[int, object] = {}
 
     def rank_main(rank):
         comm = GlooBackend().init_world(rank, 2, rendezvous.with_prefix("data"), timeout_s)
+        if native:
+            comm = _WithNativeEntry(comm)
         watched = WatchedCommunicator(
             comm, SideChannel(rendezvous.with_prefix("watchdog")), check_every
         )
@@ -106,3 +125,23 @@ def test_debug_mode_stops_a_shape_mismatch_before_it_runs():
         message = str(results[rank])
         assert "#1 all_reduce [4] float32" in message and "#1 all_reduce [8] float32" in message
     assert time.monotonic() - started < 5, "the mismatch waited for the deadline"
+
+
+def test_a_native_run_is_one_fingerprint_and_its_failure_is_diagnosed():
+    """A run of all-reduces made from C (Communicator.native_all_reduce) is one operation to
+    the watchdog; a failure the C code reports gets every rank's position; the debug mode,
+    which compares every operation, keeps the all-reduces in Python (no entry point)."""
+
+    def body(comm):
+        comm.all_reduce(torch.zeros(2))
+        native = comm.native_all_reduce(torch.zeros(2, 576), 60)
+        return native.calls, str(native.failed("the C run timed out"))
+
+    results = _run_ranks(body, native=True)
+    for rank in (0, 1):
+        calls, message = results[rank]
+        assert calls == 60 and message.startswith("the C run timed out [watchdog on world")
+        assert "at #2 all_reduce x60 (native) [2, 576] float32" in message
+    results = _run_ranks(lambda comm: comm.native_all_reduce(torch.zeros(2), 4), check_every=1,
+                         native=True)  # fmt: skip
+    assert results == {0: None, 1: None}
