@@ -5,13 +5,16 @@ streamed text adds up to the answer; a stop string cuts it."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from shardline.engine import LLM, SamplingParams
+from shardline.errors import ConfigError
 from shardline.launch.launchers import run_launched
 from shardline.tokenizer import Tokenizer
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
+from shardline.weights.gguf_layout import GGUFLayout
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(600)
@@ -24,6 +27,31 @@ EMBED_TEXT = "The lighthouse keeper watched the storm roll in."
 @pytest.fixture(scope="module")
 def gguf_path():
     return smollm2_gguf()
+
+
+def test_the_gguf_layout_reads_what_the_gguf_package_reads(gguf_path):
+    """Shardline's one-pass GGUF header reader (GGUFLayout) against the gguf package's reader
+    on the real file: every metadata value, and every tensor's type, dimensions, shape and
+    bytes; a file cut short is a clear error."""
+    import gguf
+
+    layout, reader = GGUFLayout.read(gguf_path), gguf.GGUFReader(gguf_path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert layout.metadata == fields and len(fields["tokenizer.ggml.tokens"]) == 49152
+    assert sorted(layout.tensors) == sorted(t.name for t in reader.tensors)
+    for expected in reader.tensors:
+        got = layout.tensors[expected.name]
+        assert got.tensor_type == expected.tensor_type
+        assert got.shape == tuple(int(n) for n in expected.shape)
+        assert got.data.shape == expected.data.shape and got.data.dtype == expected.data.dtype
+        assert np.array_equal(np.asarray(got.data), np.asarray(expected.data))
+
+
+def test_a_gguf_file_cut_short_is_a_clear_error(gguf_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_path.read_bytes()[:1_000_000])  # inside the tokenizer's strings
+    with pytest.raises(ConfigError, match="not a readable GGUF file"):
+        GGUFCheckpoint(cut)
 
 
 @pytest.fixture(scope="module")

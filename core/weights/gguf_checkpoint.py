@@ -16,6 +16,7 @@ import torch
 
 from shardline.errors import ConfigError
 from shardline.models.architecture import LlamaArchitecture
+from shardline.weights.gguf_layout import GGUFLayout, TensorLayout
 
 SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 
@@ -51,22 +52,19 @@ class GGUFCheckpoint:
     """A llama-architecture GGUF file, opened lazily."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = Path(path)
         try:
-            self._reader = gguf.GGUFReader(self.path)
+            self._layout = GGUFLayout.read(self.path)
         except (OSError, ValueError, KeyError, IndexError) as error:
             raise ConfigError(
                 f"{self.path}: not a readable GGUF file ({type(error).__name__}: {error})"
             ) from None
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = self._layout.tensors
         self.architecture = self._architecture()
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """A metadata value (strings decoded, arrays as lists)."""
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._layout.metadata.get(key, default)
 
     def _architecture(self) -> LlamaArchitecture:
         arch = self.metadata("general.architecture")
@@ -119,14 +117,14 @@ class GGUFCheckpoint:
 class GGUFTensor:
     """One GGUF tensor in torch's ``[out, in]`` order; slicing dequantizes only that part."""
 
-    def __init__(self, raw: Any, permuted_head_dim: int | None) -> None:
+    def __init__(self, raw: TensorLayout, permuted_head_dim: int | None) -> None:
         import gguf
 
         self._raw = raw
         self._type = raw.tensor_type
         self._block, self._block_bytes = gguf.GGML_QUANT_SIZES[raw.tensor_type]
         self._quantized = raw.data.dtype == np.uint8 and self._type.name not in ("F32", "F16")
-        self.shape = tuple(int(n) for n in reversed(raw.shape.tolist()))  # GGUF lists ne0 first
+        self.shape = tuple(int(n) for n in reversed(raw.shape))  # GGUF lists ne0 first
         self._head_dim = permuted_head_dim
 
     def __getitem__(self, index: Any) -> torch.Tensor:
