@@ -697,11 +697,14 @@ static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t
     for (long l = 0; l < layers && status == 0; l++) {
         const int64_t *fields = table + l * TABLE_FIELDS;
 #define FIELD(name) ((void *)fields[TABLE_##name])
-        Layer layer = {FIELD(INPUT_NORM), FIELD(QKV_WEIGHT), FIELD(QKV_BIAS), FIELD(O_WEIGHT),
-                       FIELD(O_BIAS), FIELD(POST_NORM), FIELD(GATE_UP_WEIGHT),
-                       FIELD(GATE_UP_BIAS), FIELD(DOWN_WEIGHT), FIELD(DOWN_BIAS),
-                       FIELD(KV_INDEX), FIELD(KEY_CACHE), FIELD(VALUE_CACHE),
-                       (float)eps[2 * l], (float)eps[2 * l + 1]};
+        Layer layer = {.input_norm = FIELD(INPUT_NORM), .qkv_weight = FIELD(QKV_WEIGHT),
+                       .qkv_bias = FIELD(QKV_BIAS), .o_weight = FIELD(O_WEIGHT),
+                       .o_bias = FIELD(O_BIAS), .post_norm = FIELD(POST_NORM),
+                       .gate_up_weight = FIELD(GATE_UP_WEIGHT),
+                       .gate_up_bias = FIELD(GATE_UP_BIAS), .down_weight = FIELD(DOWN_WEIGHT),
+                       .down_bias = FIELD(DOWN_BIAS), .kv_index = FIELD(KV_INDEX),
+                       .key_cache = FIELD(KEY_CACHE), .value_cache = FIELD(VALUE_CACHE),
+                       .input_eps = (float)eps[2 * l], .post_eps = (float)eps[2 * l + 1]};
 #undef FIELD
         if (l > 0) /* the previous layer's output and residual stream */
             attention_half(&layer, &step, hidden_out, residual_out, residual_out, hidden_out,
