@@ -249,6 +249,12 @@ class LayerBlocks:
     reduced_biases: tuple[int, int]  # o_proj's and down's, added after the all-reduce (or 0)
     tensors: tuple[torch.Tensor, ...]
 
+    @property
+    def sizes(self) -> tuple[int, int, int, int, int, float]:
+        """What layers run in one call (:class:`LayerStack`) must share."""
+        return (self.hidden_size, self.q_heads, self.kv_heads, self.head_dim,
+                self.intermediate_size, self.scale)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class LayerStack:
@@ -461,11 +467,8 @@ class NativeKernels(TorchKernels):
         if not layers or any(blocks is None for blocks in layers) or len(caches) != len(layers):
             return None
         first, cache = layers[0], caches[0]
-        sizes = (first.hidden_size, first.q_heads, first.kv_heads, first.head_dim,
-                 first.intermediate_size, first.scale)  # fmt: skip
         if not all(
-            (b.hidden_size, b.q_heads, b.kv_heads, b.head_dim, b.intermediate_size, b.scale)
-            == sizes
+            b.sizes == first.sizes
             and _fits(c.key, torch.float32) and _fits(c.value, torch.float32)
             and c.key.shape == cache.key.shape and c.block_size == cache.block_size
             and c.key.shape[-2:] == (first.kv_heads, first.head_dim)
