@@ -134,6 +134,21 @@ def test_a_native_run_names_the_rank_that_never_arrives_by_its_deadline():
         assert error.startswith(failure)
 
 
+@pytest.mark.timeout(120)
+def test_the_barrier_is_kept_in_the_segment_and_names_a_rank_that_never_enters():
+    """Barriers between all-reduces run on the segment's flags (a late rank is named by
+    custom_ar, by the group's deadline), not on the base's barrier."""
+    with LocalWorld(3, CommunicatorSetup("custom_ar", 2.0), call_timeout_s=60) as world:
+        results = world.run(allreduce_checks.barrier_with_a_silent_rank, 2, 50)
+    assert results[2] is None
+    for rank in (0, 1):
+        message, seconds = results[rank]
+        assert (
+            message == f"custom_ar barrier on rank {rank} of 3: ranks [2] did not arrive within 2 s"
+        )
+        assert 2.0 <= seconds < 4.0
+
+
 def test_the_base_is_built_without_running_any_other_plugin():
     """A one-rank custom_ar world imports the gloo plugin for its base and no other one."""
     program = (

@@ -6,7 +6,9 @@ small slots (``ONE_SHOT_MAX_BYTES`` per rank each), and, for large tensors, one 
 ``SLOT_BYTES`` per rank plus a result area of that size. An all-reduce takes the shared path
 only when every rank of the group is on this host (host identities exchanged at creation:
 host name, kernel boot id and which ``/dev/shm`` the rank sees), the tensor fits a slot and
-lives on the CPU; anything else, and every other operation, goes to the base communicator.
+lives on the CPU; anything else, and every other operation but the barrier, goes to the base
+communicator. A shared group's barrier is a flag line per rank too: barrier b raises the
+rank's line to b, then waits for every line to reach b.
 
 Every shared all-reduce has a number; a rank announces "arrived at call c"
 once its input is in place and waits until every rank has announced c.
@@ -70,8 +72,9 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 #: Per-rank slot (and result area) size: the largest tensor taken over from the base.
 SLOT_BYTES = 32 << 20
 _LINE = 64  # bytes per flag: one cache line, so ranks never write the same line
-_ARRIVED, _REDUCED = 0, 1  # the phases a rank announces: input in place, chunk reduced
-_PHASES = 2
+#: The phases a rank announces: input in place, chunk reduced, barrier entered.
+_ARRIVED, _REDUCED, _BARRIER = 0, 1, 2
+_PHASES = 3
 #: The one-shot path in C (built by pip install where a compiler is), else the Python path.
 NATIVE = "shardline_custom_allreduce._native"
 _PLANS_KEPT = 64  # prepared tensor shapes kept per group
@@ -153,6 +156,7 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         self._polling = world.polling
         self._rank = base.rank
         self._calls = 0
+        self._barriers = 0
         self._plans: dict[tuple, Any] = {}
 
     @classmethod
@@ -221,6 +225,20 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         if not segment.all_at(_ARRIVED, call):
             self._wait_all(_ARRIVED, call, "all_reduce")
         return plan.reduce(parity)
+
+    def barrier(self) -> None:
+        """On one host, in the segment: rank r raises its barrier flag to the barrier's number
+        and waits (spin, yield, then sleep) until every flag has reached it; the base's
+        barrier otherwise. Ranks leave within microseconds of the last one's arrival, and
+        without blocking in the kernel, so what follows runs on a warm CPU."""
+        segment = self._segment
+        if segment is None:
+            self.inner.barrier()
+            return
+        self._barriers = number = self._barriers + 1
+        segment.announce(_BARRIER, self._rank, number)
+        if not segment.all_at(_BARRIER, number):
+            self._wait_all(_BARRIER, number, "barrier")
 
     def native_all_reduce(self, like: torch.Tensor, calls: int) -> NativeAllReduce | None:
         """The next ``calls`` one-shot sums of tensors like ``like`` as a C entry point

@@ -135,3 +135,21 @@ def native_run_with_a_silent_rank(ctx, silent: int):
     start = time.monotonic()
     failure = _kernels.native_all_reduce_call(native.capsule, value.data_ptr())
     return failure, time.monotonic() - start, str(native.failed(failure or ""))
+
+
+def barrier_with_a_silent_rank(ctx, silent: int, rounds: int):
+    """``rounds`` barriers with all-reduces between them on every rank, then one more that
+    ``silent`` skips: the others' error messages and how long each took to come."""
+    comm = ctx.comm
+    for round_ in range(rounds):
+        comm.barrier()
+        total = comm.all_reduce(torch.full((3,), float(round_)))
+        assert total.tolist() == [float(round_ * comm.world_size)] * 3
+    if comm.rank == silent:
+        return None
+    start = time.monotonic()
+    try:
+        comm.barrier()
+    except CommTimeoutError as error:
+        return str(error), time.monotonic() - start
+    raise AssertionError("the barrier returned although one rank never entered it")
