@@ -51,7 +51,7 @@ from shardline.sdk import (
     wait_until,
 )
 from shardline_executors.heartbeat import Heartbeats
-from shardline_executors.mp_protocol import PHASES, Call, Failure, Phase, Reply
+from shardline_executors.mp_protocol import PHASES, Failure, Phase, call_message
 from shardline_executors.mp_worker import worker_main
 from shardline_executors.shm_ring import ShmRing
 
@@ -92,8 +92,8 @@ class _PendingCall:
     name: str
     ranks: list[int]
     deadline: float
+    future: Future
     single: bool = False
-    future: Future = field(default_factory=Future)
     replies: dict[int, Any] = field(default_factory=dict)
 
 
@@ -239,25 +239,26 @@ class MultiprocExecutor(Executor):
         payload = method if isinstance(method, str) else cloudpickle.dumps(method)
         name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
         seconds = self._call_timeout_s if timeout is None else timeout
-        call = _PendingCall(
+        deadline = time.monotonic() + seconds
+        pending = _PendingCall(
             call_id=self._next_call,
             name=name,
             ranks=list(range(self.world_size))
             if unique_reply_rank is None
             else [unique_reply_rank],
-            deadline=time.monotonic() + seconds,
+            deadline=deadline,
+            future=_CollectingFuture(self._collect_here, deadline),
             single=single,
         )
-        call.future = _CollectingFuture(self._collect_here, call.deadline)
         self._next_call += 1
-        message = Call(call.call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank)
-        self._calls.put(
-            pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL),
-            call.deadline,
-            self.check_health,
+        message = call_message(
+            pending.call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank
         )
-        self._pending.append(call)
-        return call
+        self._calls.put(
+            pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), deadline, self.check_health
+        )
+        self._pending.append(pending)
+        return pending
 
     def _wake_collector_thread(self) -> None:
         with self._wake_collector:
@@ -356,20 +357,22 @@ class MultiprocExecutor(Executor):
         message = self._peek(rank)
         if message is None:
             return False
-        if message.call_id is not None and message.call_id < call.call_id:
+        failure = message if isinstance(message, Failure) else None
+        call_id = message[0] if failure is None else failure.call_id  # a reply: (id, value)
+        if call_id is not None and call_id < call.call_id:
             # Left over from an earlier call that already ended: a reply, or a failure
             # already reported, is dropped; a failure of a rank that was not asked to reply
             # (its call succeeded elsewhere) fails this call.
             self._inboxes[rank].popleft()
-            if isinstance(message, Failure) and message.call_id not in self._failed_calls:
-                self._raise_failure(rank, message, call)
+            if failure is not None and call_id not in self._failed_calls:
+                self._raise_failure(rank, failure, call)
             return False
-        if isinstance(message, Failure):
+        if failure is not None:
             self._inboxes[rank].popleft()
-            self._raise_failure(rank, message, call)
-        if isinstance(message, Reply) and rank in waiting:
+            self._raise_failure(rank, failure, call)
+        if rank in waiting:
             self._inboxes[rank].popleft()
-            call.replies[rank] = message.value
+            call.replies[rank] = message[1]
             return True
         return False
 
@@ -473,7 +476,7 @@ class MultiprocExecutor(Executor):
         grace = 0.0
         if self._ranks.processes and self._failure is None:
             try:
-                stop = Call(-1, None, (), {}, None)
+                stop = call_message(-1, None, (), {}, None)
                 self._calls.put(pickle.dumps(stop), time.monotonic() + 1.0)
                 grace = _JOIN_S
             except ShardlineError:

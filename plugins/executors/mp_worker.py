@@ -22,7 +22,7 @@ from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
 from shardline.sdk import EngineConfig, WorkerSetup, share_cores
 from shardline_executors.heartbeat import start_beating
-from shardline_executors.mp_protocol import Call, Failure, Phase, Reply
+from shardline_executors.mp_protocol import Failure, Phase
 from shardline_executors.shm_ring import RingHandle, ShmRing
 
 _PARENT_CHECK_S = 0.5
@@ -85,20 +85,19 @@ def worker_main(
 
 def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, send) -> None:
     while True:
-        call: Call = pickle.loads(inbox.get(rank, doorbell=doorbell))
-        if call.method is None:
+        call_id, method, args, kwargs, reply_rank = pickle.loads(inbox.get(rank, doorbell=doorbell))
+        if method is None:
             return
         try:
-            if isinstance(call.method, str):
-                function = getattr(worker, call.method)
-                value = function(*call.args, **call.kwargs)
+            if isinstance(method, str):
+                value = getattr(worker, method)(*args, **kwargs)
             else:
-                value = cloudpickle.loads(call.method)(worker, *call.args, **call.kwargs)
+                value = cloudpickle.loads(method)(worker, *args, **kwargs)
         except Exception as error:
-            send(Failure(call.call_id, "call", RemoteFailure.capture(error)))
+            send(Failure(call_id, "call", RemoteFailure.capture(error)))
             continue
-        if call.reply_rank is None or call.reply_rank == rank:
-            send(Reply(call.call_id, value))
+        if reply_rank is None or reply_rank == rank:
+            send((call_id, value))
 
 
 def _exit_with_parent(parent_pid: int, segments: list[str]) -> None:
