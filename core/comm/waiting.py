@@ -36,12 +36,15 @@ def host_cores() -> int:
 
 @dataclass(frozen=True)
 class Polling:
-    """How a wait uses the CPU before it sleeps: ``spin_checks`` checks in a row, then
-    checks until ``yield_for_s`` (of :func:`wait_until`) has passed, yielding the CPU between
-    them when ``share_cpu``."""
+    """How a wait uses the CPU: ``spin_checks`` checks in a row, then checks until
+    ``yield_for_s`` (of :func:`wait_until`) has passed, yielding the CPU between them when
+    ``share_cpu``, then sleeps between checks, ``first_sleep_s`` at first, doubling up to
+    ``max_sleep_s`` (waits written in C take them from here too)."""
 
     spin_checks: int = _SPIN_CHECKS
     share_cpu: bool = True
+    first_sleep_s: float = _FIRST_SLEEP_S
+    max_sleep_s: float = _MAX_SLEEP_S
 
     @classmethod
     def for_ranks_on_host(cls, ranks: int, only_thread: bool = False) -> Polling:
@@ -86,7 +89,7 @@ def wait_until(
             return
         if polling.share_cpu:
             os.sched_yield()
-    sleep = _FIRST_SLEEP_S
+    sleep = polling.first_sleep_s
     last_idle_check = time.monotonic()
     while not ready():
         now = time.monotonic()
@@ -102,4 +105,4 @@ def wait_until(
             block(max(limit, 0.0))
             continue
         time.sleep(sleep)
-        sleep = min(sleep * 2, _MAX_SLEEP_S)
+        sleep = min(sleep * 2, polling.max_sleep_s)

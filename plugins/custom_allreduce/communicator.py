@@ -253,9 +253,16 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
             return self.inner.native_all_reduce(like, calls)
         first = self._calls + 1
         self._calls += calls
+        polling = self._polling
         capsule = plan.native_run(
-            first, calls, self.timeout_s, _YIELD_S, self._polling.share_cpu
-        )  # fmt: skip
+            first,
+            calls,
+            self.timeout_s,
+            _YIELD_S,
+            polling.share_cpu,
+            polling.first_sleep_s,
+            polling.max_sleep_s,
+        )
         rank = self.rank
         return NativeAllReduce(
             capsule, calls, lambda message: CommTimeoutError(message, op="all_reduce", rank=rank)

@@ -223,7 +223,7 @@ typedef struct {
     shardline_native_all_reduce entry; /* first: the capsule's pointer */
     OneShot *plan;                     /* held */
     int64_t next_call, end_call;
-    double timeout_s, yield_s;
+    double timeout_s, yield_s, first_sleep_s, max_sleep_s;
     int share_cpu;
 } NativeRun;
 
@@ -234,14 +234,15 @@ static double monotonic_seconds(void) {
 }
 
 /* Wait until every rank announced ``call``, as wait_until does: spin, yield (share_cpu) for
- * yield_s, then sleep from 20 us doubling to 2 ms; past timeout_s, -1 with the message. */
+ * yield_s, then sleep from first_sleep_s doubling to max_sleep_s; past timeout_s, -1 with the
+ * message. */
 static int wait_all_arrived(const NativeRun *run, int64_t call, char *error, size_t size) {
     const OneShot *plan = run->plan;
     for (int check = 0; check < plan->spin_checks; check++) {
         if (all_arrived(plan, call)) return 0;
         CPU_RELAX();
     }
-    double start = monotonic_seconds(), sleep_s = 20e-6;
+    double start = monotonic_seconds(), sleep_s = run->first_sleep_s;
     while (!all_arrived(plan, call)) {
         double waited = monotonic_seconds() - start;
         if (waited >= run->timeout_s) {
@@ -264,7 +265,7 @@ static int wait_all_arrived(const NativeRun *run, int64_t call, char *error, siz
         }
         struct timespec pause = {0, (long)(sleep_s * 1e9)};
         nanosleep(&pause, NULL);
-        sleep_s = sleep_s * 2 < 2e-3 ? sleep_s * 2 : 2e-3;
+        sleep_s = sleep_s * 2 < run->max_sleep_s ? sleep_s * 2 : run->max_sleep_s;
     }
     return 0;
 }
@@ -296,12 +297,14 @@ static void native_run_free(PyObject *capsule) {
 
 static PyObject *OneShot_native_run(OneShot *self, PyObject *args) {
     long long first_call, calls;
-    double timeout_s, yield_s;
+    double timeout_s, yield_s, first_sleep_s, max_sleep_s;
     int share_cpu;
-    if (!PyArg_ParseTuple(args, "LLddp", &first_call, &calls, &timeout_s, &yield_s, &share_cpu))
+    if (!PyArg_ParseTuple(args, "LLddpdd", &first_call, &calls, &timeout_s, &yield_s,
+                          &share_cpu, &first_sleep_s, &max_sleep_s))
         return NULL;
-    if (first_call < 1 || calls < 0) {
-        PyErr_SetString(PyExc_ValueError, "first_call must be >= 1 and calls >= 0");
+    if (first_call < 1 || calls < 0 || first_sleep_s <= 0 || max_sleep_s < first_sleep_s) {
+        PyErr_SetString(PyExc_ValueError, "first_call must be >= 1, calls >= 0 and "
+                                          "0 < first_sleep_s <= max_sleep_s");
         return NULL;
     }
     NativeRun *run = PyMem_Malloc(sizeof *run);
@@ -315,6 +318,8 @@ static PyObject *OneShot_native_run(OneShot *self, PyObject *args) {
     run->timeout_s = timeout_s;
     run->yield_s = yield_s;
     run->share_cpu = share_cpu;
+    run->first_sleep_s = first_sleep_s;
+    run->max_sleep_s = max_sleep_s;
     PyObject *capsule = PyCapsule_New(run, SHARDLINE_NATIVE_ALL_REDUCE, native_run_free);
     if (capsule == NULL) {
         Py_DECREF(self);
@@ -387,9 +392,10 @@ static PyMethodDef OneShot_methods[] = {
     {"arrived", (PyCFunction)OneShot_arrived, METH_O,
      "arrived(call): whether every rank announced ``call`` (acquire loads)."},
     {"native_run", (PyCFunction)OneShot_native_run, METH_VARARGS,
-     "native_run(first_call, calls, timeout_s, yield_s, share_cpu): a PyCapsule "
-     "(native_all_reduce.h) making calls first_call .. first_call + calls - 1 in place from C, "
-     "each waiting as wait_until does and failing after timeout_s."},
+     "native_run(first_call, calls, timeout_s, yield_s, share_cpu, first_sleep_s, "
+     "max_sleep_s): a PyCapsule (native_all_reduce.h) making calls first_call .. first_call + "
+     "calls - 1 in place from C, each waiting as wait_until does with those bounds (see "
+     "shardline.comm.waiting.Polling) and failing after timeout_s."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject OneShotType = {
