@@ -62,6 +62,36 @@ def test_model_over_mpi_under_mpiexec(tiny_llama_dir, tiny_llama_greedy, own_shm
     assert run.leftovers == [] and own_shm.entries() == []
 
 
+@pytest.mark.timeout(180)
+def test_native_all_reduce_under_mpiexec_sums_as_all_reduce_and_times_out_as_it(own_shm):
+    """The MPI communicator's C entry point (the one decode_layers calls between layers): 3
+    ranks, same bits as ``all_reduce`` on every rank, calls go on after it, and a rank that
+    never joins makes the others' call fail with all_reduce's timeout error at the group's 2 s
+    deadline (after which the job ends itself with MPI_Abort, as after any MPI timeout)."""
+    pytest.importorskip("shardline_mpi._native", reason="the MPI extension is not built")
+    pytest.importorskip("shardline.layers._kernels", reason="the kernels extension is not built")
+    run = run_launched(
+        "mpiexec", 3, ["-m", "support.mpi_native_runs", "5", "1"], timeout_s=150, wrap=own_shm.wrap
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("[")]
+    assert len(lines) == 1, run.stdout[-2000:] + run.stderr[-3000:]
+    reports = json.loads(lines[0])
+    for rank, report in enumerate(reports):
+        assert report["native"] and report["failures"] == [None] * 5, report
+        assert report["same_bits"], f"rank {rank}: native sums differ from all_reduce's"
+        assert report["after"] == [3.0] * 3
+    assert reports[1]["silent"] is None
+    for rank in (0, 2):
+        silent = reports[rank]["silent"]
+        assert silent["type"] == "CommTimeoutError"
+        assert silent["message"] == (
+            f"mpi all_reduce on rank {rank} of 3: no answer from peers within 2 s"
+        )
+        assert 2.0 <= silent["seconds"] < 3.5
+    assert "MPI_ABORT was invoked" in run.stderr
+    assert run.leftovers == [] and own_shm.entries() == []
+
+
 def test_mpi_is_refused_under_an_executor_that_starts_processes():
     result = shardline(
         "config",

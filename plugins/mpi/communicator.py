@@ -19,9 +19,12 @@ job with ``MPI_Abort`` rather than hanging in ``MPI_Finalize``
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import os
 import time
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -34,7 +37,14 @@ from shardline.errors import (
     ConfigError,
     PeerLostError,
 )
-from shardline.interfaces import Communicator, CommunicatorBackend, ReduceOp, Rendezvous, Work
+from shardline.interfaces import (
+    Communicator,
+    CommunicatorBackend,
+    NativeAllReduce,
+    ReduceOp,
+    Rendezvous,
+    Work,
+)
 from shardline.sdk import (
     LaunchedRank,
     OnceWork,
@@ -45,6 +55,7 @@ from shardline.sdk import (
     connect_store,
     detect_launcher,
     group_ranks,
+    native_extension,
     never_arrived,
     wait_until,
 )
@@ -56,6 +67,9 @@ _P2P_TAG = 0
 _YIELD_S = 0.1
 _TESTS_PER_CHECK = 16  # tests in a row between the wait's yields: progress for large transfers
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: The all-reduce as a native entry point (built by pip install where a compiler is).
+NATIVE = "shardline_mpi._native"
+_NO_ANSWER = "no answer from peers within"  # in a timed-out all-reduce's message
 
 
 def _mpi():
@@ -101,7 +115,34 @@ class MpiBackend(CommunicatorBackend):
             timeout_s,
             user_ops={},
             polling=Polling.for_ranks_on_host(ranks_here, only_thread=True),
+            native=_NativePath.find(mpi, os.environ),
         )
+
+
+@dataclass(frozen=True)
+class _NativePath:
+    """What the native all-reduce (``shardline_mpi._native``) needs from this process's MPI:
+    the addresses of ``MPI_Iallreduce`` and ``MPI_Test`` in the library mpi4py loaded, and the
+    size of an ``MPI_Status``."""
+
+    module: ModuleType
+    iallreduce: int
+    test: int
+    status_bytes: int
+
+    @classmethod
+    def find(cls, mpi: Any, environ: Any) -> _NativePath | None:
+        """None where the extension is not built (or ``SHARDLINE_NATIVE=0``), or the MPI is
+        not Open MPI (whose handles are the pointers the extension passes)."""
+        module = native_extension(NATIVE, environ)
+        if module is None or mpi.get_vendor()[0] != "Open MPI":
+            return None
+        library = ctypes.CDLL(mpi.__file__)  # looks up symbols in the MPI library it links
+
+        def address(name: str) -> int:
+            return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+
+        return cls(module, address("MPI_Iallreduce"), address("MPI_Test"), mpi._sizeof(mpi.Status))
 
 
 def _meet(world: Any, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float) -> None:
@@ -130,11 +171,20 @@ class MpiCommunicator(Communicator):
     """One MPI communicator. See :class:`~shardline.interfaces.Communicator` for the contract.
 
     ``user_ops`` caches the float16/bfloat16 reduction operations, shared with subgroups;
-    ``polling`` says how waits use the CPU (from the number of ranks on this host).
+    ``polling`` says how waits use the CPU (from the number of ranks on this host); ``native``
+    is the native all-reduce's path (None: no native entry point).
     """
 
-    def __init__(self, comm: Any, timeout_s: float, user_ops: dict, polling: Polling) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        timeout_s: float,
+        user_ops: dict,
+        polling: Polling,
+        native: _NativePath | None = None,
+    ) -> None:
         super().__init__()
+        self._native = native
         self._mpi = _mpi()
         self._comm = comm
         self._rank = comm.Get_rank()
@@ -191,6 +241,52 @@ class MpiCommunicator(Communicator):
         )
         self._complete("all_reduce", request)
         return result
+
+    def native_all_reduce(self, like: torch.Tensor, calls: int) -> NativeAllReduce | None:
+        """The next ``calls`` sums of tensors like ``like`` from C (``shardline_mpi._native``:
+        the same nonblocking all-reduce into the tensor's memory, tested as :meth:`_complete`
+        tests it, until the group's deadline); None without the extension, under an MPI
+        other than Open MPI, for a dtype MPI reduces only in Python, or one rank."""
+        native, mpi = self._native, self._mpi
+        datatype = self._datatypes.get(like.dtype)
+        if (
+            native is None
+            or self._comm is None
+            or self._world_size == 1
+            or datatype is None
+            or not like.is_cpu
+            or not 0 < like.numel() < 2**31
+        ):
+            return None
+        polling = self._polling
+        capsule = native.module.all_reduce_run(
+            iallreduce=native.iallreduce,
+            test=native.test,
+            comm=mpi._handleof(self._comm),
+            datatype=mpi._handleof(datatype),
+            op=mpi._handleof(mpi.SUM),
+            count=like.numel(),
+            nbytes=like.numel() * like.element_size(),
+            calls=calls,
+            rank=self._rank,
+            world_size=self._world_size,
+            timeout_s=self._timeout_s,
+            yield_s=_YIELD_S,
+            spin_checks=polling.spin_checks,
+            tests_per_check=_TESTS_PER_CHECK,
+            share_cpu=polling.share_cpu,
+            first_sleep_s=polling.first_sleep_s,
+            max_sleep_s=polling.max_sleep_s,
+            status_bytes=native.status_bytes,
+        )
+        return NativeAllReduce(capsule, calls, self._native_failure)
+
+    def _native_failure(self, message: str) -> CommunicationError:
+        """The error of a failed native all-reduce (the C code's ``message``)."""
+        if _NO_ANSWER in message:
+            abort_job_at_exit()
+            return CommTimeoutError(message, op="all_reduce", rank=self._rank)
+        return CommunicationError(message, op="all_reduce", rank=self._rank)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         source = tensor.contiguous()
@@ -317,9 +413,8 @@ class MpiCommunicator(Communicator):
         if not member:
             return None
         sub.Set_errhandler(self._mpi.ERRORS_RETURN)
-        return MpiCommunicator(
-            sub, self._timeout_s if timeout_s is None else timeout_s, self._user_ops, self._polling
-        )
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        return MpiCommunicator(sub, timeout_s, self._user_ops, self._polling, self._native)
 
     def close(self) -> None:
         comm, self._comm = self._comm, None
@@ -367,8 +462,7 @@ class MpiCommunicator(Communicator):
         except CommTimeoutError as error:
             abort_job_at_exit()
             raise CommTimeoutError(
-                f"mpi {op} on rank {self._rank} of {self._world_size}: no answer from peers "
-                f"within {seconds:g} s",
+                f"mpi {op} on rank {self._rank} of {self._world_size}: {_NO_ANSWER} {seconds:g} s",
                 op=op,
                 rank=self._rank,
             ) from error
