@@ -16,9 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "native_all_reduce.h"
+#include "native_wait.h" /* shardline_seconds_now */
 
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
@@ -488,16 +488,10 @@ static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t narg
  * (native_all_reduce.h). times (a double[3], or NULL): seconds added to the matmuls ([0]),
  * attention ([1]) and the all-reduces ([2]), for the profile. */
 
-static double seconds_now(void) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
-}
-
 /* Adds the time since *since to times[part] (when timing) and restarts the clock. */
 static inline void lap(double *times, int part, double *since) {
     if (times == NULL) return;
-    double now = seconds_now();
+    double now = shardline_seconds_now();
     if (part >= 0) times[part] += now - *since;
     *since = now;
 }
@@ -550,7 +544,7 @@ static void attention_half(const Layer *layer, const Step *step, const float *x,
     long qkv_width = (step->q_heads + 2 * step->kv_heads) * d, width = step->q_heads * d;
     float *normed = scratch, *qkv = normed + rows * hidden, *q = qkv + rows * qkv_width;
     float *attended = q + rows * width, *row = attended + rows * width, *scores = row + hidden;
-    double since = times ? seconds_now() : 0.0;
+    double since = times ? shardline_seconds_now() : 0.0;
     rms_norm_rows_f32(x, residual, layer->input_norm, normed, residual_out, rows, hidden,
                       layer->input_eps, row);
     lap(times, LAP_OTHER, &since);
@@ -573,7 +567,7 @@ static void mlp_half(const Layer *layer, const Step *step, const float *x, const
     long rows = step->rows, hidden = step->hidden, size = step->size;
     float *normed = scratch, *gate_up = normed + rows * hidden;
     float *activated = gate_up + 2 * rows * size, *row = activated + rows * size;
-    double since = times ? seconds_now() : 0.0;
+    double since = times ? shardline_seconds_now() : 0.0;
     rms_norm_rows_f32(x, residual, layer->post_norm, normed, residual_out, rows, hidden,
                       layer->post_eps, row);
     lap(times, LAP_OTHER, &since);
@@ -598,7 +592,7 @@ static void add_bias(float *x, const float *bias, long rows, long hidden) {
 static int reduce_between(const shardline_native_all_reduce *entry, float *partial,
                           double *times, char *error, size_t size) {
     if (entry == NULL) return 0;
-    double since = times ? seconds_now() : 0.0;
+    double since = times ? shardline_seconds_now() : 0.0;
     int status = entry->all_reduce(entry->context, partial, error, size);
     lap(times, LAP_COMM, &since);
     return status;

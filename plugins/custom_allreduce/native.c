@@ -5,27 +5,17 @@
  * (wait_until: yield, sleep, deadline), the two-shot path, and dtypes not listed in DTYPES.
  *
  * A plan also makes a native entry point (native_all_reduce.h) for a run of calls made from C
- * without the GIL: the same steps in place, with the wait's later phases (yield, sleep with
- * backoff, the deadline) done here as wait_until does them.
+ * without the GIL: the same steps in place, waiting as wait_until does (native_wait.h).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 #include "native_all_reduce.h"
+#include "native_wait.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
 
 #if defined(__FLT16_MAX__)
 #define HAVE_FLOAT16 1
@@ -201,7 +191,7 @@ static PyObject *OneShot_run(OneShot *self, PyObject *const *args, Py_ssize_t na
     for (int check = 0;; check++) {
         if (all_arrived(self, call)) return reduce_into_new(self, args[0], call);
         if (check >= self->spin_checks) Py_RETURN_NONE;
-        CPU_RELAX();
+        SHARDLINE_CPU_RELAX();
     }
 }
 
@@ -223,51 +213,36 @@ typedef struct {
     shardline_native_all_reduce entry; /* first: the capsule's pointer */
     OneShot *plan;                     /* held */
     int64_t next_call, end_call;
-    double timeout_s, yield_s, first_sleep_s, max_sleep_s;
-    int share_cpu;
+    shardline_wait_policy wait;
 } NativeRun;
 
-static double monotonic_seconds(void) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+typedef struct {
+    const OneShot *plan;
+    int64_t call;
+} Arrival;
+
+static int arrival_check(void *context) {
+    const Arrival *arrival = context;
+    return all_arrived(arrival->plan, arrival->call);
 }
 
-/* Wait until every rank announced ``call``, as wait_until does: spin, yield (share_cpu) for
- * yield_s, then sleep from first_sleep_s doubling to max_sleep_s; past timeout_s, -1 with the
- * message. */
+/* Wait until every rank announced ``call`` (native_wait.h); past the deadline, -1 with the
+ * message naming the ranks that did not arrive. */
 static int wait_all_arrived(const NativeRun *run, int64_t call, char *error, size_t size) {
     const OneShot *plan = run->plan;
-    for (int check = 0; check < plan->spin_checks; check++) {
-        if (all_arrived(plan, call)) return 0;
-        CPU_RELAX();
-    }
-    double start = monotonic_seconds(), sleep_s = run->first_sleep_s;
-    while (!all_arrived(plan, call)) {
-        double waited = monotonic_seconds() - start;
-        if (waited >= run->timeout_s) {
-            int used = snprintf(error, size, "custom_ar all_reduce on rank %d of %d: ranks [",
-                                plan->rank, plan->world_size);
-            for (int rank = 0, first = 1; rank < plan->world_size; rank++)
-                if (__atomic_load_n(&plan->flags[rank * plan->flag_words], __ATOMIC_ACQUIRE) <
-                        call && used >= 0 && (size_t)used < size) {
-                    used += snprintf(error + used, size - used, first ? "%d" : ", %d", rank);
-                    first = 0;
-                }
-            if (used >= 0 && (size_t)used < size)
-                snprintf(error + used, size - used, "] did not arrive within %g s",
-                         run->timeout_s);
-            return -1;
+    Arrival arrival = {plan, call};
+    if (shardline_wait(arrival_check, &arrival, &run->wait)) return 0;
+    int used = snprintf(error, size, "custom_ar all_reduce on rank %d of %d: ranks [",
+                        plan->rank, plan->world_size);
+    for (int rank = 0, first = 1; rank < plan->world_size; rank++)
+        if (__atomic_load_n(&plan->flags[rank * plan->flag_words], __ATOMIC_ACQUIRE) < call &&
+            used >= 0 && (size_t)used < size) {
+            used += snprintf(error + used, size - used, first ? "%d" : ", %d", rank);
+            first = 0;
         }
-        if (waited < run->yield_s) {
-            if (run->share_cpu) sched_yield();
-            continue;
-        }
-        struct timespec pause = {0, (long)(sleep_s * 1e9)};
-        nanosleep(&pause, NULL);
-        sleep_s = sleep_s * 2 < run->max_sleep_s ? sleep_s * 2 : run->max_sleep_s;
-    }
-    return 0;
+    if (used >= 0 && (size_t)used < size)
+        snprintf(error + used, size - used, "] did not arrive within %g s", run->wait.timeout_s);
+    return -1;
 }
 
 static int native_run_all_reduce(void *context, void *data, char *error, size_t size) {
@@ -315,11 +290,12 @@ static PyObject *OneShot_native_run(OneShot *self, PyObject *args) {
     run->plan = self;
     run->next_call = first_call;
     run->end_call = first_call + calls;
-    run->timeout_s = timeout_s;
-    run->yield_s = yield_s;
-    run->share_cpu = share_cpu;
-    run->first_sleep_s = first_sleep_s;
-    run->max_sleep_s = max_sleep_s;
+    run->wait = (shardline_wait_policy){.spin_checks = self->spin_checks,
+                                        .share_cpu = share_cpu,
+                                        .yield_s = yield_s,
+                                        .first_sleep_s = first_sleep_s,
+                                        .max_sleep_s = max_sleep_s,
+                                        .timeout_s = timeout_s};
     PyObject *capsule = PyCapsule_New(run, SHARDLINE_NATIVE_ALL_REDUCE, native_run_free);
     if (capsule == NULL) {
         Py_DECREF(self);

@@ -6,20 +6,17 @@
  *
  * A call is what MpiCommunicator.all_reduce does: a nonblocking all-reduce from a copy of the
  * input into the tensor's own memory (same call, same bits), completed by testing it (each
- * test also moves it forward): spin_checks checks of tests_per_check tests, then checks with
- * the CPU yielded between them (share_cpu) until yield_s has passed, then sleeps between
- * checks from first_sleep_s doubling to max_sleep_s (shardline.comm.waiting.Polling), failing
- * after timeout_s.
+ * test also moves it forward), tests_per_check tests a check, the checks made as wait_until
+ * makes them (native_wait.h), failing after timeout_s.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 #include "native_all_reduce.h"
+#include "native_wait.h"
 
 typedef int (*iallreduce_function)(const void *send, void *receive, int count, void *datatype,
                                    void *op, void *comm, void **request);
@@ -32,27 +29,24 @@ typedef struct {
     iallreduce_function iallreduce;
     test_function test;
     void *comm, *datatype, *op;
-    int count, rank, world_size, spin_checks, tests_per_check, share_cpu;
+    int count, rank, world_size, tests_per_check;
     size_t nbytes;
     long long calls_left;
-    double timeout_s, yield_s, first_sleep_s, max_sleep_s;
-    void *input; /* the copy the all-reduce sends from */
+    shardline_wait_policy wait;
+    void *input;   /* the copy the all-reduce sends from */
+    void *request; /* the all-reduce in flight */
+    int failed_code;
     _Alignas(16) unsigned char status[STATUS_BYTES];
 } MpiRun;
 
-static double seconds_now(void) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
-}
-
-/* Up to tests_per_check tests of the request: 1 done, 0 not yet, -1 with the message. */
-static int check(MpiRun *run, void **request, char *error, size_t size) {
+/* Up to tests_per_check tests of the request in flight: 1 done, 0 not yet, -1 failed (its
+ * code kept). */
+static int request_check(void *context) {
+    MpiRun *run = context;
     for (int test = 0; test < run->tests_per_check; test++) {
-        int done = 0, code = run->test(request, &done, run->status);
+        int done = 0, code = run->test(&run->request, &done, run->status);
         if (code != 0) {
-            snprintf(error, size, "mpi all_reduce on rank %d of %d: MPI error code %d",
-                     run->rank, run->world_size, code);
+            run->failed_code = code;
             return -1;
         }
         if (done) return 1;
@@ -69,35 +63,19 @@ static int mpi_all_reduce(void *context, void *data, char *error, size_t size) {
     }
     run->calls_left--;
     memcpy(run->input, data, run->nbytes);
-    void *request = NULL;
+    run->request = NULL;
     int code = run->iallreduce(run->input, data, run->count, run->datatype, run->op, run->comm,
-                               &request);
-    if (code != 0) {
+                               &run->request);
+    int state = code != 0 ? (run->failed_code = code, -1) : request_check(run);
+    if (state == 0) state = shardline_wait(request_check, run, &run->wait);
+    if (state > 0) return 0;
+    if (state == 0)
+        snprintf(error, size, "mpi all_reduce on rank %d of %d: no answer from peers within %g s",
+                 run->rank, run->world_size, run->wait.timeout_s);
+    else
         snprintf(error, size, "mpi all_reduce on rank %d of %d: MPI error code %d", run->rank,
-                 run->world_size, code);
-        return -1;
-    }
-    int done = 0;
-    for (int spin = 0; spin <= run->spin_checks && !done; spin++)
-        if ((done = check(run, &request, error, size)) < 0) return -1;
-    double start = seconds_now(), sleep_s = run->first_sleep_s;
-    while (!done) {
-        double waited = seconds_now() - start;
-        if (waited >= run->timeout_s) {
-            snprintf(error, size, "mpi all_reduce on rank %d of %d: no answer from peers "
-                                  "within %g s", run->rank, run->world_size, run->timeout_s);
-            return -1;
-        }
-        if (waited < run->yield_s) {
-            if (run->share_cpu) sched_yield();
-        } else {
-            struct timespec pause = {0, (long)(sleep_s * 1e9)};
-            nanosleep(&pause, NULL);
-            sleep_s = sleep_s * 2 < run->max_sleep_s ? sleep_s * 2 : run->max_sleep_s;
-        }
-        if ((done = check(run, &request, error, size)) < 0) return -1;
-    }
-    return 0;
+                 run->world_size, run->failed_code);
+    return -1;
 }
 
 static void run_free(PyObject *capsule) {
@@ -148,13 +126,13 @@ static PyObject *all_reduce_run(PyObject *module, PyObject *args, PyObject *kwar
     run->calls_left = calls;
     run->rank = rank;
     run->world_size = world_size;
-    run->timeout_s = timeout_s;
-    run->yield_s = yield_s;
-    run->spin_checks = spin_checks;
     run->tests_per_check = tests_per_check;
-    run->share_cpu = share_cpu;
-    run->first_sleep_s = first_sleep_s;
-    run->max_sleep_s = max_sleep_s;
+    run->wait = (shardline_wait_policy){.spin_checks = spin_checks,
+                                        .share_cpu = share_cpu,
+                                        .yield_s = yield_s,
+                                        .first_sleep_s = first_sleep_s,
+                                        .max_sleep_s = max_sleep_s,
+                                        .timeout_s = timeout_s};
     PyObject *capsule = PyCapsule_New(run, SHARDLINE_NATIVE_ALL_REDUCE, run_free);
     if (capsule == NULL) {
         PyMem_Free(run->input);
