@@ -40,8 +40,8 @@ def main(calls: int, silent: int) -> None:
         report["same_bits"] = all(torch.equal(a, b) for a, b in zip(natively, reduced, strict=True))
         report["after"] = after.tolist()
         report["silent"] = _silent_rank(comm, silent)
-    gathered = comm.all_gather(torch.tensor([json.dumps(report).encode().__len__()]), 0)
-    reports = _gather_reports(comm, report, int(gathered.max()))
+    widths = comm.all_gather(torch.tensor([len(json.dumps(report).encode())]), 0)
+    reports = _gather_reports(comm, report, int(widths.max()))
     if rank == 0:
         print(json.dumps(reports), flush=True)
     comm.close()
