@@ -25,8 +25,6 @@ PHASES = ("spawn", "distributed init", "model load", "ready")
 
 #: ``(call_id, method, args, kwargs, reply_rank)``
 Call = tuple[int, "str | bytes | None", tuple[Any, ...], dict[str, Any], "int | None"]
-#: ``(call_id, value)``
-Reply = tuple[int, Any]
 
 
 def call_message(
