@@ -135,6 +135,23 @@ def test_a_native_run_names_the_rank_that_never_arrives_by_its_deadline():
 
 
 @pytest.mark.timeout(120)
+def test_a_native_run_called_more_often_than_made_for_is_a_communication_error():
+    """Not a timeout: the extra call does nothing and says so; the group goes on."""
+    pytest.importorskip("shardline_custom_allreduce._native", reason="extension not built")
+    pytest.importorskip("shardline.layers._kernels", reason="kernels extension not built")
+    with LocalWorld(2, CommunicatorSetup("custom_ar", 10.0), call_timeout_s=60) as world:
+        results = world.run(allreduce_checks.native_run_called_too_often)
+    for first, kind, message, after in results:
+        assert first is None
+        assert kind == "CommunicationError"
+        assert message.startswith(
+            "custom_ar: a native all-reduce run was called more often than the calls it was "
+            "made for"
+        )
+        assert after == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.timeout(120)
 def test_the_barrier_is_kept_in_the_segment_and_names_a_rank_that_never_enters():
     """Barriers between all-reduces run on the segment's flags (a late rank is named by
     custom_ar, by the group's deadline), not on the base's barrier."""

@@ -153,3 +153,18 @@ def barrier_with_a_silent_rank(ctx, silent: int, rounds: int):
     except CommTimeoutError as error:
         return str(error), time.monotonic() - start
     raise AssertionError("the barrier returned although one rank never entered it")
+
+
+def native_run_called_too_often(ctx):
+    """A native run made for one call, called twice: the second call's failure, as the
+    communicator's error type and message, and an all-reduce after it."""
+    from shardline.layers import _kernels
+
+    comm = ctx.comm
+    value = torch.ones(2, 576)
+    native = comm.native_all_reduce(value, 1)
+    first = _kernels.native_all_reduce_call(native.capsule, value.data_ptr())
+    second = _kernels.native_all_reduce_call(native.capsule, value.data_ptr())
+    error = native.failed(second) if second is not None else None
+    after = comm.all_reduce(torch.full((3,), float(comm.rank)))
+    return first, type(error).__name__, str(error), after.tolist()
