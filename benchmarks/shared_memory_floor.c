@@ -3,7 +3,8 @@
  * the input to their slot of the call's parity, release-store the call number, spin on the
  * peer's flag with acquire loads, add both slots into an output), with no Python, no tensor
  * allocation and no process boundary. Compare `shardline bench comm -c custom_ar --back-to-back`
- * with it: what is left above this line is the per-call overhead of the Python call.
+ * with it: what is left above this line is the per-call overhead of the Python call. x86-64
+ * (the spin pauses with _mm_pause).
  *
  *     cc -O3 -pthread benchmarks/shared_memory_floor.c -o /tmp/shm_floor && /tmp/shm_floor
  *

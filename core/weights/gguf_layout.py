@@ -2,7 +2,7 @@
 each tensor's bytes are, read in one pass over the header.
 
 The ``gguf`` package's reader builds a numpy view for every part of every metadata field: on
-SmolLM2's file (98k tokenizer strings) that took ~5 s, paid by every process that opened the
+SmolLM2's file (98k tokenizer strings) that took ~3 s, paid by every process that opened the
 model (the driver three times). This reader decodes strings and scalars with ``struct`` and
 numeric arrays with one ``numpy.frombuffer`` each, and maps the tensor data read-only; the
 ``gguf`` package still names the tensor types and dequantizes.

@@ -266,7 +266,7 @@ class MpiCommunicator(Communicator):
             datatype=mpi._handleof(datatype),
             op=mpi._handleof(mpi.SUM),
             count=like.numel(),
-            nbytes=like.numel() * like.element_size(),
+            nbytes=like.nbytes,
             calls=calls,
             rank=self._rank,
             world_size=self._world_size,
