@@ -2,6 +2,7 @@
 planted mismatch and a missing rank end in an error that says which rank is where; the debug
 mode stops a mismatch before it runs; wrapped communicators behave as the bare ones."""
 
+import contextlib
 import threading
 import time
 
@@ -38,6 +39,9 @@ def _run_ranks(body, timeout_s=2.0, check_every=0, native=False):
     ``native``); returns each rank's result or error."""
     _store, rendezvous = serve_store()
     results: dict[int, object] = {}
+    # A rank closes its communicator only once both are done: a rank that closed first would
+    # end the other's wait with "a peer went away" before that rank's own deadline.
+    both_done = threading.Barrier(2)
 
     def rank_main(rank):
         comm = GlooBackend().init_world(rank, 2, rendezvous.with_prefix("data"), timeout_s)
@@ -51,6 +55,8 @@ def _run_ranks(body, timeout_s=2.0, check_every=0, native=False):
         except Exception as error:
             results[rank] = error
         finally:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_done.wait(timeout=20)
             watched.close()
 
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(2)]
