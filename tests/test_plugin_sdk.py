@@ -64,12 +64,14 @@ def test_every_sdk_name_resolves(name):
     assert getattr(shardline.sdk, name) is not None
 
 
-def test_importing_the_sdk_for_registration_stays_cheap():
+def test_importing_the_sdk_for_registration_and_loading_a_config_stay_cheap():
     program = (
         "import sys\n"
         "from shardline.interfaces import Capabilities\n"
         "from shardline.registry import Component, hookimpl\n"
         "import shardline.sdk\n"
+        "from shardline.config import load_config\n"
+        "load_config(overrides=['parallel.tensor_parallel_size=2'], environ={})\n"
         "print('torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)

@@ -85,6 +85,13 @@ def test_without_ray_the_executor_is_unavailable_and_says_why():
     ), done.stderr
 
 
+def test_a_ranks_actor_imports_no_torch():
+    # The actor only relays bytes; its rank's process is the one that computes.
+    program = "import sys\nimport shardline_ray.actor\nprint('torch' in sys.modules)\n"
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
 # ---- on a Ray instance on this host -----------------------------------------------------------
 
 

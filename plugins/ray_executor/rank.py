@@ -15,7 +15,7 @@ import cloudpickle
 
 from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
-from shardline.sdk import EngineConfig, WorkerSetup, share_cores
+from shardline.sdk import EngineConfig
 from shardline_ray.placement import RankPlace
 from shardline_ray.protocol import Call, Done, Failure, Phase, Reply
 
@@ -30,6 +30,10 @@ def rank_main(
     pipe_fd: int,
 ) -> None:
     """Run the rank at ``place``, talking to its actor over the pipe ``pipe_fd``."""
+    # Imported here, in the rank: the actor imports this module only to name rank_main, and
+    # must not pay for torch (the worker's imports) in a process that never computes.
+    from shardline.sdk import WorkerSetup, share_cores
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     share_cores(place.ranks_on_node)
     rank = place.rank
