@@ -13,7 +13,7 @@ from shardline.comm.delegating import DelegatingCommunicator
 from shardline.comm.store import serve_store
 from shardline.comm.watchdog import SideChannel, WatchedCommunicator
 from shardline.distributed.control_plane import ControlPlane
-from shardline.errors import CollectiveMismatchError, CommTimeoutError
+from shardline.errors import CollectiveMismatchError, CommTimeoutError, CommunicationError
 from shardline.interfaces import NativeAllReduce
 from shardline_gloo.communicator import GlooBackend
 
@@ -29,9 +29,12 @@ class _WithNativeEntry(DelegatingCommunicator):
 
     def native_all_reduce(self, like, calls):
         rank = self.rank
-        return NativeAllReduce(
-            None, calls, lambda message: CommTimeoutError(message, op="all_reduce", rank=rank)
-        )
+
+        def failed(message, timed_out):
+            kind = CommTimeoutError if timed_out else CommunicationError
+            return kind(message, op="all_reduce", rank=rank)
+
+        return NativeAllReduce(None, calls, failed)
 
 
 def _run_ranks(body, timeout_s=2.0, check_every=0, native=False):
@@ -141,13 +144,17 @@ def test_a_native_run_is_one_fingerprint_and_its_failure_is_diagnosed():
     def body(comm):
         comm.all_reduce(torch.zeros(2))
         native = comm.native_all_reduce(torch.zeros(2, 576), 60)
-        return native.calls, str(native.failed("the C run timed out"))
+        timed_out = native.failed("the C run timed out", True)
+        other = native.failed("the C run was called too often", False)
+        return native.calls, str(timed_out), type(other).__name__, str(other)
 
     results = _run_ranks(body, native=True)
     for rank in (0, 1):
-        calls, message = results[rank]
+        calls, message, other_kind, other = results[rank]
         assert calls == 60 and message.startswith("the C run timed out [watchdog on world")
         assert "at #2 all_reduce x60 (native) [2, 576] float32" in message
+        # Only a timeout gets the ranks' positions: another failure is the backend's alone.
+        assert (other_kind, other) == ("CommunicationError", "the C run was called too often")
     results = _run_ranks(lambda comm: comm.native_all_reduce(torch.zeros(2), 4), check_every=1,
                          native=True)  # fmt: skip
     assert results == {0: None, 1: None}

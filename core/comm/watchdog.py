@@ -154,8 +154,8 @@ class WatchedCommunicator(DelegatingCommunicator):
         )  # fmt: skip
         self.last = fingerprint
 
-        def failed(message: str) -> ShardlineError:
-            error = native.failed(message)
+        def failed(message: str, timed_out: bool) -> ShardlineError:
+            error = native.failed(message, timed_out)
             if isinstance(error, CommTimeoutError | PeerLostError):
                 return self.diagnose(error, fingerprint)
             return error

@@ -58,11 +58,12 @@ class NativeAllReduce:
     operations in one call: ``capsule`` is a PyCapsule named ``shardline.native_all_reduce``
     holding the struct of ``shardline/comm/native_all_reduce.h``; ``calls`` is how many
     all-reduces it makes before it is used up. When the C code reports a failure, raise
-    ``failed(message)``."""
+    ``failed(message, timed_out)``: ``timed_out`` when its status was
+    ``SHARDLINE_NATIVE_TIMED_OUT`` (a deadline passed before the peers answered)."""
 
     capsule: Any
     calls: int
-    failed: Callable[[str], ShardlineError]
+    failed: Callable[[str, bool], ShardlineError]
 
 
 class Communicator(abc.ABC):

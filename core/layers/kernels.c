@@ -587,8 +587,8 @@ static void add_bias(float *x, const float *bias, long rows, long hidden) {
         for (long i = 0; i < hidden; i++) x[r * hidden + i] += bias[i];
 }
 
-/* The all-reduce between halves through entry (NULL: one rank, nothing to do); 0, or -1 with
- * the communicator's message in error. */
+/* The all-reduce between halves through entry (NULL: one rank, nothing to do); 0, or the
+ * entry's failure status with the communicator's message in error. */
 static int reduce_between(const shardline_native_all_reduce *entry, float *partial,
                           double *times, char *error, size_t size) {
     if (entry == NULL) return 0;
@@ -649,6 +649,11 @@ static PyObject *mlp_block(PyObject *self, PyObject *const *args, Py_ssize_t nar
     free(scratch);
 #endif
     Py_RETURN_NONE;
+}
+
+/* A failed native all-reduce as Python sees it: (message, timed_out). */
+static PyObject *native_failure(int status, const char *error) {
+    return Py_BuildValue("(sO)", error, status == SHARDLINE_NATIVE_TIMED_OUT ? Py_True : Py_False);
 }
 
 /* Fields of one layer in decode_layers' table of addresses (int64), in this order. */
@@ -720,7 +725,7 @@ static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_END_ALLOW_THREADS
     free(scratch);
 #endif
-    if (status != 0) return PyUnicode_FromString(error);
+    if (status != 0) return native_failure(status, error);
     Py_RETURN_NONE;
 }
 
@@ -736,7 +741,7 @@ static PyObject *native_all_reduce_call(PyObject *self, PyObject *const *args,
     Py_BEGIN_ALLOW_THREADS
     status = entry->all_reduce(entry->context, data, error, sizeof error);
     Py_END_ALLOW_THREADS
-    if (status != 0) return PyUnicode_FromString(error);
+    if (status != 0) return native_failure(status, error);
     Py_RETURN_NONE;
 }
 
@@ -783,7 +788,7 @@ static PyMethodDef methods[] = {
      "decode_layers(table, eps, layers, x, residual or 0, rows, hidden, q_heads, kv_heads, d, "
      "size, scale, cos, sin, slots, num_blocks, block_size, blocks, per_seq, lengths, "
      "hidden_out, residual_out, all_reduce capsule or None, times or 0): every layer of a "
-     "decode step; None, or the all-reduce's error message"},
+     "decode step; None, or the all-reduce's failure (message, timed_out)"},
     {"mlp_block", (PyCFunction)(void (*)(void))mlp_block, METH_FASTCALL,
      "mlp_block(x, residual or 0, norm_weight, eps, rows, hidden, gate_up_weight, gate_up_bias "
      "or 0, size, down_weight, partial, residual_out or 0, times or 0): float32, blocked "
@@ -791,8 +796,8 @@ static PyMethodDef methods[] = {
     {"native_all_reduce_call", (PyCFunction)(void (*)(void))native_all_reduce_call,
      METH_FASTCALL,
      "native_all_reduce_call(capsule, data): one call of a communicator's native all-reduce "
-     "(native_all_reduce.h) on the tensor at data, without the GIL; None, or its error "
-     "message"},
+     "(native_all_reduce.h) on the tensor at data, without the GIL; None, or its failure "
+     "(message, timed_out)"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear (AVX-512)"},
     {NULL, NULL, 0, NULL},

@@ -593,7 +593,7 @@ class NativeKernels(TorchKernels):
             None if all_reduce is None else all_reduce.capsule, _address(times),
         )  # fmt: skip
         if failure is not None:
-            raise all_reduce.failed(failure)
+            raise all_reduce.failed(*failure)
         _record(timer, times)
         return out, summed
 

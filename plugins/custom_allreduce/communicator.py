@@ -79,7 +79,6 @@ _PHASES = 3
 NATIVE = "shardline_custom_allreduce._native"
 _PLANS_KEPT = 64  # prepared tensor shapes kept per group
 _YIELD_S = 0.05  # keep the CPU (yielding) this long in a wait before sleeping
-_LATE = "did not arrive within"  # in a timed-out wait's message (also the C code's)
 _NUMPY_COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
 #: dtypes reduced through numpy (bfloat16, which numpy lacks, takes the torch path).
 _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.uint8}
@@ -266,10 +265,10 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         )
         return NativeAllReduce(capsule, calls, self._native_failure)
 
-    def _native_failure(self, message: str) -> CommunicationError:
+    def _native_failure(self, message: str, timed_out: bool) -> CommunicationError:
         """The error of a failed native run (the C code's ``message``): a deadline passed
         (ranks named), or the run was called more often than it was made for."""
-        kind = CommTimeoutError if _LATE in message else CommunicationError
+        kind = CommTimeoutError if timed_out else CommunicationError
         return kind(message, op="all_reduce", rank=self.rank)
 
     def _plan_for(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
@@ -361,7 +360,7 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         except CommTimeoutError as error:
             raise CommTimeoutError(
                 f"custom_ar {op} on rank {self.rank} of {self.world_size}: ranks "
-                f"{segment.ranks_before(phase, call)} {_LATE} {self.timeout_s:g} s",
+                f"{segment.ranks_before(phase, call)} did not arrive within {self.timeout_s:g} s",
                 op=op,
                 rank=self.rank,
             ) from error

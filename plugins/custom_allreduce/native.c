@@ -226,8 +226,8 @@ static int arrival_check(void *context) {
     return all_arrived(arrival->plan, arrival->call);
 }
 
-/* Wait until every rank announced ``call`` (native_wait.h); past the deadline, -1 with the
- * message naming the ranks that did not arrive. */
+/* Wait until every rank announced ``call`` (native_wait.h); past the deadline,
+ * SHARDLINE_NATIVE_TIMED_OUT with the message naming the ranks that did not arrive. */
 static int wait_all_arrived(const NativeRun *run, int64_t call, char *error, size_t size) {
     const OneShot *plan = run->plan;
     Arrival arrival = {plan, call};
@@ -242,7 +242,7 @@ static int wait_all_arrived(const NativeRun *run, int64_t call, char *error, siz
         }
     if (used >= 0 && (size_t)used < size)
         snprintf(error + used, size - used, "] did not arrive within %g s", run->wait.timeout_s);
-    return -1;
+    return SHARDLINE_NATIVE_TIMED_OUT;
 }
 
 static int native_run_all_reduce(void *context, void *data, char *error, size_t size) {
@@ -251,12 +251,13 @@ static int native_run_all_reduce(void *context, void *data, char *error, size_t 
     if (run->next_call >= run->end_call) {
         snprintf(error, size, "custom_ar: a native all-reduce run was called more often than "
                               "the calls it was made for");
-        return -1;
+        return SHARDLINE_NATIVE_FAILED;
     }
     int64_t call = run->next_call++;
     memcpy(slot(plan, call, plan->rank), data, plan->nbytes);
     __atomic_store_n(&plan->flags[plan->rank * plan->flag_words], call, __ATOMIC_RELEASE);
-    if (wait_all_arrived(run, call, error, size) < 0) return -1;
+    int status = wait_all_arrived(run, call, error, size);
+    if (status != 0) return status;
     fold(data, slot(plan, call, 0), slot(plan, call, 1), plan->count, plan->dtype, plan->op);
     for (int rank = 2; rank < plan->world_size; rank++)
         fold(data, data, slot(plan, call, rank), plan->count, plan->dtype, plan->op);

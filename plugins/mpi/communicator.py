@@ -69,7 +69,6 @@ _TESTS_PER_CHECK = 16  # tests in a row between the wait's yields: progress for 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: The all-reduce as a native entry point (built by pip install where a compiler is).
 NATIVE = "shardline_mpi._native"
-_NO_ANSWER = "no answer from peers within"  # in a timed-out all-reduce's message
 
 
 def _mpi():
@@ -281,9 +280,10 @@ class MpiCommunicator(Communicator):
         )
         return NativeAllReduce(capsule, calls, self._native_failure)
 
-    def _native_failure(self, message: str) -> CommunicationError:
-        """The error of a failed native all-reduce (the C code's ``message``)."""
-        if _NO_ANSWER in message:
+    def _native_failure(self, message: str, timed_out: bool) -> CommunicationError:
+        """The error of a failed native all-reduce (the C code's ``message``): a deadline
+        passed, or MPI reported an error code, or the run was called too often."""
+        if timed_out:
             abort_job_at_exit()
             return CommTimeoutError(message, op="all_reduce", rank=self._rank)
         return CommunicationError(message, op="all_reduce", rank=self._rank)
@@ -462,7 +462,8 @@ class MpiCommunicator(Communicator):
         except CommTimeoutError as error:
             abort_job_at_exit()
             raise CommTimeoutError(
-                f"mpi {op} on rank {self._rank} of {self._world_size}: {_NO_ANSWER} {seconds:g} s",
+                f"mpi {op} on rank {self._rank} of {self._world_size}: no answer from peers "
+                f"within {seconds:g} s",
                 op=op,
                 rank=self._rank,
             ) from error

@@ -59,7 +59,7 @@ static int mpi_all_reduce(void *context, void *data, char *error, size_t size) {
     if (run->calls_left <= 0) {
         snprintf(error, size, "mpi: a native all-reduce run was called more often than the "
                               "calls it was made for");
-        return -1;
+        return SHARDLINE_NATIVE_FAILED;
     }
     run->calls_left--;
     memcpy(run->input, data, run->nbytes);
@@ -69,13 +69,14 @@ static int mpi_all_reduce(void *context, void *data, char *error, size_t size) {
     int state = code != 0 ? (run->failed_code = code, -1) : request_check(run);
     if (state == 0) state = shardline_wait(request_check, run, &run->wait);
     if (state > 0) return 0;
-    if (state == 0)
+    if (state == 0) {
         snprintf(error, size, "mpi all_reduce on rank %d of %d: no answer from peers within %g s",
                  run->rank, run->world_size, run->wait.timeout_s);
-    else
-        snprintf(error, size, "mpi all_reduce on rank %d of %d: MPI error code %d", run->rank,
-                 run->world_size, run->failed_code);
-    return -1;
+        return SHARDLINE_NATIVE_TIMED_OUT;
+    }
+    snprintf(error, size, "mpi all_reduce on rank %d of %d: MPI error code %d", run->rank,
+             run->world_size, run->failed_code);
+    return SHARDLINE_NATIVE_FAILED;
 }
 
 static void run_free(PyObject *capsule) {

@@ -123,8 +123,8 @@ def native_runs(ctx, rows: int, calls: int):
 
 
 def native_run_with_a_silent_rank(ctx, silent: int):
-    """Every rank but ``silent`` makes one call of a native run; the others' error messages
-    and how long each took to come."""
+    """Every rank but ``silent`` makes one call of a native run; the others' failures (as the
+    C code reports them), how long each took to come, and the error they become."""
     from shardline.layers import _kernels
 
     comm = ctx.comm
@@ -134,7 +134,9 @@ def native_run_with_a_silent_rank(ctx, silent: int):
         return None
     start = time.monotonic()
     failure = _kernels.native_all_reduce_call(native.capsule, value.data_ptr())
-    return failure, time.monotonic() - start, str(native.failed(failure or ""))
+    seconds = time.monotonic() - start
+    error = None if failure is None else native.failed(*failure)
+    return failure, seconds, type(error).__name__, str(error)
 
 
 def barrier_with_a_silent_rank(ctx, silent: int, rounds: int):
@@ -165,6 +167,6 @@ def native_run_called_too_often(ctx):
     native = comm.native_all_reduce(value, 1)
     first = _kernels.native_all_reduce_call(native.capsule, value.data_ptr())
     second = _kernels.native_all_reduce_call(native.capsule, value.data_ptr())
-    error = native.failed(second) if second is not None else None
+    error = native.failed(*second) if second is not None else None
     after = comm.all_reduce(torch.full((3,), float(comm.rank)))
     return first, type(error).__name__, str(error), after.tolist()

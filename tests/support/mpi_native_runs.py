@@ -59,7 +59,7 @@ def _silent_rank(comm, silent: int):
     seconds = time.monotonic() - start
     if failure is None:
         return {"failure": None, "seconds": seconds}
-    error = native.failed(failure)
+    error = native.failed(*failure)
     return {"type": type(error).__name__, "message": str(error), "seconds": seconds}
 
 
