@@ -7,8 +7,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
 
+from support import alone
 from support.greedy_driver import GREEDY_TOKENS, PROMPT_A, PROMPT_B
 from support.tiny_llama import write_tiny_llama
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", alone.MARKER)
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        alone.make_folder(config)
+
+
+def pytest_unconfigure(config):
+    alone.remove_folder(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    alone.hand_to_worker(node)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with alone.turn(item):
+        return (yield)
 
 
 @pytest.fixture

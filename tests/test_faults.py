@@ -16,6 +16,8 @@ from shardline.conformance.faults.scenarios import SCENARIOS
 from support.cli import ROOT, shardline
 from support.segments import job_segments
 
+pytestmark = pytest.mark.alone  # faults must end within the deadline + 1 s
+
 MATRIX_TIMEOUT = 1200
 SUPPORT = ROOT / "tests" / "support"
 #: Scenarios each combination runs (uni runs one rank: only the plugin scenarios apply).

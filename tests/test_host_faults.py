@@ -14,9 +14,13 @@ from shardline.conformance.faults import across_hosts
 from shardline.conformance.faults.scenarios import HOST_SCENARIOS
 from support.cli import ROOT, SHARDLINE
 
-pytestmark = pytest.mark.skipif(
-    across_hosts.unavailable_reason() is not None, reason=str(across_hosts.unavailable_reason())
-)
+pytestmark = [
+    pytest.mark.skipif(
+        across_hosts.unavailable_reason() is not None,
+        reason=str(across_hosts.unavailable_reason()),
+    ),
+    pytest.mark.alone,  # faults must end within the deadline + 1 s
+]
 
 
 def faults(*args: str, timeout: float) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from shardline.errors import CommTimeoutError, WorkerError
 from shardline.registry import Registry
 from support.slow_runner import COMPUTE_S
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.alone]  # named within the deadline
 
 DEADLINE_S = 3.0
 HOG = "while True: pass"
