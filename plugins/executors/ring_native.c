@@ -9,14 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
+#include "native_wait.h" /* SHARDLINE_CPU_RELAX */
 
 #define WORDS_PER_SLOT 3 /* sequence (message number + 1), length, more-follows */
 #define MAX_READERS 64   /* put() reports sleeping readers as bits of one word */
@@ -114,7 +107,7 @@ static PyObject *RingCore_take(RingCore *self, PyObject *const *args, Py_ssize_t
     if (spin_checks == -1 && PyErr_Occurred()) return NULL;
     for (long check = 0; !ready(self, reader); check++) {
         if (check >= spin_checks) Py_RETURN_NONE;
-        CPU_RELAX();
+        SHARDLINE_CPU_RELAX();
     }
     int64_t seq = __atomic_load_n(position(self, reader), __ATOMIC_RELAXED);
     int64_t *words = slot_words(self, seq);
