@@ -14,8 +14,6 @@ from support.tiny_llama import write_tiny_llama
 
 def pytest_configure(config):
     config.addinivalue_line("markers", alone.MARKER)
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        alone.make_folder(config)
 
 
 def pytest_unconfigure(config):

@@ -3,9 +3,10 @@
 Such a test judges how long something took with a tight slack (a fault must end within its
 deadline + 1 s): beside another worker's test on 2 cores it would measure the neighbour. The
 other tests run side by side. The workers share a reader-writer lock on two files in a folder
-the controller makes: every test passes a turnstile, then holds the lock shared (most tests)
-or exclusive (``alone``); a test waiting for the exclusive lock keeps the turnstile, so the
-other worker starts nothing new meanwhile. The kernel drops a dead worker's locks.
+the controller makes when it configures its first worker: every test passes a turnstile, then
+holds the lock shared (most tests) or exclusive (``alone``); a test waiting for the exclusive
+lock keeps the turnstile, so the other worker starts nothing new meanwhile. The kernel drops a
+dead worker's locks.
 """
 
 from __future__ import annotations
@@ -25,14 +26,12 @@ FOLDER_KEY = "shardline_alone_folder"
 _FOLDER = pytest.StashKey[str]()
 
 
-def make_folder(config: pytest.Config) -> None:
-    """In the controller of a ``-n`` run: the folder of the lock files."""
-    config.stash[_FOLDER] = tempfile.mkdtemp(prefix="shardline-test-locks-")
-
-
 def hand_to_worker(node) -> None:
-    """Give a worker (xdist's node) the controller's lock folder."""
-    node.workerinput[FOLDER_KEY] = node.config.stash[_FOLDER]
+    """Give a worker (xdist's node) the controller's lock folder, made for the first one."""
+    stash = node.config.stash
+    if _FOLDER not in stash:
+        stash[_FOLDER] = tempfile.mkdtemp(prefix="shardline-test-locks-")
+    node.workerinput[FOLDER_KEY] = stash[_FOLDER]
 
 
 def remove_folder(config: pytest.Config) -> None:
