@@ -4,7 +4,9 @@ driver, each with nothing left behind. The executor contract itself (replies, or
 exceptions, deadlines, deaths, shutdown) is checked by the executor conformance suite."""
 
 import contextlib
+import dataclasses
 import os
+import pickle
 import signal
 import subprocess
 import time
@@ -16,7 +18,9 @@ from shardline.config import load_config
 from shardline.conformance.executors import probe
 from shardline.conformance.executors.checks import alive, wait_gone
 from shardline.errors import ConfigError, PeerLostError, WorkerError
+from shardline.interfaces import CachedRequest, NewRequest, SamplingParams, SchedulerOutput
 from shardline.registry import Registry
+from shardline_executors.mp_protocol import decode_step, encode_step
 from support.greedy_driver import GREEDY_TOKENS, run_script
 from support.segments import job_segments
 
@@ -42,6 +46,23 @@ def _executor(tiny_llama_dir, tp=1, pp=1, extra=()):
 def _segments(job):
     """The job's shared-memory segments (``shardline-<job>-...``); other jobs' are not ours."""
     return job_segments(job)
+
+
+def test_a_step_travels_as_builtins_and_arrives_whole():
+    cached = [CachedRequest("b", [7], [3], 12), CachedRequest("c", [], [], 4)]
+    step = SchedulerOutput(
+        new_requests=[NewRequest("a", [1, 2], SamplingParams(temperature=0.5), [0, 1])],
+        cached_requests=cached,
+        num_scheduled_tokens={"a": 2, "b": 1, "c": 1},
+        finished_req_ids={"z"},
+    )
+    # Every field is set, so a field added to the step without its encoding fails here.
+    assert all(getattr(step, field.name) for field in dataclasses.fields(SchedulerOutput))
+    assert decode_step(pickle.loads(pickle.dumps(encode_step(step)))) == step
+    decoding = SchedulerOutput(cached_requests=cached, num_scheduled_tokens={"b": 1, "c": 1})
+    wire = pickle.dumps(encode_step(decoding))
+    assert b"CachedRequest" not in wire and b"SchedulerOutput" not in wire
+    assert decode_step(pickle.loads(wire)) == decoding
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])

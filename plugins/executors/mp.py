@@ -51,7 +51,14 @@ from shardline.sdk import (
     wait_until,
 )
 from shardline_executors.heartbeat import Heartbeats
-from shardline_executors.mp_protocol import PHASES, Failure, Phase, call_message
+from shardline_executors.mp_protocol import (
+    PHASES,
+    STEP,
+    Failure,
+    Phase,
+    call_message,
+    encode_step,
+)
 from shardline_executors.mp_worker import worker_main
 from shardline_executors.shm_ring import ShmRing
 
@@ -214,7 +221,21 @@ class MultiprocExecutor(Executor):
         unique_reply_rank: int | None = None,
         non_block: bool = False,
     ) -> list[Any] | Future[list[Any]]:
-        call = self._call(method, args, kwargs, timeout, unique_reply_rank, single=False)
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
+            raise ValueError(
+                f"unique_reply_rank = {unique_reply_rank}: ranks are 0..{self.world_size - 1}"
+            )
+        payload = method if isinstance(method, str) else cloudpickle.dumps(method)
+        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        call = self._call(
+            name,
+            payload,
+            tuple(args),
+            dict(kwargs or {}),
+            timeout,
+            unique_reply_rank,
+            single=False,
+        )
         if non_block:
             self._wake_collector_thread()
             return call.future
@@ -223,39 +244,31 @@ class MultiprocExecutor(Executor):
 
     def _call(
         self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...],
+        name: str,
+        method: str | bytes | int,
+        args: Any,
         kwargs: dict[str, Any] | None,
         timeout: float | None,
-        unique_reply_rank: int | None,
+        reply_rank: int | None,
         single: bool,
     ) -> _PendingCall:
-        """Broadcast the call and queue it for collection."""
+        """Broadcast the call (``call_message``'s fields) and queue it for collection. The
+        call goes out first: the workers start on it while the driver makes its Future."""
         self.check_health()
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(
-                f"unique_reply_rank = {unique_reply_rank}: ranks are 0..{self.world_size - 1}"
-            )
-        payload = method if isinstance(method, str) else cloudpickle.dumps(method)
-        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
-        seconds = self._call_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + (self._call_timeout_s if timeout is None else timeout)
+        call_id = self._next_call
+        self._next_call += 1
+        message = call_message(call_id, method, args, kwargs, reply_rank)
+        self._calls.put(
+            pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), deadline, self.check_health
+        )
         pending = _PendingCall(
-            call_id=self._next_call,
+            call_id=call_id,
             name=name,
-            ranks=list(range(self.world_size))
-            if unique_reply_rank is None
-            else [unique_reply_rank],
+            ranks=list(range(self.world_size)) if reply_rank is None else [reply_rank],
             deadline=deadline,
             future=_CollectingFuture(self._collect_here, deadline),
             single=single,
-        )
-        self._next_call += 1
-        message = call_message(
-            pending.call_id, payload, tuple(args), dict(kwargs or {}), unique_reply_rank
-        )
-        self._calls.put(
-            pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), deadline, self.check_health
         )
         self._pending.append(pending)
         return pending
@@ -267,7 +280,13 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
         """A Future of the output rank's reply, returned once the step is broadcast."""
         call = self._call(
-            "execute_model", (scheduler_output,), None, None, self._output_rank, single=True
+            "execute_model",
+            STEP,
+            encode_step(scheduler_output),
+            None,
+            None,
+            self._output_rank,
+            single=True,
         )
         self._wake_collector_thread()
         return call.future

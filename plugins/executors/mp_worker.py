@@ -22,7 +22,7 @@ from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
 from shardline.sdk import EngineConfig, WorkerSetup, share_cores
 from shardline_executors.heartbeat import start_beating
-from shardline_executors.mp_protocol import Failure, Phase
+from shardline_executors.mp_protocol import STEP, Failure, Phase, decode_step
 from shardline_executors.shm_ring import RingHandle, ShmRing
 
 _PARENT_CHECK_S = 0.5
@@ -89,7 +89,9 @@ def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, send) -> None:
         if method is None:
             return
         try:
-            if isinstance(method, str):
+            if method == STEP:
+                value = worker.execute_model(decode_step(args))
+            elif isinstance(method, str):
                 value = getattr(worker, method)(*args, **kwargs)
             else:
                 value = cloudpickle.loads(method)(worker, *args, **kwargs)
