@@ -111,6 +111,27 @@ def test_unsupported_gguf_type_is_named(tmp_path):
         checkpoint.tensor("model.embed_tokens.weight")
 
 
+def test_gguf_string_arrays_read_whole_and_a_cut_one_is_a_clear_error(tmp_path):
+    import gguf
+
+    from shardline.weights.gguf_layout import GGUFLayout
+
+    path = tmp_path / "tokens.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "caf\u00e9", "", "\u2581the"])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tokens = GGUFLayout.read(path).metadata["tokenizer.ggml.tokens"]
+    assert tokens == ["<s>", "caf\u00e9", "", "\u2581the"]
+    whole = path.read_bytes()
+    path.write_bytes(whole[: whole.index("caf\u00e9".encode()) + 2])  # inside the 2nd string
+    with pytest.raises(ConfigError, match=r"not a readable GGUF file .*past the end"):
+        GGUFCheckpoint(path)
+
+
 def test_corrupt_gguf_is_a_clear_error(tmp_path):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + bytes(range(256)) * 4)

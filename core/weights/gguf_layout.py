@@ -3,13 +3,15 @@ each tensor's bytes are, read in one pass over the header.
 
 The ``gguf`` package's reader builds a numpy view for every part of every metadata field: on
 SmolLM2's file (98k tokenizer strings) that took ~3 s, paid by every process that opened the
-model (the driver three times). This reader decodes strings and scalars with ``struct`` and
-numeric arrays with one ``numpy.frombuffer`` each, and maps the tensor data read-only; the
-``gguf`` package still names the tensor types and dequantizes.
+model (the driver twice, each rank once). This reader decodes strings and scalars with
+``struct``, numeric arrays with one ``numpy.frombuffer`` each and string arrays in one tight
+loop (SmolLM2's header: 63 ms against 134 with a call per string), and maps the tensor data
+read-only; the ``gguf`` package still names the tensor types and dequantizes.
 """
 
 from __future__ import annotations
 
+import codecs
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ _DEFAULT_ALIGNMENT = 32
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}  # fmt: skip
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -129,4 +132,24 @@ class _Cursor:
             values = np.frombuffer(self.buffer, dtype, count, self.offset)
             self.offset += size
             return values.tolist()
+        if element == _STRING:
+            return self.strings(count)
         return [self.value(element) for _ in range(count)]
+
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a tokenizer's vocabulary: ~100k of them), in one loop
+        over local names: a third of the time of :meth:`string` per element."""
+        buffer, offset, end = self.buffer, self.offset, len(self.buffer)
+        length_at, decode = _LENGTH.unpack_from, codecs.utf_8_decode
+        values = []
+        for _ in range(count):
+            if offset + 8 > end:
+                raise ValueError("an array runs past the end of the file")
+            (length,) = length_at(buffer, offset)
+            offset += 8
+            if offset + length > end:
+                raise ValueError("an array runs past the end of the file")
+            values.append(decode(buffer[offset : offset + length], "replace", True)[0])
+            offset += length
+        self.offset = offset
+        return values
