@@ -65,9 +65,10 @@ def test_model_over_mpi_under_mpiexec(tiny_llama_dir, tiny_llama_greedy, own_shm
 @pytest.mark.timeout(180)
 def test_native_all_reduce_under_mpiexec_sums_as_all_reduce_and_times_out_as_it(own_shm):
     """The MPI communicator's C entry point (the one decode_layers calls between layers): 3
-    ranks, same bits as ``all_reduce`` on every rank, calls go on after it, and a rank that
-    never joins makes the others' call fail with all_reduce's timeout error at the group's 2 s
-    deadline (after which the job ends itself with MPI_Abort, as after any MPI timeout)."""
+    ranks, same bits as ``all_reduce`` on every rank, calls go on after it, an MPI error code
+    comes back as MPI's text, and a rank that never joins makes the others' call fail with
+    all_reduce's timeout error at the group's 2 s deadline (after which the job ends itself
+    with MPI_Abort, as after any MPI timeout)."""
     pytest.importorskip("shardline_mpi._native", reason="the MPI extension is not built")
     pytest.importorskip("shardline.layers._kernels", reason="the kernels extension is not built")
     run = run_launched(
@@ -80,6 +81,11 @@ def test_native_all_reduce_under_mpiexec_sums_as_all_reduce_and_times_out_as_it(
         assert report["native"] and report["failures"] == [None] * 5, report
         assert report["same_bits"], f"rank {rank}: native sums differ from all_reduce's"
         assert report["after"] == [3.0] * 3
+        # MPI's own text reaches the error, with the rank, typed as the Python path types it.
+        mpi_error = report["mpi_error"]
+        assert mpi_error["type"] == "CommunicationError", mpi_error
+        assert mpi_error["message"].startswith(f"mpi all_reduce on rank {rank} of 3: MPI_ERR_OP")
+        assert "(MPI error code " in mpi_error["message"]
     assert reports[1]["silent"] is None
     for rank in (0, 2):
         silent = reports[rank]["silent"]

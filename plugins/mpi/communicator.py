@@ -121,12 +121,13 @@ class MpiBackend(CommunicatorBackend):
 @dataclass(frozen=True)
 class _NativePath:
     """What the native all-reduce (``shardline_mpi._native``) needs from this process's MPI:
-    the addresses of ``MPI_Iallreduce`` and ``MPI_Test`` in the library mpi4py loaded, and the
-    size of an ``MPI_Status``."""
+    the addresses of ``MPI_Iallreduce``, ``MPI_Test`` and ``MPI_Error_string`` in the library
+    mpi4py loaded, and the size of an ``MPI_Status``."""
 
     module: ModuleType
     iallreduce: int
     test: int
+    error_string: int
     status_bytes: int
 
     @classmethod
@@ -141,7 +142,13 @@ class _NativePath:
         def address(name: str) -> int:
             return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
 
-        return cls(module, address("MPI_Iallreduce"), address("MPI_Test"), mpi._sizeof(mpi.Status))
+        return cls(
+            module,
+            address("MPI_Iallreduce"),
+            address("MPI_Test"),
+            address("MPI_Error_string"),
+            mpi._sizeof(mpi.Status),
+        )
 
 
 def _meet(world: Any, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float) -> None:
@@ -261,14 +268,13 @@ class MpiCommunicator(Communicator):
         capsule = native.module.all_reduce_run(
             iallreduce=native.iallreduce,
             test=native.test,
+            error_string=native.error_string,
             comm=mpi._handleof(self._comm),
             datatype=mpi._handleof(datatype),
             op=mpi._handleof(mpi.SUM),
             count=like.numel(),
             nbytes=like.nbytes,
             calls=calls,
-            rank=self._rank,
-            world_size=self._world_size,
             timeout_s=self._timeout_s,
             yield_s=_YIELD_S,
             spin_checks=polling.spin_checks,
@@ -281,12 +287,15 @@ class MpiCommunicator(Communicator):
         return NativeAllReduce(capsule, calls, self._native_failure)
 
     def _native_failure(self, message: str, timed_out: bool) -> CommunicationError:
-        """The error of a failed native all-reduce (the C code's ``message``): a deadline
-        passed, or MPI reported an error code, or the run was called too often."""
+        """The error of a failed native all-reduce, whose C code says what happened
+        (``message``): a deadline passed, or MPI reported an error (typed as the Python path
+        types it), or the run was called too often."""
         if timed_out:
             abort_job_at_exit()
-            return CommTimeoutError(message, op="all_reduce", rank=self._rank)
-        return CommunicationError(message, op="all_reduce", rank=self._rank)
+            return CommTimeoutError(
+                f"{self._where('all_reduce')}: {message}", op="all_reduce", rank=self._rank
+            )
+        return self._translate("all_reduce", message)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         source = tensor.contiguous()
@@ -430,7 +439,7 @@ class MpiCommunicator(Communicator):
         try:
             return start(self._comm)
         except self._mpi.Exception as error:
-            raise self._translate(op, error) from error
+            raise self._translate(op, str(error)) from error
 
     def _complete(self, op: str, request: Any, timeout: float | None = None) -> None:
         """Poll ``request`` until done (each test also moves it forward), or raise
@@ -439,7 +448,7 @@ class MpiCommunicator(Communicator):
             if request.Test():  # small operations are often done by now
                 return
         except self._mpi.Exception as error:
-            raise self._translate(op, error) from error
+            raise self._translate(op, str(error)) from error
         seconds = self._timeout_s if timeout is None else timeout
 
         def done() -> bool:
@@ -448,7 +457,7 @@ class MpiCommunicator(Communicator):
                     if request.Test():
                         return True
             except self._mpi.Exception as error:
-                raise self._translate(op, error) from error
+                raise self._translate(op, str(error)) from error
             return False
 
         try:
@@ -462,8 +471,7 @@ class MpiCommunicator(Communicator):
         except CommTimeoutError as error:
             abort_job_at_exit()
             raise CommTimeoutError(
-                f"mpi {op} on rank {self._rank} of {self._world_size}: no answer from peers "
-                f"within {seconds:g} s",
+                f"{self._where(op)}: no answer from peers within {seconds:g} s",
                 op=op,
                 rank=self._rank,
             ) from error
@@ -500,9 +508,13 @@ class MpiCommunicator(Communicator):
         self._reductions[dtype, op] = reduction
         return reduction
 
-    def _translate(self, op: str, error: Exception) -> CommunicationError:
-        where = f"mpi {op} on rank {self._rank} of {self._world_size}"
-        text = str(error)
+    def _where(self, op: str) -> str:
+        return f"mpi {op} on rank {self._rank} of {self._world_size}"
+
+    def _translate(self, op: str, text: str) -> CommunicationError:
+        """The error of ``op`` that MPI (or the native path) failed with ``text``: a peer that
+        went away (Open MPI's fault-tolerant mode reports PROC_FAILED), else any other."""
+        where = self._where(op)
         if "PROC_FAILED" in text or "process failed" in text.lower():
             abort_job_at_exit()
             return PeerLostError(f"{where}: a peer went away ({text})", op=op, rank=self._rank)

@@ -4,10 +4,11 @@
 
 Every rank sums ``CALLS`` rank-dependent float32 ``[2, 576]`` tensors through the native
 entry point (in place, from C), then the same inputs through ``all_reduce``, then one more
-``all_reduce``; then, in a group with a 2 s deadline, every rank but ``SILENT_RANK`` (-1: none)
-makes one native call. Rank 0 prints one JSON line: whether the entry point exists, the
-native sums equal the all-reduce's bit for bit on this rank, the call after it, and each
-waiting rank's error type, message and seconds.
+``all_reduce``; then one native call that MPI itself fails (made for MPI_OP_NULL); then, in a
+group with a 2 s deadline, every rank but ``SILENT_RANK`` (-1: none) makes one native call.
+Rank 0 prints one JSON line: whether the entry point exists, the native sums equal the
+all-reduce's bit for bit on this rank, the call after it, the MPI failure's error type and
+message, and each waiting rank's error type, message and seconds.
 """
 
 import json
@@ -39,12 +40,31 @@ def main(calls: int, silent: int) -> None:
         report["failures"] = failures
         report["same_bits"] = all(torch.equal(a, b) for a, b in zip(natively, reduced, strict=True))
         report["after"] = after.tolist()
+        report["mpi_error"] = _mpi_error(comm)
         report["silent"] = _silent_rank(comm, silent)
     widths = comm.all_gather(torch.tensor([len(json.dumps(report).encode())]), 0)
     reports = _gather_reports(comm, report, int(widths.max()))
     if rank == 0:
         print(json.dumps(reports), flush=True)
     comm.close()
+
+
+def _mpi_error(comm):
+    """A native call that MPI fails with an error code: the run is made for an invalid
+    reduction (MPI_OP_NULL in place of MPI_SUM while it is made)."""
+    from mpi4py import MPI
+
+    value, real_sum = torch.ones(4), MPI.SUM
+    MPI.SUM = MPI.OP_NULL
+    try:
+        native = comm.native_all_reduce(value, 1)
+    finally:
+        MPI.SUM = real_sum
+    failure = _kernels.native_all_reduce_call(native.capsule, value.data_ptr())
+    if failure is None:
+        return None
+    error = native.failed(*failure)
+    return {"type": type(error).__name__, "message": str(error)}
 
 
 def _silent_rank(comm, silent: int):
