@@ -24,7 +24,7 @@ class LlamaModelRunner(CausalLMRunner):
         return LlamaPlan.of(open_checkpoint(config.model.path).architecture, config)
 
     def build_model(self) -> LlamaForCausalLM:
-        checkpoint = open_checkpoint(self.config.model.path)
+        checkpoint = open_checkpoint(self.config.model.path, os.environ)
         model = LlamaForCausalLM(
             checkpoint.architecture,
             self.state,

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from shardline.errors import ConfigError, echo
 
 
-def open_checkpoint(path: str | None):
-    """An HF directory or a ``.gguf`` file, opened lazily."""
+def open_checkpoint(path: str | None, environ: Mapping[str, str] | None = None):
+    """An HF directory or a ``.gguf`` file, opened lazily; ``environ`` (where the reader of
+    weights looks for ``SHARDLINE_NATIVE``) lets a GGUF file's blocks be decoded in C."""
     if path is None:
         raise ConfigError("model.path is not set: give an HF model directory or a .gguf file")
     location = Path(path)
@@ -20,7 +22,7 @@ def open_checkpoint(path: str | None):
     if location.suffix == ".gguf" and location.is_file():
         from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 
-        return GGUFCheckpoint(location)
+        return GGUFCheckpoint(location, environ)
     raise ConfigError(
         f"model.path = {echo(path)}: not an HF model directory or an existing .gguf file"
     )

@@ -4,11 +4,18 @@ Tensors are read through the file's memory map: a rank that keeps rows ``[a, b)`
 weight dequantizes only those rows, and a column range aligned to quantization blocks is cut
 from the raw bytes before dequantizing. Q and K projections are un-permuted: GGUF conversion
 reorders each head's rows for its interleaved RoPE; Shardline uses HF's "rotate half" order.
+
+Quantized blocks are decoded by the optional extension ``shardline.weights._dequantize``
+(``dequantize.c``: the gguf package's arithmetic, the same bits, a pass over the bytes) where it
+was built and the checkpoint was opened with an environment that does not say
+``SHARDLINE_NATIVE=0``; otherwise by the gguf package's numpy code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -16,9 +23,12 @@ import torch
 
 from shardline.errors import ConfigError
 from shardline.models.architecture import LlamaArchitecture
+from shardline.native import native_extension
 from shardline.weights.gguf_layout import GGUFLayout, TensorLayout
 
 SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+#: The C block decoder (see the module docstring).
+NATIVE = "shardline.weights._dequantize"
 
 _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -49,10 +59,13 @@ def gguf_name(hf_name: str) -> str:
 
 
 class GGUFCheckpoint:
-    """A llama-architecture GGUF file, opened lazily."""
+    """A llama-architecture GGUF file, opened lazily. ``environ`` says whether tensors are
+    decoded in C (see the module docstring); None: by the gguf package (a reader of metadata
+    only decodes nothing)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, environ: Mapping[str, str] | None = None) -> None:
         self.path = Path(path)
+        self._native = None if environ is None else native_extension(NATIVE, environ)
         try:
             self._layout = GGUFLayout.read(self.path)
         except (OSError, ValueError, KeyError, IndexError) as error:
@@ -111,15 +124,18 @@ class GGUFCheckpoint:
         heads = {"attn_q.weight": arch.num_heads, "attn_k.weight": arch.num_kv_heads}.get(
             name.split(".", 2)[-1]
         )
-        return GGUFTensor(raw, permuted_head_dim=arch.head_dim if heads else None)
+        return GGUFTensor(raw, arch.head_dim if heads else None, self._native)
 
 
 class GGUFTensor:
     """One GGUF tensor in torch's ``[out, in]`` order; slicing dequantizes only that part."""
 
-    def __init__(self, raw: TensorLayout, permuted_head_dim: int | None) -> None:
+    def __init__(
+        self, raw: TensorLayout, permuted_head_dim: int | None, native: ModuleType | None = None
+    ) -> None:
         import gguf
 
+        self._native = native
         self._raw = raw
         self._type = raw.tensor_type
         self._block, self._block_bytes = gguf.GGML_QUANT_SIZES[raw.tensor_type]
@@ -144,26 +160,35 @@ class GGUFTensor:
         # dequantization stay small whatever the tensor's size.
         for first in range(row_start, row_stop, _ROWS_PER_CHUNK):
             last = min(first + _ROWS_PER_CHUNK, row_stop)
-            out[first - row_start : last - row_start] = torch.from_numpy(
-                self._rows(first, last, col_start, col_stop)
-            )
+            self._rows(first, last, col_start, col_stop, out[first - row_start : last - row_start])
         if self._head_dim is not None:
             out = _unpermute_rows(out, self._head_dim, row_start)
         return out
 
-    def _rows(self, first: int, last: int, col_start: int, col_stop: int) -> np.ndarray:
-        """Rows ``[first, last)``, columns ``[col_start, col_stop)``, as float32."""
-        import gguf
-
-        data = self._raw.data[first:last]
+    def _rows(self, first: int, last: int, col_start: int, col_stop: int, into: torch.Tensor):
+        """Rows ``[first, last)``, columns ``[col_start, col_stop)``, as float32 ``into``
+        (contiguous rows)."""
+        data, target = self._raw.data[first:last], into.numpy()
         if not self._quantized:
-            return np.asarray(data[:, col_start:col_stop], dtype=np.float32)
-        if col_start % self._block == 0 and col_stop % self._block == 0:
+            target[:] = data[:, col_start:col_stop]
+        elif col_start % self._block == 0 and col_stop % self._block == 0:
             # Whole quantization blocks: cut the raw bytes, dequantize only those.
             lo = col_start // self._block * self._block_bytes
             hi = col_stop // self._block * self._block_bytes
-            return gguf.dequantize(np.ascontiguousarray(data[:, lo:hi]), self._type)
-        return gguf.dequantize(data, self._type)[:, col_start:col_stop]
+            self._dequantize(np.ascontiguousarray(data[:, lo:hi]), target)
+        else:
+            whole = np.empty((last - first, self.shape[1]), np.float32)
+            self._dequantize(data, whole)
+            target[:] = whole[:, col_start:col_stop]
+
+    def _dequantize(self, blocks: np.ndarray, into: np.ndarray) -> None:
+        """Rows of whole quantized blocks (bytes) decoded into the float32 rows ``into``."""
+        if self._native is not None and self._type.name in ("Q8_0", "Q4_0", "Q4_1"):
+            self._native.dequantize(self._type.name, blocks, into)
+        else:
+            import gguf
+
+            into[:] = gguf.dequantize(blocks, self._type)
 
 
 _ROWS_PER_CHUNK = 1024
