@@ -95,8 +95,9 @@ static PyObject *dequantize(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_ssize_t count = blocks.len / kind->block_bytes;
+    Py_ssize_t out_bytes = count * BLOCK * (Py_ssize_t)sizeof(float);
     PyObject *result = NULL;
-    if (blocks.len % kind->block_bytes != 0 || out.len != count * BLOCK * (Py_ssize_t)sizeof(float)) {
+    if (blocks.len % kind->block_bytes != 0 || out.len != out_bytes) {
         PyErr_Format(PyExc_ValueError,
                      "dequantize: %zd bytes are not whole %s blocks, or out (%zd bytes) is not "
                      "32 float32 per block",

@@ -27,8 +27,9 @@ from shardline.native import native_extension
 from shardline.weights.gguf_layout import GGUFLayout, TensorLayout
 
 SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
-#: The C block decoder (see the module docstring).
+#: The C block decoder (see the module docstring) and the block types it decodes.
 NATIVE = "shardline.weights._dequantize"
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 
 _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -183,7 +184,7 @@ class GGUFTensor:
 
     def _dequantize(self, blocks: np.ndarray, into: np.ndarray) -> None:
         """Rows of whole quantized blocks (bytes) decoded into the float32 rows ``into``."""
-        if self._native is not None and self._type.name in ("Q8_0", "Q4_0", "Q4_1"):
+        if self._native is not None and self._type.name in NATIVE_TYPES:
             self._native.dequantize(self._type.name, blocks, into)
         else:
             import gguf

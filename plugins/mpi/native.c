@@ -1,7 +1,8 @@
 /* The MPI communicator's all-reduce as a native entry point (native_all_reduce.h), for C code
  * that runs many operations in one call, built without an MPI to compile against: the caller
  * passes the addresses of MPI_Iallreduce, MPI_Test and MPI_Error_string, resolved in the MPI
- * library mpi4py loaded, and the handles of the communicator, datatype and operation as mpi4py gives them.
+ * library mpi4py loaded, and the handles of the communicator, datatype and operation as mpi4py
+ * gives them.
  * Open MPI only (its handles are pointers; the caller checks the vendor).
  *
  * A call is what MpiCommunicator.all_reduce does: a nonblocking all-reduce from a copy of the
@@ -109,9 +110,9 @@ static PyObject *all_reduce_run(PyObject *module, PyObject *args, PyObject *kwar
             &spin_checks, &tests_per_check, &share_cpu, &first_sleep_s, &max_sleep_s,
             &status_bytes))
         return NULL;
-    if (!iallreduce || !test || !error_string || count < 1 || nbytes < 1 || calls < 0 || tests_per_check < 1 ||
-        spin_checks < 0 || first_sleep_s <= 0 || max_sleep_s < first_sleep_s ||
-        status_bytes < 1 || status_bytes > STATUS_BYTES) {
+    if (!iallreduce || !test || !error_string || count < 1 || nbytes < 1 || calls < 0 ||
+        tests_per_check < 1 || spin_checks < 0 || first_sleep_s <= 0 ||
+        max_sleep_s < first_sleep_s || status_bytes < 1 || status_bytes > STATUS_BYTES) {
         PyErr_SetString(PyExc_ValueError, "all_reduce_run: an argument is out of range");
         return NULL;
     }
