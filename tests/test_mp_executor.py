@@ -48,6 +48,11 @@ def _segments(job):
     return job_segments(job)
 
 
+@dataclasses.dataclass(frozen=True)
+class _TaggedStep(SchedulerOutput):
+    tag: str = ""
+
+
 def test_a_step_travels_as_builtins_and_arrives_whole():
     cached = [CachedRequest("b", [7], [3], 12), CachedRequest("c", [], [], 4)]
     step = SchedulerOutput(
@@ -75,6 +80,8 @@ def test_mp_generates_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp,
             return executor.execute_model(step).result(timeout=60)
 
         assert run_script(execute, GREEDY_TOKENS) == tiny_llama_greedy
+        # A subclass of the step (with a field of its own) travels whole and still runs.
+        assert execute(_TaggedStep(finished_req_ids={"gone"}, tag="t")) is None
         assert executor.output_rank == tp * pp - tp
         pids = [pid for _, pid in executor.collective_rpc(probe.rank_and_pid)]
     finally:

@@ -278,15 +278,14 @@ class MultiprocExecutor(Executor):
             self._wake_collector.notify()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
-        """A Future of the output rank's reply, returned once the step is broadcast."""
+        """A Future of the output rank's reply, returned once the step is broadcast. A
+        ``SchedulerOutput`` travels encoded (``mp_protocol``); a subclass of it, pickled whole."""
+        if type(scheduler_output) is SchedulerOutput:
+            method, args, kwargs = STEP, encode_step(scheduler_output), None
+        else:
+            method, args, kwargs = "execute_model", (scheduler_output,), {}
         call = self._call(
-            "execute_model",
-            STEP,
-            encode_step(scheduler_output),
-            None,
-            None,
-            self._output_rank,
-            single=True,
+            "execute_model", method, args, kwargs, None, self._output_rank, single=True
         )
         self._wake_collector_thread()
         return call.future
