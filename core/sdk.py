@@ -20,8 +20,9 @@ Communicators
 
 Executors
     ``EngineConfig``; ``first_reply`` (the Future ``execute_model`` returns, from a
-    ``collective_rpc`` Future); ``WorkerSetup``, ``WorkerContext``, ``Worker`` (build a
-    rank's Worker: join its worlds, load the model, with phase callbacks);
+    ``collective_rpc`` Future); ``check_reply_rank``, ``method_name`` (``collective_rpc``'s
+    argument check and how errors name its method); ``WorkerSetup``, ``WorkerContext``,
+    ``Worker`` (build a rank's Worker: join its worlds, load the model, with phase callbacks);
     ``RankProcesses`` (start a world's rank processes, tethered to this one, watch them
     die, stop them), ``missed_phase``,
     ``failed_in_phase`` (start-up errors in the common words); ``Spawner``, ``ChildProcess``
@@ -57,6 +58,8 @@ _WHERE = {
     "first_reply": "shardline.comm.work",
     "check_peer": "shardline.comm.arguments",
     "group_ranks": "shardline.comm.arguments",
+    "check_reply_rank": "shardline.comm.arguments",
+    "method_name": "shardline.comm.arguments",
     "Polling": "shardline.comm.waiting",
     "wait_until": "shardline.comm.waiting",
     "native_extension": "shardline.native",

@@ -12,6 +12,7 @@ from shardline.models.architecture import LlamaArchitecture, check_tensor_parall
 from shardline.registry import Registry
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from support.cli import shardline
+from support.tiny_gguf import write_tiny_gguf
 from support.tiny_llama import write_tiny_llama
 
 
@@ -75,27 +76,11 @@ def _start_uni_config(overrides):
 
 
 def _write_gguf(path, tensor_type):
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in {
-        "llama.embedding_length": 64,
-        "llama.attention.head_count": 8,
-        "llama.feed_forward_length": 96,
-        "llama.block_count": 1,
-        "llama.context_length": 64,
-    }.items():
-        writer.add_uint32(key, value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     if tensor_type == "BF16":
-        data = np.zeros((100, 64), dtype=np.uint16)
-        writer.add_tensor("token_embd.weight", data, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        embedding = (np.zeros((100, 64), dtype=np.uint16), "BF16")
     else:
-        writer.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        embedding = (np.zeros((100, 64), dtype=np.float32), None)
+    write_tiny_gguf(path, {"token_embd.weight": embedding})
 
 
 def test_unsupported_gguf_type_is_named(tmp_path):
@@ -112,20 +97,15 @@ def test_unsupported_gguf_type_is_named(tmp_path):
 
 
 def test_gguf_string_arrays_read_whole_and_a_cut_one_is_a_clear_error(tmp_path):
-    import gguf
-
     from shardline.weights.gguf_layout import GGUFLayout
 
-    path = tmp_path / "tokens.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_array("tokenizer.ggml.tokens", ["<s>", "caf\u00e9", "", "\u2581the"])
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tokens = GGUFLayout.read(path).metadata["tokenizer.ggml.tokens"]
-    assert tokens == ["<s>", "caf\u00e9", "", "\u2581the"]
+    written = ["<s>", "caf\u00e9", "", "\u2581the"]
+    path = write_tiny_gguf(
+        tmp_path / "tokens.gguf",
+        {"token_embd.weight": (np.zeros((4, 64), dtype=np.float32), None)},
+        arrays={"tokenizer.ggml.tokens": written},
+    )
+    assert GGUFLayout.read(path).metadata["tokenizer.ggml.tokens"] == written
     whole = path.read_bytes()
     path.write_bytes(whole[: whole.index("caf\u00e9".encode()) + 2])  # inside the 2nd string
     with pytest.raises(ConfigError, match=r"not a readable GGUF file .*past the end"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
+from support.tiny_gguf import write_tiny_gguf
 
 pytest.importorskip(
     "shardline.weights._dequantize", reason="the dequantize extension is not built (no compiler)"
@@ -20,29 +21,13 @@ ROWS, BLOCKS_PER_ROW = 70, 6  # 192 columns
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
-    import gguf
-
-    path = tmp_path_factory.mktemp("gguf") / "kinds.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in {
-        "llama.embedding_length": 64,
-        "llama.attention.head_count": 8,
-        "llama.feed_forward_length": 192,
-        "llama.block_count": 1,
-        "llama.context_length": 64,
-    }.items():
-        writer.add_uint32(key, value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))
     rng = np.random.default_rng(7)
+    tensors = {"token_embd.weight": (np.zeros((100, 64), dtype=np.float32), None)}
     for name, (kind, block_bytes) in KINDS.items():
         raw = rng.integers(0, 256, (ROWS, BLOCKS_PER_ROW * block_bytes), dtype=np.uint8)
-        writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        tensors[f"blk.0.{name}.weight"] = (raw, kind)
+    path = tmp_path_factory.mktemp("gguf") / "kinds.gguf"
+    return write_tiny_gguf(path, tensors, feed_forward_length=BLOCKS_PER_ROW * 32)
 
 
 @pytest.mark.parametrize("name", list(KINDS))

@@ -41,7 +41,9 @@ from shardline.sdk import (
     WorkerContext,
     WorkerSetup,
     abort_job_at_exit,
+    check_reply_rank,
     connect_store,
+    method_name,
     seal,
     share_cores,
     unseal,
@@ -139,11 +141,8 @@ class ExternalLauncherExecutor(Executor):
         """Run ``method`` on this process's Worker, then exchange replies with the other
         processes; the result (or error) is the same in every process."""
         self.check_health()
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(
-                f"unique_reply_rank = {unique_reply_rank}: ranks are 0..{self.world_size - 1}"
-            )
-        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        check_reply_rank(unique_reply_rank, self.world_size)
+        name = method_name(method)
         worker = self._context.worker
         try:
             if isinstance(method, str):

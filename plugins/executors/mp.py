@@ -45,7 +45,9 @@ from shardline.sdk import (
     WATCHDOG_REPORT_S,
     EngineConfig,
     RankProcesses,
+    check_reply_rank,
     failed_in_phase,
+    method_name,
     missed_phase,
     serve_store,
     wait_until,
@@ -221,12 +223,9 @@ class MultiprocExecutor(Executor):
         unique_reply_rank: int | None = None,
         non_block: bool = False,
     ) -> list[Any] | Future[list[Any]]:
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(
-                f"unique_reply_rank = {unique_reply_rank}: ranks are 0..{self.world_size - 1}"
-            )
+        check_reply_rank(unique_reply_rank, self.world_size)
         payload = method if isinstance(method, str) else cloudpickle.dumps(method)
-        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        name = method_name(method)
         call = self._call(
             name,
             payload,

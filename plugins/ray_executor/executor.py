@@ -52,8 +52,10 @@ from shardline.interfaces import Executor, Host, ModelRunnerOutput, SchedulerOut
 from shardline.sdk import (
     WATCHDOG_REPORT_S,
     EngineConfig,
+    check_reply_rank,
     failed_in_phase,
     first_reply,
+    method_name,
     missed_phase,
     serve_store,
 )
@@ -196,12 +198,9 @@ class RayExecutor(Executor):
         non_block: bool = False,
     ) -> list[Any] | Future[list[Any]]:
         self.check_health()
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(
-                f"unique_reply_rank = {unique_reply_rank}: ranks are 0..{self.world_size - 1}"
-            )
+        check_reply_rank(unique_reply_rank, self.world_size)
         payload = method if isinstance(method, str) else cloudpickle.dumps(method)
-        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        name = method_name(method)
         message = pickle.dumps(
             Call(payload, tuple(args), dict(kwargs or {}), unique_reply_rank),
             protocol=pickle.HIGHEST_PROTOCOL,
