@@ -114,7 +114,7 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        return self.take(self.unpack("<Q")).decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
@@ -138,17 +138,17 @@ class _Cursor:
 
     def strings(self, count: int) -> list[str]:
         """``count`` strings in a row (a tokenizer's vocabulary: ~100k of them), in one loop
-        over local names: a third of the time of :meth:`string` per element."""
+        over local names (half the time of a method call per string)."""
         buffer, offset, end = self.buffer, self.offset, len(self.buffer)
         length_at, decode = _LENGTH.unpack_from, codecs.utf_8_decode
         values = []
         for _ in range(count):
             if offset + 8 > end:
-                raise ValueError("an array runs past the end of the file")
+                raise ValueError("the header runs past the end of the file")
             (length,) = length_at(buffer, offset)
             offset += 8
             if offset + length > end:
-                raise ValueError("an array runs past the end of the file")
+                raise ValueError("the header runs past the end of the file")
             values.append(decode(buffer[offset : offset + length], "replace", True)[0])
             offset += length
         self.offset = offset

@@ -291,10 +291,7 @@ class MpiCommunicator(Communicator):
         (``message``): a deadline passed, or MPI reported an error (typed as the Python path
         types it), or the run was called too often."""
         if timed_out:
-            abort_job_at_exit()
-            return CommTimeoutError(
-                f"{self._where('all_reduce')}: {message}", op="all_reduce", rank=self._rank
-            )
+            return self._timed_out("all_reduce", message)
         return self._translate("all_reduce", message)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -469,12 +466,7 @@ class MpiCommunicator(Communicator):
                 polling=self._polling,
             )
         except CommTimeoutError as error:
-            abort_job_at_exit()
-            raise CommTimeoutError(
-                f"{self._where(op)}: no answer from peers within {seconds:g} s",
-                op=op,
-                rank=self._rank,
-            ) from error
+            raise self._timed_out(op, f"no answer from peers within {seconds:g} s") from error
 
     def _work(self, op: str, request: Any, result, keep_alive, after=None) -> Work:
         def native_wait(timeout: float | None) -> None:
@@ -510,6 +502,12 @@ class MpiCommunicator(Communicator):
 
     def _where(self, op: str) -> str:
         return f"mpi {op} on rank {self._rank} of {self._world_size}"
+
+    def _timed_out(self, op: str, text: str) -> CommTimeoutError:
+        """The error of ``op`` past its deadline (``text`` says which); the job then ends
+        itself at exit (a rank stuck in MPI would hang MPI_Finalize)."""
+        abort_job_at_exit()
+        return CommTimeoutError(f"{self._where(op)}: {text}", op=op, rank=self._rank)
 
     def _translate(self, op: str, text: str) -> CommunicationError:
         """The error of ``op`` that MPI (or the native path) failed with ``text``: a peer that
