@@ -95,6 +95,41 @@ def test_bad_value_names_what_is_allowed():
         load_config(overrides=["parallel.device=tpu"], environ={})
 
 
+def test_floats_in_exponent_form_are_numbers_everywhere(tmp_path):
+    # YAML 1.1 reads 1e3 (no dot, unsigned exponent) as text; JSON, TOML and users do not.
+    path = tmp_path / "c.yaml"
+    path.write_text("parallel:\n  timeout_s: 1e3\n  startup_timeout_s: 2.5E+1\n")
+    loaded = load_config(
+        path, ["cache.memory_fraction=5e-1"], {"SHARDLINE_SAMPLING__TOP_P": ".5e0"}
+    )
+    assert loaded.config.parallel.timeout_s == 1000.0
+    assert loaded.config.parallel.startup_timeout_s == 25.0
+    assert loaded.config.cache.memory_fraction == 0.5
+    assert loaded.config.sampling.top_p == 0.5
+    # Only numbers: text that merely looks close stays text.
+    loaded = load_config(overrides=["model.path=1e", "parallel.communicator=e3"], environ={})
+    assert (loaded.config.model.path, loaded.config.parallel.communicator) == ("1e", "e3")
+
+
+@pytest.mark.parametrize(
+    ("item", "expected"),
+    [
+        (
+            "cache.num_blocks=abc",
+            "cache.num_blocks = 'abc': Input should be a valid integer or 'auto'",
+        ),
+        (
+            "cache.num_blocks=0",
+            "cache.num_blocks = 0: Input should be greater than or equal to 1 or 'auto'",
+        ),
+    ],
+)
+def test_a_value_that_fits_no_member_of_a_union_is_one_problem(item, expected):
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=[item], environ={})
+    assert str(error.value) == f"invalid configuration: --set {item}: {expected}"
+
+
 def test_several_problems_are_listed_in_one_error():
     with pytest.raises(ConfigError) as error:
         load_config(overrides=["parallel.timeout_s=0", "model.dtyp=float16"], environ={})

@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -159,7 +160,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 class _ConfigYamlLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses duplicate keys in a mapping."""
+    """``yaml.SafeLoader`` that refuses duplicate keys in a mapping and reads floats as YAML
+    1.2 (and JSON, TOML, Python) write them: ``1e3`` and ``1.5e-3`` are numbers, where YAML
+    1.1 wants a dot and a signed exponent (``1.0e+3``) and reads the rest as text."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -177,6 +180,13 @@ class _ConfigYamlLoader(yaml.SafeLoader):
                 )
             seen[key_node.value] = line
         return super().construct_mapping(node, deep)
+
+
+_ConfigYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
 
 
 class _TooLarge(yaml.YAMLError):
@@ -329,7 +339,7 @@ def _merge(
 
 def _describe(error: ValidationError, sources: Mapping[str, str], data: Mapping) -> str:
     lines = []
-    items = error.errors()
+    items = _merge_union_members(error.errors(), data)
     for item in items[:MAX_PROBLEMS]:
         loc = [str(part) for part in item["loc"]]
         key = ".".join(loc)
@@ -348,6 +358,44 @@ def _describe(error: ValidationError, sources: Mapping[str, str], data: Mapping)
         lines.append(f"... and {len(items) - MAX_PROBLEMS} more problems")
     header = "invalid configuration:" if len(lines) > 1 else "invalid configuration"
     return header + ("\n  " + "\n  ".join(lines) if len(lines) > 1 else ": " + lines[0])
+
+
+def _merge_union_members(items: list[dict], data: Mapping) -> list[dict]:
+    """One problem per field: pydantic reports a value that fits no member of a union
+    (``int | 'auto'``) once per member, at the field's location plus the member's name; those
+    become one problem at the field, its messages joined ("Input should be a valid integer or
+    'auto'")."""
+    merged: list[dict] = []
+    by_field: dict[tuple, dict] = {}
+    for item in items:
+        loc = tuple(str(part) for part in item["loc"])
+        field_loc = loc[: _depth_in(data, loc)] if item["type"] != "extra_forbidden" else loc
+        if field_loc == loc or not field_loc:
+            merged.append(item)
+            continue
+        message = item["msg"].replace("None", "null")
+        if field_loc in by_field:
+            known = by_field[field_loc]
+            prefix = "Input should be "
+            if message.startswith(prefix) and known["msg"].startswith(prefix):
+                message = message[len(prefix) :]
+            known["msg"] = f"{known['msg']} or {message}"
+            continue
+        by_field[field_loc] = {**item, "loc": field_loc, "msg": message}
+        merged.append(by_field[field_loc])
+    return merged
+
+
+def _depth_in(data: Any, loc: Sequence[str]) -> int:
+    """How many parts of ``loc`` lead through ``data`` (mapping keys, list indices)."""
+    for depth, part in enumerate(loc):
+        if isinstance(data, Mapping) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]
+        else:
+            return depth
+    return len(loc)
 
 
 def _meant_keys(loc: Sequence[str]) -> list[str]:
