@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardline.profiling import SpanTimer
+from support.cli import shardline
 from support.tiny_llama import write_tiny_llama
 from support.tiny_tokenizer import add_tiny_tokenizer
 
@@ -108,3 +109,23 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
         assert f"where a decode step goes: shardline tp2 gloo, {mode}" in done.stdout
     assert "step_profile" in rows["tp1"]
     assert "of floor" in done.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--tokens", "1"], "--tokens = 1: allowed: 2..128 (half the 256-token context"),
+        (["--tokens", "129"], "--tokens = 129: allowed: 2..128"),
+        (["--concurrent", "33"], "--concurrent = 33: allowed: 2..32 (scheduler.max_num_seqs"),
+        (["--concurrent", "1"], "--concurrent = 1: allowed: 2..32"),
+        (["--timeout", "nan"], "--timeout = nan: allowed: more than 0, up to 86400 s"),
+        (["--timeout", "0"], "--timeout = 0: allowed: more than 0"),
+    ],
+)
+def test_bench_decode_refuses_sizes_it_cannot_measure_before_starting(tmp_path, flags, expected):
+    # The context comes from the model: 256 positions here, so at most 128 new tokens.
+    model = add_tiny_tokenizer(write_tiny_llama(tmp_path / "model", max_position_embeddings=256))
+    done = shardline("bench", "decode", "--model", str(model), "--hf-threads", "1", *flags)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: {expected}"), done.stderr
+    assert done.stdout == ""  # no case started

@@ -509,9 +509,8 @@ def _bench_decode(args: argparse.Namespace) -> int:
     from shardline import catalog
     from shardline.cli import bench_decode
 
-    for flag, value in (("--tokens", args.tokens), ("--concurrent", args.concurrent)):
-        if value < 2:
-            raise ConfigError(f"{flag} = {value}: must be >= 2")
+    model = catalog.resolve_model_path(args.model)
+    bench_decode.check_sizes(model, args.tokens, args.concurrent, args.timeout)
     try:
         threads = [int(t) for t in args.hf_threads.split(",") if t.strip()]
     except ValueError:
@@ -519,7 +518,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.communicators.split(",") if n.strip()]
     usable, skipped = bench_decode.available_communicators(names)
     cases = bench_decode.plan(
-        catalog.resolve_model_path(args.model),
+        model,
         args.tokens,
         args.concurrent,
         [n.strip() for n in args.layouts.split(",") if n.strip()],
