@@ -3,6 +3,10 @@
 import importlib.util
 import json
 
+import pytest
+
+from shardline.cli.main import build_parser, dispatch
+from shardline.errors import ConfigError
 from support.cli import ROOT, shardline
 from support.fake_plugins import install_plugin
 
@@ -164,3 +168,40 @@ def test_demo_runs_a_checked_tp2_pp2_world():
     assert len(rows) == 4
     assert all(row.rstrip().endswith("ok") for row in rows)
     assert "got from rank 0" in result.stdout and "sent to rank 3" in result.stdout
+
+
+DAY = "allowed: more than 0, up to 86400 s"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bench", "comm", "-i", "1000001"], "-i = 1000001: allowed: 1..1000000"),
+        (["bench", "comm", "-w", "1000001"], "-w = 1000001: allowed: 0..1000000"),
+        (["bench", "comm", "--timeout", "nan"], f"--timeout = nan: {DAY}"),
+        (["bench", "serve", "--timeout-s", "1e12"], f"--timeout-s = 1e+12: {DAY}"),
+        (
+            ["bench", "serve", "--input-len", "16777217"],
+            "--input-len = 16777217: allowed: 1..16777216",
+        ),
+        (["bench", "serve", "-n", "0"], "--num-requests = 0: allowed: 1..1000000"),
+        (["faults", "--timeout", "1e9"], f"--timeout = 1e+09: {DAY}"),
+        (["conformance", "gloo", "--timeout", "inf"], f"--timeout = inf: {DAY}"),
+        (["demo", "--rounds", "0"], "--rounds = 0: allowed: 1..1000000"),
+        (["demo", "--hidden", "16777217"], "--hidden = 16777217: allowed: 1..16777216"),
+    ],
+)
+def test_numbers_on_the_command_line_are_bounded_before_anything_starts(argv, expected):
+    with pytest.raises(ConfigError) as error:
+        dispatch(build_parser().parse_args(argv), [])
+    assert str(error.value) == expected
+
+
+def test_random_prompts_that_would_not_fit_in_memory_are_refused():
+    argv = ["bench", "serve", "-n", "1000000", "--input-len", "16777216"]
+    with pytest.raises(ConfigError) as error:
+        dispatch(build_parser().parse_args(argv), [])
+    assert str(error.value).startswith(
+        "--num-requests 1000000 x --input-len 16777216: needs 610.4 TiB"
+    )
+    assert str(error.value).endswith("allowed: fewer requests or shorter prompts")

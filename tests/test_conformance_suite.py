@@ -2,12 +2,15 @@
 installed from its own package, and on a broken backend it must fail."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from support.cli import ROOT, shardline
+from support.cli import ROOT, SHARDLINE, shardline
+from support.processes import child_commands
 
 SUITE_TIMEOUT = 900
 
@@ -24,6 +27,8 @@ def test_gloo_passes_the_whole_suite(tmp_path):
     report = _report(report_path)
     assert report["summary"].get("failed", 0) == 0
     assert report["summary"]["passed"] > 1000
+    assert report["complete"] is True
+    assert report["ran"] == report["collected"] == len(report["cases"])
     sizes = {case["world_size"] for case in report["cases"]}
     assert sizes == {1, 2, 3, 4}
     assert report["matrix"]["all_reduce[sum]"]["bfloat16"] == {
@@ -48,6 +53,46 @@ def test_gloo_passes_the_whole_suite(tmp_path):
         "deadline: rank never joins",
     ):
         assert expected in operations
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_stops_the_suite_ends_its_ranks_and_leaves_a_report_marked_partial(tmp_path):
+    report_path = tmp_path / "gloo.json"
+    suite = subprocess.Popen(
+        [SHARDLINE, "conformance", "gloo", "--world-sizes", "2,3", "--report", str(report_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        # Mid-run: a case has passed, so a world of rank processes is up.
+        while (progress := suite.stdout.read(1)) != ".":
+            assert progress, "the suite ended before its first case"
+        ranks = [pid for pid, command in child_commands(suite.pid).items() if "rank" in command]
+        assert ranks
+        suite.send_signal(signal.SIGTERM)
+        output = progress + suite.communicate(timeout=60)[0]
+    finally:
+        if suite.poll() is None:
+            suite.kill()
+            suite.wait()
+    assert suite.returncode == 143, output[-3000:]
+    assert output.rstrip().endswith("error: terminated (SIGTERM)")
+    for pid in ranks:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"rank {pid} outlived it"
+    report = _report(report_path)
+    assert report["complete"] is False
+    assert 0 < report["ran"] < report["collected"]
+    assert report["summary"].get("failed", 0) == 0
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT + 180)

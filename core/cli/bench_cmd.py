@@ -27,12 +27,10 @@ from typing import Any
 
 import torch
 
+from shardline.cli.flags import MAX_REPEATS, check_count, check_host_memory, check_seconds
 from shardline.cli.table import render
 from shardline.config.capacity import (
-    DEFAULT_MEMORY_FRACTION,
-    HostMemory,
     check_rank_processes,
-    size_text,
 )
 from shardline.errors import ConfigError
 from shardline.interfaces import Communicator
@@ -89,18 +87,19 @@ def settings_from(args) -> BenchSettings:
             f"-n {args.ranks} -f {args.factor} -i {args.iters} -w {args.warmup}: allowed: "
             "n >= 1, f >= 2, i >= 1, w >= 0"
         )
+    check_count("-i", args.iters, 1, MAX_REPEATS)
+    check_count("-w", args.warmup, 0, MAX_REPEATS)
+    check_seconds("--timeout", args.timeout)
     begin, end = parse_size(args.begin, "-b"), parse_size(args.end, "-e")
     if end < begin:
         raise ConfigError(f"-e {args.end} is below -b {args.begin}")
     check_rank_processes(args.ranks, f"-n {args.ranks}")
-    host = HostMemory.read()
     # Each rank holds its input, an output and, for all_gather, every rank's part.
-    need = args.ranks * end * (args.ranks + 2)
-    if need > host.available * DEFAULT_MEMORY_FRACTION:
-        raise ConfigError(
-            f"-e {args.end} with -n {args.ranks}: the tensors need {size_text(need)}; this "
-            f"host has {size_text(host.available)} available; allowed: a smaller -e or -n"
-        )
+    check_host_memory(
+        f"-e {args.end} with -n {args.ranks}: the tensors",
+        args.ranks * end * (args.ranks + 2),
+        "a smaller -e or -n",
+    )
     if not hasattr(torch, args.dtype) or not isinstance(getattr(torch, args.dtype), torch.dtype):
         raise ConfigError(f"--dtype = {args.dtype!r}: allowed: float32, float16, bfloat16, ...")
     communicators = tuple(c.strip() for c in args.communicators.split(",") if c.strip())

@@ -109,7 +109,8 @@ def check_sizes(model: str, tokens: int, concurrent: int, timeout_s: float) -> N
     than half the context the bench's engine gives ``model`` (the rest is the prompt's), more
     concurrent requests than one step schedules (the rest would queue), a deadline that is
     not a number of seconds within a day."""
-    from shardline.config.schema import MAX_TIMEOUT_S, EngineConfig
+    from shardline.cli.flags import check_count, check_seconds
+    from shardline.config.schema import EngineConfig
     from shardline.weights import open_checkpoint
 
     defaults = EngineConfig()
@@ -117,21 +118,22 @@ def check_sizes(model: str, tokens: int, concurrent: int, timeout_s: float) -> N
         open_checkpoint(model).architecture.max_positions,
         defaults.cache.num_blocks * defaults.cache.block_size,
     )
-    if not 2 <= tokens <= context // 2:
-        raise ConfigError(
-            f"--tokens = {tokens}: allowed: 2..{context // 2} (half the {context}-token context "
-            "the benchmark's engine gives this model; the rest is the prompt's)"
-        )
-    most = defaults.scheduler.max_num_seqs
-    if not 2 <= concurrent <= most:
-        raise ConfigError(
-            f"--concurrent = {concurrent}: allowed: 2..{most} (scheduler.max_num_seqs: more "
-            "requests would wait in the queue, not run concurrently)"
-        )
-    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses nan
-        raise ConfigError(
-            f"--timeout = {timeout_s:g}: allowed: more than 0, up to {MAX_TIMEOUT_S:g} s"
-        )
+    check_count(
+        "--tokens",
+        tokens,
+        2,
+        context // 2,
+        f"half the {context}-token context the benchmark's engine gives this model; the rest "
+        "is the prompt's",
+    )
+    check_count(
+        "--concurrent",
+        concurrent,
+        2,
+        defaults.scheduler.max_num_seqs,
+        "scheduler.max_num_seqs: more requests would wait in the queue, not run concurrently",
+    )
+    check_seconds("--timeout", timeout_s)
 
 
 def available_communicators(

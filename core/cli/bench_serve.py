@@ -32,7 +32,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from shardline.cli.flags import MAX_REPEATS, check_count, check_host_memory, check_seconds
 from shardline.cli.table import render
+from shardline.config.schema import MAX_COUNT
 from shardline.errors import ConfigError, cut, echo
 
 #: random: token-id prompts to /v1/completions; chat: CHAT_PROMPTS to /v1/chat/completions.
@@ -46,6 +48,8 @@ CONNECT_TIMEOUT_S = 30.0
 #: Seconds between progress lines when stderr is not a terminal.
 PROGRESS_EVERY_S = 5.0
 PROGRESS_WIDTH = 24
+#: Memory a random prompt's token takes before it is sent: a list slot and an int object.
+_PROMPT_BYTES_PER_TOKEN = 8 + 32
 
 
 @dataclass(frozen=True)
@@ -91,13 +95,19 @@ class RequestFailed(Exception):
 def settings_from(args) -> Settings:
     """Validated settings from the command line; ConfigError names the bad option."""
     for flag, value in (
-        ("--num-requests", args.num_requests),
         ("--input-len", args.input_len),
         ("--output-len", args.output_len),
         ("--vocab-size", args.vocab_size),
     ):
-        if value < 1:
-            raise ConfigError(f"{flag} = {value}: allowed: 1 or more")
+        check_count(flag, value, 1, MAX_COUNT)
+    check_count("--num-requests", args.num_requests, 1, MAX_REPEATS)
+    if args.dataset == "random":
+        # Every prompt is made before the first request is sent: a list of Python ints each.
+        check_host_memory(
+            f"--num-requests {args.num_requests} x --input-len {args.input_len}",
+            args.num_requests * args.input_len * _PROMPT_BYTES_PER_TOKEN,
+            "fewer requests or shorter prompts",
+        )
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError(
             f"--max-concurrency = {args.max_concurrency}: allowed: 1 or more (leave it out "
@@ -105,8 +115,7 @@ def settings_from(args) -> Settings:
         )
     if args.dataset not in DATASETS:
         raise ConfigError(f"--dataset = {echo(args.dataset)}: allowed: {', '.join(DATASETS)}")
-    if not 0 < args.timeout_s < math.inf:
-        raise ConfigError(f"--timeout-s = {args.timeout_s}: allowed: seconds > 0")
+    check_seconds("--timeout-s", args.timeout_s)
     api_key = args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY")
     if args.api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty: give the server's key, or leave it out")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 import pytest
 
+from shardline.cli.flags import check_seconds
 from shardline.config.capacity import check_rank_processes
 from shardline.errors import ConfigError
 from shardline.interfaces import CommunicatorBackend, Executor
@@ -47,6 +49,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     allow = os.environ.get("SHARDLINE_PLUGINS")
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
     kind = args.kind or suite_kind(args.name, registry)
+    if args.timeout is not None:
+        check_seconds("--timeout", args.timeout)
     if args.world_sizes:
         try:
             largest = max(int(part) for part in args.world_sizes.split(",") if part.strip())
@@ -87,4 +91,33 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         "-W",
         "ignore::pytest.PytestAssertRewriteWarning",
     ]
-    return int(pytest.main(options + common + extra))
+    return _run_pytest(options + common + extra)
+
+
+class _SuiteTerminated(KeyboardInterrupt):
+    """SIGTERM during the suite: pytest stops as on Ctrl-C, tearing down the worlds it
+    started (another exception would only fail the test running and go on to the next)."""
+
+
+def _run_pytest(arguments: list[str]) -> int:
+    """``pytest.main(arguments)``; SIGTERM stops it (see :class:`_SuiteTerminated`) and then
+    ends the command as SIGTERM ends any other (``Terminated``: exit code 143)."""
+    from shardline.cli.main import Terminated
+
+    terminated = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal terminated
+        terminated = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+        raise _SuiteTerminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        code = int(pytest.main(arguments))
+    finally:
+        if not terminated:
+            signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        raise Terminated
+    return code

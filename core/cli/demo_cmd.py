@@ -9,18 +9,31 @@ import time
 
 import torch
 
+from shardline.cli.flags import MAX_REPEATS, check_count, check_host_memory
 from shardline.cli.table import render
 from shardline.config.loader import LoadedConfig
+from shardline.config.schema import MAX_COUNT
 from shardline.config.selection import check_config
 from shardline.launch.comm_world import ParallelRankContext, ParallelSetup
 from shardline.launch.local_world import LocalWorld
 from shardline.registry import Registry
 
+#: Bytes a rank holds per element of ``--hidden``, at most: the all-reduce's input and
+#: output, the pipeline hop's [4, hidden] state sent and received, and room for copies.
+_BYTES_PER_HIDDEN = 16 * 4
+
 
 def run(loaded: LoadedConfig, rounds: int, hidden: int) -> int:
+    check_count("--rounds", rounds, 1, MAX_REPEATS)
+    check_count("--hidden", hidden, 1, MAX_COUNT)
     registry = Registry.for_plugins(loaded.config.plugins)
     config = check_config(loaded, registry, os.environ).config
     layout = config.parallel.layout
+    check_host_memory(
+        f"--hidden {hidden} on {layout.world_size} ranks",
+        layout.world_size * hidden * _BYTES_PER_HIDDEN,
+        "a smaller --hidden",
+    )
     print(
         f"starting {layout.world_size} ranks (tp={layout.tensor_parallel_size}, "
         f"pp={layout.pipeline_parallel_size}, dp={layout.data_parallel_size}) with "

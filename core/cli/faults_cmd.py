@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from shardline.cli.flags import check_seconds
 from shardline.cli.table import render
 from shardline.comm.waiting import host_cores
 from shardline.conformance.faults import across_hosts, matrix
@@ -38,8 +39,7 @@ def _names(raw: str | None, field: str, known: list[str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     allow = os.environ.get("SHARDLINE_PLUGINS")
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
-    if args.timeout <= 0:
-        raise ConfigError(f"--timeout = {args.timeout}: must be > 0", field="--timeout")
+    check_seconds("--timeout", args.timeout)
     cores = host_cores()
     if not 1 <= args.jobs <= cores:
         raise ConfigError(

@@ -5,7 +5,6 @@ any pytest run where Shardline is installed; it only acts on tests of this packa
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 
 from shardline.config.capacity import check_rank_processes
-from shardline.conformance.reporting import case_reason, summary
+from shardline.conformance.reporting import case_reason, summary, write_report
 from shardline.errors import CommTimeoutError, ConfigError, PeerLostError, WorkerError
 from shardline.interfaces import Capabilities
 from shardline.launch.comm_world import CommunicatorSetup
@@ -201,7 +200,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     results = session.config.stash.get(_RESULTS, None)
     name = session.config.getoption("--shardline-communicator", None)
     if not results or not name:
@@ -222,7 +221,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         if cell.get(key, "passed") == "passed" or verdict == "failed":
             cell[key] = verdict
     report = {"communicator": name, "summary": summary(results), "matrix": matrix, "cases": results}
-    path.write_text(json.dumps(report, indent=1, default=str))
+    write_report(path, report, session, exitstatus)
     session.config.stash[_REPORT_PATH] = str(path)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +32,22 @@ def case_reason(report: pytest.TestReport) -> str:
 def summary(cases: list[dict]) -> dict[str, int]:
     """How many cases had each outcome."""
     return dict(Counter(case["outcome"] for case in cases))
+
+
+def write_report(path: Path, report: dict, session: pytest.Session, exitstatus: int) -> None:
+    """Write ``report`` to ``path`` as JSON, with ``complete``: false when the run stopped
+    early (interrupted: Ctrl-C, SIGTERM, ``-x``), so that a partial report never reads as a
+    pass; ``collected`` and ``ran`` say how far it got. Written whole or not at all."""
+    ran = len(report["cases"])
+    report = {
+        **report,
+        "complete": exitstatus != pytest.ExitCode.INTERRUPTED and not session.shouldstop,
+        "collected": session.testscollected,
+        "ran": ran,
+    }
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps(report, indent=1, default=str))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

@@ -26,7 +26,7 @@ from shardline.conformance.executors.checks import (
     not_applicable,
     probe_config,
 )
-from shardline.conformance.reporting import case_reason, summary
+from shardline.conformance.reporting import case_reason, summary, write_report
 from shardline.errors import ConfigError
 from shardline.interfaces import Executor
 from shardline.launch import launchers, private_shm
@@ -261,7 +261,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     results = session.config.stash.get(_RESULTS, None)
     name = session.config.getoption("--shardline-executor", None)
     if not results or not name:
@@ -271,8 +271,5 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.config.getoption("--shardline-executor-report")
         or f"shardline-executor-conformance-{safe}.json"
     )
-    path.write_text(
-        json.dumps(
-            {"executor": name, "summary": summary(results), "cases": results}, indent=1, default=str
-        )
-    )
+    report = {"executor": name, "summary": summary(results), "cases": results}
+    write_report(path, report, session, exitstatus)
