@@ -2,12 +2,17 @@
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from shardline.cli.main import build_parser, dispatch
 from shardline.errors import ConfigError
-from support.cli import ROOT, shardline
+from support.cli import ROOT, SHARDLINE, shardline
 from support.fake_plugins import install_plugin
 
 EXAMPLE = str(ROOT / "examples" / "configs" / "tp2-pp2-gloo.yaml")
@@ -205,3 +210,47 @@ def test_random_prompts_that_would_not_fit_in_memory_are_refused():
         "--num-requests 1000000 x --input-len 16777216: needs 610.4 TiB"
     )
     assert str(error.value).endswith("allowed: fewer requests or shorter prompts")
+
+
+def _processes_with(variable: str) -> list[int]:
+    """Live processes whose environment holds ``variable`` (``NAME=value``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            alive = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            continue
+        if entry.name.isdigit() and variable.encode() in environ and alive:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_fault_matrix_mid_scenario_and_ends_its_ranks(tmp_path):
+    # The scenario runs in a session of its own; its processes inherit this TMPDIR.
+    mark = f"TMPDIR={tmp_path}"
+    faults = subprocess.Popen(
+        [SHARDLINE, "faults", "--executors", "mp", "--communicators", "gloo", "--scenarios",
+         "hangs in a collective", "--timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(_processes_with(mark)) < 4:  # faults, the scenario's driver, 2 workers
+            assert faults.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        stopped = time.monotonic()
+        faults.send_signal(signal.SIGTERM)
+        output = faults.communicate(timeout=30)[0]
+        took = time.monotonic() - stopped
+    finally:
+        if faults.poll() is None:
+            faults.kill()
+            faults.wait()
+    assert faults.returncode == 143, output
+    assert took < 10, f"{took:.1f} s from SIGTERM to exit; the scenario had a 60 s deadline"
+    assert output.rstrip().endswith("error: terminated (SIGTERM)")
+    assert "hangs in a collective: " not in output  # stopped, not judged
+    assert _processes_with(mark) == []

@@ -102,22 +102,15 @@ class _SuiteTerminated(KeyboardInterrupt):
 def _run_pytest(arguments: list[str]) -> int:
     """``pytest.main(arguments)``; SIGTERM stops it (see :class:`_SuiteTerminated`) and then
     ends the command as SIGTERM ends any other (``Terminated``: exit code 143)."""
-    from shardline.cli.main import Terminated
+    from shardline.cli.main import StopOnSigterm, Terminated
 
-    terminated = False
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        nonlocal terminated
-        terminated = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
-        raise _SuiteTerminated
-
+    on_sigterm = StopOnSigterm(_SuiteTerminated)
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         code = int(pytest.main(arguments))
     finally:
-        if not terminated:
+        if on_sigterm.first is None:
             signal.signal(signal.SIGTERM, previous)
-    if terminated:
+    if on_sigterm.first is not None:
         raise Terminated
     return code

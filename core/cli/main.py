@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -540,18 +541,37 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 class Terminated(BaseException):
     """SIGTERM arrived (``timeout``, a service manager): unwind like Ctrl-C, shutting every
-    rank down on the way out. A second SIGTERM ends the process at once."""
+    rank down on the way out (see :class:`StopOnSigterm`)."""
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Terminated
+#: A SIGTERM this soon after the first asks for the same stop: ``timeout`` signals the
+#: command, then its whole process group, the command included.
+SIGTERM_REPEAT_S = 1.0
+
+
+class StopOnSigterm:
+    """A SIGTERM handler: the first SIGTERM raises ``error`` in the main thread (the command
+    unwinds, shutting its ranks down); a repeat within :data:`SIGTERM_REPEAT_S` is the same
+    request and is ignored; a later one ends the process at once."""
+
+    def __init__(self, error: type[BaseException] = Terminated) -> None:
+        self.error = error
+        self.first: float | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            raise self.error
+        if now - self.first >= SIGTERM_REPEAT_S:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGTERM, StopOnSigterm())
     passthrough: list[str] = []
     if "--" in argv:
         split = argv.index("--")

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -88,11 +89,60 @@ def run_launched(
     return run
 
 
-def run_session(command: list[str], environ: dict[str, str], timeout_s: float) -> LaunchedRun:
+class Sessions:
+    """The runs :func:`run_session` has going for one owner (runs in several threads), so
+    that the owner, stopping early (Ctrl-C, SIGTERM), can end them at once with
+    :meth:`end_all` instead of waiting for each to reach its deadline."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[int, int] = {}  # process id -> its pidfd
+        self._ended = False
+
+    def end_all(self) -> None:
+        """Send SIGTERM to the command of every run going, and of every run that starts from
+        now on, as its tether would were this process to die (a launcher ends its ranks, which
+        may live in sessions of their own); each run then clears its session as usual.
+        Idempotent."""
+        with self._lock:
+            self._ended = True
+            for pidfd in self._running.values():
+                _terminate(pidfd)
+
+    @property
+    def ended(self) -> bool:
+        """Whether :meth:`end_all` was called (a run's outcome since then means nothing)."""
+        return self._ended
+
+    def _started(self, process: subprocess.Popen) -> None:
+        pidfd = os.pidfd_open(process.pid)
+        with self._lock:
+            self._running[process.pid] = pidfd
+            if self._ended:
+                _terminate(pidfd)
+
+    def _finished(self, process: subprocess.Popen) -> None:
+        with self._lock:
+            os.close(self._running.pop(process.pid))
+
+
+def _terminate(pidfd: int) -> None:
+    """SIGTERM through a pidfd: it names that process even after its id is reused."""
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+
+
+def run_session(
+    command: list[str],
+    environ: dict[str, str],
+    timeout_s: float,
+    sessions: Sessions | None = None,
+) -> LaunchedRun:
     """Run ``command`` in a session of its own; when it ends, or outlives ``timeout_s``, every
     process still in that session ``_SETTLE_S`` later is listed (``leftovers``) and killed.
     The command is tethered to this process (it gets SIGTERM should this process die: a
-    launcher then ends its ranks)."""
+    launcher then ends its ranks). ``sessions``: the owner's runs, which this one joins while
+    its command runs."""
     process = subprocess.Popen(
         tethered(command, signal.SIGTERM),
         env=environ,
@@ -101,6 +151,8 @@ def run_session(command: list[str], environ: dict[str, str], timeout_s: float) -
         text=True,
         start_new_session=True,
     )
+    if sessions is not None:
+        sessions._started(process)
     timed_out = False
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
@@ -112,6 +164,8 @@ def run_session(command: list[str], environ: dict[str, str], timeout_s: float) -
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        if sessions is not None:
+            sessions._finished(process)
     leftovers = session_processes(process.pid)
     settle_until = time.monotonic() + _SETTLE_S
     while leftovers and time.monotonic() < settle_until:

@@ -110,8 +110,14 @@ def combinations(
     return found
 
 
-def run_scenario(combination: Combination, scenario: Scenario, settings: Settings) -> Result:
-    """Run ``scenario`` on ``combination`` and judge it (see :mod:`.scenarios`)."""
+def run_scenario(
+    combination: Combination,
+    scenario: Scenario,
+    settings: Settings,
+    sessions: launchers.Sessions | None = None,
+) -> Result:
+    """Run ``scenario`` on ``combination`` and judge it (see :mod:`.scenarios`); its run
+    joins ``sessions`` while it goes."""
     result = Result(scenario.name, combination.label, "unsupported")
     if combination.unsupported:
         result.reason = combination.unsupported
@@ -154,7 +160,7 @@ def run_scenario(combination: Combination, scenario: Scenario, settings: Setting
             command = [sys.executable, *program]
         if shm is not None:
             command = shm.wrap(command)
-        run = launchers.run_session(command, environ, timeout_s=startup + deadline + 90)
+        run = launchers.run_session(command, environ, startup + deadline + 90, sessions)
         processes = [json.loads(path.read_text()) for path in sorted(reports.glob("*.json"))]
         imported_by = sorted(markers.glob("imported-by-*"))
         joined_at = {
@@ -303,16 +309,23 @@ def run_matrix(
 ) -> list[Result]:
     """Every scenario on every combination, ``jobs`` at a time (each in processes, a private
     /dev/shm and a scratch folder of its own); ``progress(result)`` as each ends. The
-    results are in combination, then scenario order."""
+    results are in combination, then scenario order. Interrupted (Ctrl-C, SIGTERM), it
+    kills the scenarios running and starts no other."""
     cells = [(combination, scenario) for combination in combos for scenario in scenarios]
+    sessions = launchers.Sessions()
 
     def run_one(cell: tuple[Combination, Scenario]) -> Result:
-        result = run_scenario(*cell, settings)
-        progress(result)
+        result = run_scenario(*cell, settings, sessions)
+        if not sessions.ended:  # else it was stopped, not judged
+            progress(result)
         return result
 
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="fault-scenario") as pool:
-        return list(pool.map(run_one, cells))
+        try:
+            return list(pool.map(run_one, cells))
+        except BaseException:
+            sessions.end_all()  # pool.map has cancelled the scenarios not yet started
+            raise
 
 
 def report(results: Sequence[Result], settings: Settings) -> dict[str, Any]:
