@@ -265,6 +265,12 @@ def test_raw_event_stream(server, model_dir, offline):
         ("completions", {"prompt": None}, "prompt", "allowed"),
         ("chat/completions", {"messages": []}, "messages", "at least 1 item"),
         ("chat/completions", {"messages": [{"content": "hi"}]}, "messages.0.role", "required"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "bogus", "content": "hi"}]},
+            "messages.0.role",
+            "'system', 'developer', 'user', 'assistant', 'tool' or 'function'",
+        ),
         ("embeddings", {"input": ["a", ""]}, "input.1", "empty"),
     ],
 )

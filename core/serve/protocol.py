@@ -60,7 +60,9 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    """One message; the roles are OpenAI's (the chat template decides what it renders)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
 
 
