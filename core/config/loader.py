@@ -373,7 +373,7 @@ def _merge_union_members(items: list[dict], data: Mapping) -> list[dict]:
         if field_loc == loc or not field_loc:
             merged.append(item)
             continue
-        message = item["msg"].replace("None", "null")
+        message = item["msg"].replace("None", "null")  # a config file writes null
         if field_loc in by_field:
             known = by_field[field_loc]
             prefix = "Input should be "
@@ -384,18 +384,6 @@ def _merge_union_members(items: list[dict], data: Mapping) -> list[dict]:
         by_field[field_loc] = {**item, "loc": field_loc, "msg": message}
         merged.append(by_field[field_loc])
     return merged
-
-
-def _depth_in(data: Any, loc: Sequence[str]) -> int:
-    """How many parts of ``loc`` lead through ``data`` (mapping keys, list indices)."""
-    for depth, part in enumerate(loc):
-        if isinstance(data, Mapping) and part in data:
-            data = data[part]
-        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
-            data = data[int(part)]
-        else:
-            return depth
-    return len(loc)
 
 
 def _meant_keys(loc: Sequence[str]) -> list[str]:
@@ -434,14 +422,26 @@ def _allowed_keys(loc: Sequence[str]) -> list[str]:
 
 
 def _lookup(data: Any, loc: Sequence[str]) -> Any:
-    for part in loc:
+    """The value at ``loc`` in ``data``, None where ``loc`` leads nowhere."""
+    depth, value = _walk(data, loc)
+    return value if depth == len(loc) else None
+
+
+def _depth_in(data: Any, loc: Sequence[str]) -> int:
+    """How many parts of ``loc`` lead through ``data`` (mapping keys, list indices)."""
+    return _walk(data, loc)[0]
+
+
+def _walk(data: Any, loc: Sequence[str]) -> tuple[int, Any]:
+    """Follow ``loc`` into ``data`` as far as it leads: (parts followed, the value there)."""
+    for depth, part in enumerate(loc):
         if isinstance(data, Mapping) and part in data:
             data = data[part]
         elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
             data = data[int(part)]
         else:
-            return None
-    return data
+            return depth, data
+    return len(loc), data
 
 
 def _source_of(sources: Mapping[str, str], key: str) -> str:
