@@ -318,3 +318,24 @@ def test_components_of_the_wrong_kind_or_type_are_refused_at_validation(assignme
     fragment = fragment.replace("{executors}", ", ".join(registry.names("executor")))
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         check_config(loaded, registry, {})
+
+
+@pytest.mark.parametrize(
+    ("value", "native_runs"),
+    [("0", False), ("false", False), ("Off", False), ("1", True), ("yes", True), ("", True)],
+)
+def test_the_native_switch_takes_the_usual_words_without_a_warning(value, native_runs):
+    from shardline.native import native_extension
+
+    environ = {"SHARDLINE_NATIVE": value}
+    assert load_config(environ=environ).warnings == ()
+    built = native_extension("shardline.layers._kernels", {}) is not None
+    assert (native_extension("shardline.layers._kernels", environ) is not None) == (
+        native_runs and built
+    )
+
+
+def test_a_native_switch_value_that_means_nothing_is_warned_about():
+    (warning,) = load_config(environ={"SHARDLINE_NATIVE": "garbage"}).warnings
+    assert warning.startswith("SHARDLINE_NATIVE = 'garbage' is not understood; allowed: 0,")
+    assert warning.endswith("the C paths run")

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from shardline.config.schema import EngineConfig
 from shardline.errors import ECHO_CHARS, ConfigError, cut, echo
+from shardline.native import switch_problem
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 ENV_PREFIX = "SHARDLINE_"
@@ -99,7 +100,8 @@ def load_config(
         config = EngineConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(_describe(error, sources, merged)) from None
-    return LoadedConfig(config, sources, file_path, tuple(_unknown_variables(environ)))
+    warnings = [*_unknown_variables(environ), switch_problem(environ)]
+    return LoadedConfig(config, sources, file_path, tuple(w for w in warnings if w))
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
