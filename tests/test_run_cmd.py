@@ -3,10 +3,11 @@ model cache, TP=2 under mp, communicator auto) with and without a question, the 
 and bad input that must end in one clear line (exit code 2), never a traceback."""
 
 import os
+import subprocess
 
 import pytest
 
-from support.cli import shardline
+from support.cli import SHARDLINE, shardline
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,18 +46,24 @@ def test_run_with_a_question_and_overrides(model_cache):
 
 
 def test_interactive_chat_reads_until_end_of_input(model_cache):
-    result = shardline(
-        "run",
-        "--interactive",
-        "--set",
-        "parallel.tensor_parallel_size=1",
-        env=model_cache,
-        timeout=240,
-        stdin="What is the capital of France?\nAnd of Italy?\n",
-    )
-    assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout and "Rome" in result.stdout
-    assert result.stdout.count("you> ") == 3  # two questions, then end of input
+    # A line that is not UTF-8 is refused with a message; the chat goes on.
+    typed = b"\xff\xfe not text\nWhat is the capital of France?\nAnd of Italy?\n"
+    result = subprocess.run(
+        [SHARDLINE, "run", "--interactive", "--set", "parallel.tensor_parallel_size=1"],
+        input=typed, capture_output=True, timeout=240, env={**os.environ, **model_cache},
+    )  # fmt: skip
+    stdout, stderr = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 0, stderr
+    assert "Paris" in stdout and "Rome" in stdout
+    assert stdout.count("you> ") == 4  # a refused line, two questions, then end of input
+    assert "error: that line is not UTF-8 text (at character 0); allowed: UTF-8" in stderr
+
+
+@pytest.mark.parametrize("question", ["", "  "])
+def test_an_empty_question_is_refused_before_anything_starts(model_cache, question):
+    result = shardline("run", question, env=model_cache, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "error: QUESTION is empty; allowed: some text (or leave it out)\n"
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,8 @@ def load_run_config(path: str | None, overrides: Sequence[str]) -> LoadedConfig:
 def run(loaded: LoadedConfig, question: str | None, interactive: bool) -> int:
     from shardline.engine import LLM
 
+    if question is not None:
+        question = checked_question(question, "QUESTION")
     llm = LLM(loaded)
     try:
         if interactive:
@@ -62,9 +64,28 @@ def _chat_loop(llm: Any) -> int:
             return 0
         if not line or line in ("/exit", "/quit"):
             return 0
+        try:
+            line = checked_question(line, "that line")
+        except RequestError as error:
+            print(f"error: {error}; type it again", file=sys.stderr)
+            continue
         history.append({"role": "user", "content": line})
         answer = _answer(llm, history)
         history.append({"role": "assistant", "content": answer})
+
+
+def checked_question(text: str, what: str) -> str:
+    """``text`` if it is something to ask: not blank, and text (bytes that are not UTF-8
+    reach Python as lone surrogates, which no tokenizer takes); else RequestError."""
+    if not text.strip():
+        raise RequestError(f"{what} is empty; allowed: some text (or leave it out)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(
+            f"{what} is not UTF-8 text (at character {error.start}); allowed: UTF-8"
+        ) from None
+    return text
 
 
 def _answer(llm: Any, messages: list[dict[str, str]]) -> str:
