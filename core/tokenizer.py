@@ -6,10 +6,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, RequestError
 
 # GGUF token types (llama.cpp's llama_token_type): 3 control, 4 user-defined.
 _SPECIAL_TOKEN_TYPES = (3, 4)
+
+
+def unicode_problem(text: str) -> str | None:
+    """What keeps ``text`` from being tokenized, or None: a lone surrogate, which is what
+    bytes that are not UTF-8 become in Python's arguments and input, and what a JSON escape
+    such as ``"\\ud800"`` makes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"is not Unicode text (a lone surrogate at character {error.start}); allowed: UTF-8"
+    return None
 
 
 class Tokenizer:
@@ -106,7 +117,11 @@ class Tokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text are recognized."""
+        """Token ids of ``text``; special tokens written in the text are recognized.
+        RequestError for text that is not Unicode (see :func:`unicode_problem`)."""
+        problem = unicode_problem(text)
+        if problem is not None:
+            raise RequestError(f"the text to encode {problem}")
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]

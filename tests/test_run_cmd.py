@@ -56,7 +56,7 @@ def test_interactive_chat_reads_until_end_of_input(model_cache):
     assert result.returncode == 0, stderr
     assert "Paris" in stdout and "Rome" in stdout
     assert stdout.count("you> ") == 4  # a refused line, two questions, then end of input
-    assert "error: that line is not UTF-8 text (at character 0); allowed: UTF-8" in stderr
+    assert "error: that line is not Unicode text (a lone surrogate at character 0)" in stderr
 
 
 @pytest.mark.parametrize("question", ["", "  "])

@@ -272,6 +272,15 @@ def test_raw_event_stream(server, model_dir, offline):
             "'system', 'developer', 'user', 'assistant', 'tool' or 'function'",
         ),
         ("embeddings", {"input": ["a", ""]}, "input.1", "empty"),
+        # JSON's \ud800 escape makes text no tokenizer takes.
+        ("completions", {"prompt": "a\ud800"}, "prompt", "not Unicode text (a lone surrogate"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "\udcff"}]},
+            "messages.0.content",
+            "not Unicode text",
+        ),
+        ("embeddings", {"input": ["a", "\ud800"]}, "input.1", "not Unicode text"),
     ],
 )
 def test_bad_requests_get_openais_error_shape(server, model_dir, path, change, param, fragment):
@@ -281,7 +290,10 @@ def test_bad_requests_get_openais_error_shape(server, model_dir, path, change, p
     elif path == "embeddings":
         body = {"model": str(model_dir), "input": "Hello"}
     response = httpx.post(
-        f"{server.url}/v1/{path}", json=body | change, headers=_auth(), timeout=30
+        f"{server.url}/v1/{path}",
+        content=json.dumps(body | change),  # ASCII: \ud800 travels as JSON writes it
+        headers=_auth() | {"content-type": "application/json"},
+        timeout=30,
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardline.engine import LLM, SamplingParams
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, RequestError
 from shardline.launch.launchers import run_launched
 from shardline.tokenizer import Tokenizer
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
@@ -82,6 +82,12 @@ def test_tokenizer_and_chat_template_match_transformers(tokenizer, reference_tok
         messages, tokenize=False, add_generation_prompt=True
     )
     assert tokenizer.eos_token_ids == {reference_tokenizer.eos_token_id}
+
+
+def test_text_that_is_not_unicode_is_a_request_error_not_the_backends_type_error(tokenizer):
+    # Bytes that are not UTF-8 reach Python as lone surrogates (arguments, input, JSON).
+    with pytest.raises(RequestError, match=r"not Unicode text \(a lone surrogate at character 5\)"):
+        tokenizer.encode("hello\udcff")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from typing import Any
 
 from shardline.config.loader import LoadedConfig, load_config
 from shardline.errors import RequestError
+from shardline.tokenizer import unicode_problem
 
 #: The built-in layer under ``--config`` and ``--set``: SmolLM2-135M-Instruct (pulled on
 #: first use), two tensor-parallel ranks (worker processes, or the processes of a launcher),
@@ -75,16 +76,12 @@ def _chat_loop(llm: Any) -> int:
 
 
 def checked_question(text: str, what: str) -> str:
-    """``text`` if it is something to ask: not blank, and text (bytes that are not UTF-8
-    reach Python as lone surrogates, which no tokenizer takes); else RequestError."""
+    """``text`` if it is something to ask: not blank, and Unicode text; else RequestError."""
     if not text.strip():
         raise RequestError(f"{what} is empty; allowed: some text (or leave it out)")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise RequestError(
-            f"{what} is not UTF-8 text (at character {error.start}); allowed: UTF-8"
-        ) from None
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise RequestError(f"{what} {problem}")
     return text
 
 

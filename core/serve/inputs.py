@@ -18,6 +18,7 @@ from shardline.serve.protocol import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from shardline.tokenizer import unicode_problem
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,13 @@ def chat_prompt(served: ServedModel, body: ChatCompletionRequest) -> list[int]:
             "unsupported_value",
         )
     messages = []
-    for message in body.messages:
+    for index, message in enumerate(body.messages):
         content = message.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        problem = unicode_problem(content or "")
+        if problem is not None:
+            raise bad_request(f"messages.{index}.content {problem}", f"messages.{index}.content")
         messages.append({"role": message.role, "content": content or ""})
     try:
         text = served.tokenizer.apply_chat_template(messages)
@@ -151,6 +155,9 @@ def _token_ids(served: ServedModel, prompt: str | list[int], field: str) -> list
                 f"{field}: the model {served.name!r} has no tokenizer; give token ids",
                 field,
             )
+        problem = unicode_problem(prompt)
+        if problem is not None:
+            raise bad_request(f"{field} {problem}", field)
         ids = served.tokenizer.encode(prompt)
     else:
         ids = list(prompt)
