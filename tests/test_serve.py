@@ -314,6 +314,34 @@ def test_malformed_json_and_unknown_paths(server):
     assert missing.status_code == 404 and "/v1/nothing" in missing.json()["error"]["message"]
 
 
+def test_a_body_over_the_limit_is_refused_before_it_is_held(server, model_dir):
+    from shardline.serve.app import MAX_BODY_BYTES
+
+    headers = _auth() | {"content-type": "application/json"}
+    url = f"{server.url}/v1/completions"
+    body = json.dumps({"model": str(model_dir), "prompt": "x" * MAX_BODY_BYTES}).encode()
+    declared = httpx.post(url, content=body, headers=headers, timeout=60)
+    assert declared.status_code == 413, declared.text
+    error = declared.json()["error"]
+    assert error["code"] == "body_too_large"
+    assert error["message"] == (
+        f"the request body has {len(body)} bytes; allowed: at most {MAX_BODY_BYTES} bytes"
+    )
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for start in range(0, len(body), 1 << 20):
+            yield body[start : start + (1 << 20)]
+
+    streamed = httpx.post(url, content=chunks(), headers=headers, timeout=60)
+    assert streamed.status_code == 413, streamed.text
+    assert streamed.json()["error"]["message"].startswith(
+        f"the request body has more than {MAX_BODY_BYTES} bytes"
+    )
+    # The server still answers.
+    fine = {"model": str(model_dir), "prompt": "Hello", "max_tokens": 2}
+    assert httpx.post(url, json=fine, headers=_auth(), timeout=60).status_code == 200
+
+
 def test_api_key_guards_everything_but_health(server, model_dir):
     for key in (None, "wrong"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}

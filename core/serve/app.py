@@ -37,6 +37,9 @@ from shardline.serve.protocol import (
 )
 
 T = TypeVar("T")
+#: The largest request body the server reads: a whole context of token ids or text is a small
+#: part of it; a larger body is refused (413) before it is held in memory.
+MAX_BODY_BYTES = 16 << 20
 #: Loc entries pydantic adds for the member of a union that failed; not field names.
 _UNION_TAGS = ("str", "int", "float", "bool", "none")
 
@@ -160,7 +163,61 @@ def build_app(
         return JSONResponse(shape.body(text, last.finish_reason, counts))
 
     app.include_router(api)
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
     return app
+
+
+class _BodyLimit:
+    """ASGI middleware refusing a request body over ``limit`` bytes with a 413 in OpenAI's
+    shape: at once when its Content-Length says so; a body without one (chunked) is read
+    here up to the limit and handed on whole."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit():
+            if int(declared) > self.limit:
+                await self._refuse(f"{int(declared)} bytes", scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._refuse(f"more than {self.limit} bytes", scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        handed_on = False
+
+        async def replay() -> dict:
+            nonlocal handed_on
+            if handed_on:
+                return await receive()  # what follows the body: a disconnect
+            handed_on = True
+            return whole
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, size: str, scope: dict, receive: Any, send: Any) -> None:
+        too_large = ApiError(
+            413,
+            f"the request body has {size}; allowed: at most {self.limit} bytes",
+            code="body_too_large",
+        )
+        await _api_error(None, too_large)(scope, receive, send)
 
 
 async def _while_connected(request: Request, work: Awaitable[T]) -> T | None:
