@@ -262,6 +262,7 @@ def test_raw_event_stream(server, model_dir, offline):
         ("completions", {"prompt": [7, 100]}, "prompt", "outside the vocabulary"),
         ("completions", {"n": 2}, "n", "one choice per request"),
         ("completions", {"stop": [""]}, "stop", "empty stop string"),
+        ("completions", {"stop": ["a"] * 17}, "stop", "17 strings; allowed: at most 16"),
         ("completions", {"prompt": None}, "prompt", "allowed"),
         ("chat/completions", {"messages": []}, "messages", "at least 1 item"),
         ("chat/completions", {"messages": [{"content": "hi"}]}, "messages.0.role", "required"),

@@ -20,6 +20,9 @@ from shardline.serve.protocol import (
 )
 from shardline.tokenizer import unicode_problem
 
+#: The most stop strings one request may give (OpenAI takes 4).
+MAX_STOP_STRINGS = 16
+
 
 @dataclass(frozen=True)
 class ServedModel:
@@ -135,6 +138,9 @@ def sampling_params(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stop):
         raise bad_request("stop: an empty stop string; every one must have text", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        # Each is looked for in the new text of every step of this request.
+        raise bad_request(f"stop: {len(stop)} strings; allowed: at most {MAX_STOP_STRINGS}", "stop")
     defaults = served.defaults
     top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)
     return SamplingParams(
