@@ -509,13 +509,20 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
 def _bench_decode(args: argparse.Namespace) -> int:
     from shardline import catalog
     from shardline.cli import bench_decode
+    from shardline.comm.waiting import host_cores
 
     model = catalog.resolve_model_path(args.model)
     bench_decode.check_sizes(model, args.tokens, args.concurrent, args.timeout)
+    cores = host_cores()
     try:
         threads = [int(t) for t in args.hf_threads.split(",") if t.strip()]
     except ValueError:
-        raise ConfigError(f"--hf-threads = {args.hf_threads!r}: comma-separated integers") from None
+        threads = [0]
+    if not all(1 <= t <= cores for t in threads):
+        raise ConfigError(
+            f"--hf-threads = {args.hf_threads!r}: allowed: comma-separated thread counts, each "
+            f"1..{cores} (this host's cores), or '' for no transformers rows"
+        )
     names = [n.strip() for n in args.communicators.split(",") if n.strip()]
     usable, skipped = bench_decode.available_communicators(names)
     cases = bench_decode.plan(
