@@ -511,8 +511,6 @@ def _bench_decode(args: argparse.Namespace) -> int:
     from shardline.cli import bench_decode
     from shardline.comm.waiting import host_cores
 
-    model = catalog.resolve_model_path(args.model)
-    bench_decode.check_sizes(model, args.tokens, args.concurrent, args.timeout)
     cores = host_cores()
     try:
         threads = [int(t) for t in args.hf_threads.split(",") if t.strip()]
@@ -523,6 +521,8 @@ def _bench_decode(args: argparse.Namespace) -> int:
             f"--hf-threads = {args.hf_threads!r}: allowed: comma-separated thread counts, each "
             f"1..{cores} (this host's cores), or '' for no transformers rows"
         )
+    model = catalog.resolve_model_path(args.model)
+    bench_decode.check_sizes(model, args.tokens, args.concurrent, args.timeout)
     names = [n.strip() for n in args.communicators.split(",") if n.strip()]
     usable, skipped = bench_decode.available_communicators(names)
     cases = bench_decode.plan(
