@@ -34,6 +34,7 @@ from shardline.errors import ConfigError
 from shardline.interfaces import Communicator
 from shardline.launch.comm_world import CommunicatorSetup, RankContext
 from shardline.launch.local_world import LocalWorld
+from shardline.native import SWITCH as NATIVE_SWITCH
 from shardline.registry import Registry
 
 OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
@@ -226,7 +227,7 @@ def run(settings: BenchSettings, json_path: str | None) -> int:
     runs += [(f"{name}/py", name, False) for name in settings.python_fallback]
     for label, name, native in runs:
         # The pure-Python paths: SHARDLINE_NATIVE=0 in the ranks' environment.
-        environ = None if native else {**os.environ, "SHARDLINE_NATIVE": "0"}
+        environ = None if native else {**os.environ, NATIVE_SWITCH: "0"}
         with LocalWorld(
             settings.ranks,
             CommunicatorSetup(name, settings.timeout_s),

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from shardline.config.schema import EngineConfig
 from shardline.errors import ECHO_CHARS, ConfigError, cut, echo
-from shardline.native import switch_problem
+from shardline.native import SWITCH, switch_problem
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 ENV_PREFIX = "SHARDLINE_"
@@ -47,7 +47,7 @@ OTHER_VARIABLES = frozenset(
         "SHARDLINE_TEST_MODELS",
         "SHARDLINE_LOCAL_WORLD_AUTHKEY",
         "SHARDLINE_FAULT_PLAN",
-        "SHARDLINE_NATIVE",
+        SWITCH,
     }
 )
 #: The largest config file read; real ones are a few hundred bytes.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardline.config.schema import SamplingConfig
-from shardline.errors import echo
+from shardline.errors import RequestError, echo
 from shardline.interfaces.step import SamplingParams
 from shardline.serve.errors import bad_request
 from shardline.serve.protocol import (
@@ -161,10 +161,10 @@ def _token_ids(served: ServedModel, prompt: str | list[int], field: str) -> list
                 f"{field}: the model {served.name!r} has no tokenizer; give token ids",
                 field,
             )
-        problem = unicode_problem(prompt)
-        if problem is not None:
-            raise bad_request(f"{field} {problem}", field)
-        ids = served.tokenizer.encode(prompt)
+        try:
+            ids = served.tokenizer.encode(prompt)
+        except RequestError as error:  # text that is not Unicode
+            raise bad_request(f"{field}: {error}", field) from None
     else:
         ids = list(prompt)
     if not ids:
