@@ -1,13 +1,14 @@
 """Which CPU kernel multiplies a decode step's weights fastest: the shapes of one rank of
-SmolLM2-135M (TP=1 and TP=2) at 1, 4 and 16 rows, one torch thread (a TP=2 rank's share of
-this machine), in one run:
+SmolLM2-135M (TP=1 and TP=2) at 1, 4 and 16 rows, one torch thread by default (a TP=2 rank's
+share of this machine; ``--threads 2``: a TP=1 rank's), in one run:
 
 - ``F.linear``, weight ``[out, in]`` contiguous (as checkpoints store it; torch's GEMM);
 - ``F.linear``, weight stored column by column (``[in, out]`` contiguous);
 - oneDNN's linear on the weight packed in its blocked layout (``shardline.layers.kernels.packed``;
   what a rank with several threads, or a bfloat16 model, uses);
 - Shardline's C kernel on its own blocked layout (``shardline.layers.kernels.blocked``; what a
-  float32 rank with one thread uses), where the extension is built and the CPU has AVX-512.
+  float32 rank uses; with ``--threads N``, each call shared by a team of N threads, as a rank
+  with N torch threads shares it), where the extension is built and the CPU has AVX-512.
 
 Each weight set is larger than the caches (several copies, used in turn), so every call reads
 its weight from memory; GB/s is the weight's bytes over the median time.

@@ -4,6 +4,10 @@ rounding; odd sizes (tails past the 16-wide lanes), uneven head groups, mixed pr
 decode steps; inputs the C path does not take go to torch; bad slots and blocks are errors,
 not writes."""
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -17,6 +21,8 @@ native_module = pytest.importorskip(
     reason="the C extension was not built (pip install found no compiler); torch path only",
 )
 NATIVE = NativeKernels(native_module)
+#: The same C path with each linear shared out among three threads (two helpers).
+TEAM = NativeKernels(native_module, threads=3)
 #: Four query heads reading two KV heads, two each (GQA).
 GROUPED_4_OVER_2 = KVHeadIndex.of(torch.tensor([0, 0, 1, 1]))
 
@@ -186,11 +192,10 @@ def test_bfloat16_rounds_where_the_torch_path_rounds():
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 16, 40])
 @pytest.mark.parametrize("out_features,in_features", [(100, 37), (64, 16), (130, 576), (320, 40)])
-def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features, monkeypatch):
+def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features):
     """Blocked by 64 outputs (a partial last block, inputs past the 16-wide lanes), every
     row tile size, with and without a bias, and a 3-d input; the layout takes no more memory
     than the weight."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the C kernel's condition
     if not native_module.blocked_linear_available():
         pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
@@ -209,11 +214,10 @@ def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features, mo
 
 
 @pytest.mark.parametrize("out_features", [64, 128, 320, 330])
-def test_one_row_gets_the_same_bits_alone_as_in_a_batch(out_features, monkeypatch):
+def test_one_row_gets_the_same_bits_alone_as_in_a_batch(out_features):
     """A single row reads two blocks at a time (two streams), a batch one block per tile:
     each output is the same sum in the same order either way (pairs of blocks, an odd block
     left over, a partial last block; with a bias)."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     if not native_module.blocked_linear_available():
         pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
     weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
@@ -223,12 +227,64 @@ def test_one_row_gets_the_same_bits_alone_as_in_a_batch(out_features, monkeypatc
         assert torch.equal(NATIVE.linear(x[row : row + 1], weight, bias), batch[row : row + 1])
 
 
-def test_a_models_blocked_weights_lie_back_to_back_in_packing_order(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+@pytest.mark.parametrize("out_features", [64, 130, 330, 6144])
+def test_a_team_multiplies_to_the_same_bits_as_one_thread(rows, out_features):
+    """Chunks of blocks shared out among three threads (one chunk only, pairs of blocks for a
+    row, a partial last block, many more chunks than threads; a bias): each output is computed
+    as one thread computes it, call after call as the helpers wake and sleep."""
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+    assert native_module.team_threads(TEAM.team) == 3
+    weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
+    x = torch.randn(rows, 96)
+    alone = NATIVE.linear(x, weight, bias)
+    for call in range(30):
+        if call % 10 == 9:
+            time.sleep(0.005)  # past the helpers' spin and yield: they sleep, then are woken
+        assert torch.equal(TEAM.linear(x, weight, bias), alone)
+
+
+def test_a_teams_helpers_live_as_long_as_it():
+    """team(3) starts two threads; they end when it is freed. A team needs 1 to 4096."""
+    before = set(os.listdir("/proc/self/task"))
+    team = native_module.team(3)
+    helpers = set(os.listdir("/proc/self/task")) - before
+    assert len(helpers) == 2 and native_module.team_threads(team) == 3
+    del team
+    assert not helpers & set(os.listdir("/proc/self/task"))
+    assert native_module.team_threads(None) == 1
+    for threads in (0, -1, 4097):
+        with pytest.raises(ValueError, match=f"threads = {threads}; allowed: 1 to 4096"):
+            native_module.team(threads)
+
+
+def test_a_forked_child_runs_a_teams_calls_alone():
+    """A forked child has none of the helper threads: its copy of the team runs every chunk
+    in the calling thread, with the same results."""
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+    weight, x = NATIVE.pack_linear(torch.randn(330, 96)), torch.randn(1, 96)
+    expected = NATIVE.linear(x, weight, None)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when it ran alone and got the same bits
+        alone = native_module.team_threads(TEAM.team) == 1
+        os._exit(0 if alone and torch.equal(TEAM.linear(x, weight, None), expected) else 1)
+    deadline = time.monotonic() + 30
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if ended[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish its linear within 30 s")
+    assert os.waitstatus_to_exitcode(ended[1]) == 0
+
+
+def test_a_models_blocked_weights_lie_back_to_back_in_packing_order():
     """weight_packer puts the blocked weights in one buffer, each where the one before ended
     (rounded up to a cache line), in the order they are packed; a weight the C kernel does
     not take (bfloat16) is packed as before and takes no room; more than the packer was
     made for is an error, not a write past the buffer."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     if not native_module.blocked_linear_available():
         pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
     weights = [torch.randn(70, 3), torch.randn(64, 8).bfloat16(), torch.randn(130, 9)]
@@ -243,10 +299,9 @@ def test_a_models_blocked_weights_lie_back_to_back_in_packing_order(monkeypatch)
         pack(torch.randn(70, 3))
 
 
-def test_packing_a_model_gives_each_kernels_object_one_packer_in_module_order(monkeypatch):
+def test_packing_a_model_gives_each_kernels_object_one_packer_in_module_order():
     """pack_linear_weights packs every module with a ``pack`` method in module order, with
     one packer per kernels object: the C kernels' weights end up back to back."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     if not native_module.blocked_linear_available():
         pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
 
@@ -265,11 +320,8 @@ def test_packing_a_model_gives_each_kernels_object_one_packer_in_module_order(mo
     assert last.data_ptr() - first.data_ptr() == 4 * 64 * 16
 
 
-def test_a_rank_with_several_threads_or_another_dtype_keeps_onednn(monkeypatch):
+def test_another_dtype_keeps_onednn():
     weight = torch.randn(64, 32)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert NATIVE.pack_linear(weight).dim() == 2
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert NATIVE.pack_linear(weight.to(torch.bfloat16)).dim() == 2
     x = torch.randn(3, 32, dtype=torch.float64)
     torch.testing.assert_close(
@@ -278,9 +330,8 @@ def test_a_rank_with_several_threads_or_another_dtype_keeps_onednn(monkeypatch):
     )
 
 
-def _layer_blocks(monkeypatch, hidden: int, heads: tuple[int, int, int], size: int, bias: bool):
+def _layer_blocks(hidden: int, heads: tuple[int, int, int], size: int, bias: bool):
     """A decoder layer's weights (random, blocked for the C linear kernel) and their blocks."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the C kernel's condition
     if not native_module.blocked_linear_available():
         pytest.skip("the fused layer calls need the C linear kernel: AVX-512, which this CPU lacks")
     q_heads, kv_heads, d = heads
@@ -323,12 +374,12 @@ def _three_decodes():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_fused_layer_half_is_its_operations_one_by_one(monkeypatch, bias):
+def test_a_fused_layer_half_is_its_operations_one_by_one(bias):
     """attention_block and mlp_block against the kernels they chain, called one by one on the
     same inputs: bit-identical results and cache writes (uneven heads, a head size and widths
     past the 16-wide lanes, several sequences, with and without the residual and biases)."""
     heads, hidden, size = (3, 2, 32), 72, 40
-    weights, kv_index, blocks = _layer_blocks(monkeypatch, hidden, heads, size, bias)
+    weights, kv_index, blocks = _layer_blocks(hidden, heads, size, bias)
     metadata, decode, rope = _three_decodes()
     x, residual = torch.randn(3, hidden), torch.randn(3, hidden)
     for start in (None, residual):
@@ -362,14 +413,17 @@ class _OneRank:
     world_size = 1
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_layer_in_one_call_is_the_layers_one_by_one(monkeypatch, bias):
-    """decode_layers (three layers, one rank) against each layer's fused halves with the
-    row-parallel bias and the residual stream between them, as the decoder layer chains them:
-    the same bits out and in the caches, starting with no residual (the first stage) and with
-    one (a later pipeline stage)."""
+def test_every_layer_in_one_call_is_the_layers_one_by_one(bias, threads):
+    """decode_layers (three layers, one rank; its linears on one thread or shared by a team
+    of three) against each layer's fused halves with the row-parallel bias and the residual
+    stream between them, as the decoder layer chains them: the same bits out and in the
+    caches, starting with no residual (the first stage) and with one (a later pipeline
+    stage)."""
+    kernels = TEAM if threads == 3 else NATIVE
     heads, hidden, size = (3, 2, 32), 72, 40
-    layers = [_layer_blocks(monkeypatch, hidden, heads, size, bias) for _ in range(3)]
+    layers = [_layer_blocks(hidden, heads, size, bias) for _ in range(3)]
     metadata, decode, rope = _three_decodes()
     x, residual = torch.randn(3, hidden), torch.randn(3, hidden)
     for start in (None, residual):
@@ -378,8 +432,8 @@ def test_every_layer_in_one_call_is_the_layers_one_by_one(monkeypatch, bias):
         for cache, copy in zip(caches, copies, strict=True):
             copy.key.copy_(cache.key)
             copy.value.copy_(cache.value)
-        stack = NATIVE.layer_stack([blocks for _, _, blocks in layers], caches)
-        got, got_residual = NATIVE.decode_layers(
+        stack = kernels.layer_stack([blocks for _, _, blocks in layers], caches)
+        got, got_residual = kernels.decode_layers(
             stack, x, start, rope, metadata.slot_mapping, decode, _OneRank()
         )
         expected, stream = x, start
@@ -395,9 +449,9 @@ def test_every_layer_in_one_call_is_the_layers_one_by_one(monkeypatch, bias):
             assert torch.equal(cache.key, copy.key) and torch.equal(cache.value, copy.value)
 
 
-def test_a_layer_stack_takes_only_layers_of_one_shape_and_float32_caches(monkeypatch):
-    first = _layer_blocks(monkeypatch, 72, (3, 2, 32), 40, False)[2]
-    wider = _layer_blocks(monkeypatch, 72, (3, 2, 32), 48, False)[2]
+def test_a_layer_stack_takes_only_layers_of_one_shape_and_float32_caches():
+    first = _layer_blocks(72, (3, 2, 32), 40, False)[2]
+    wider = _layer_blocks(72, (3, 2, 32), 48, False)[2]
     caches = [_filled_cache(2, 32), _filled_cache(2, 32)]
     assert NATIVE.layer_stack([first, first], caches) is not None
     assert NATIVE.layer_stack([first, wider], caches) is None
@@ -406,8 +460,8 @@ def test_a_layer_stack_takes_only_layers_of_one_shape_and_float32_caches(monkeyp
     assert TORCH_KERNELS.layer_stack([first], caches[:1]) is None
 
 
-def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take(monkeypatch):
-    _, _, blocks = _layer_blocks(monkeypatch, 72, (3, 2, 32), 40, False)
+def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take():
+    _, _, blocks = _layer_blocks(72, (3, 2, 32), 40, False)
     cache = KVCache(2, 4, 2, 32, torch.float32)
     rope = RotaryEmbedding(32, 10000.0, 64).at(torch.tensor([2]))
     x = torch.randn(1, 72)

@@ -149,10 +149,10 @@ def test_matches_transformers(checkpoints, shape, tp, pp, kernels, dtype):
     last_stage = results[(pp - 1) * tp :]
     assert all(r is None for r in results[: (pp - 1) * tp])
     close = TOLERANCE[dtype]
-    # A layer is fused where its weights are the C linear kernel's (float32, one torch thread:
-    # each mp rank; AVX-512).
+    # A layer is fused where its weights are the C linear kernel's (float32, AVX-512), under
+    # uni (its threads sharing each linear) as in each mp rank.
     blocks_here = (
-        kernels == "C" and dtype == "float32" and executor_name == "mp"
+        kernels == "C" and dtype == "float32"
         and layer_kernels(torch.device("cpu"), {}).native.blocked_linear_available()
     )  # fmt: skip
     for result in last_stage:  # every TP rank of the last stage has the full logits

@@ -16,6 +16,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "native_all_reduce.h"
 #include "native_wait.h" /* shardline_seconds_now */
@@ -99,6 +105,170 @@ static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as
 #define STORE(p, i, v) ((p)[i] = float_to_bf16(v))
 #define ROUND(v) bf16_to_float(float_to_bf16(v))
 #include "kernels_rows.h"
+
+/* ---- a team of threads ---------------------------------------------------------------------
+ * A rank with several torch threads shares out each weight multiply with a team: the calling
+ * thread and threads - 1 helpers claim chunks of the work one at a time from a shared ticket,
+ * so a helper that is not running on a busy host holds up only the chunk it has claimed. A
+ * chunk's outputs are computed as one thread computes them, so results do not depend on the
+ * team's size. Helpers wait for work spinning (TEAM_SPIN_S), then yielding the CPU (until
+ * TEAM_YIELD_S), then asleep on a futex; the caller waits for the last chunk spinning, then
+ * yielding. One caller at a time (kernels.py calls from a rank's one engine thread); in a
+ * forked child a team has no helpers and the caller runs every chunk itself. */
+
+#define TEAM_SPIN_S 50e-6
+#define TEAM_YIELD_S 2e-3
+#define TEAM_CALLER_SPINS 4096
+#define TEAM_MAX_CHUNKS 4096
+#define TEAM_CAPSULE "shardline.layers._kernels.Team"
+
+/* Runs one chunk of posted work; worker: which of the team's threads runs it (0: the caller,
+ * 1 to helpers: a helper), for scratch space of its own. */
+typedef void (*ChunkRun)(const void *context, long chunk, int worker);
+
+typedef struct {
+    _Alignas(64) _Atomic uint64_t ticket; /* chunks << 32 | the next chunk to claim */
+    _Alignas(64) _Atomic long finished;   /* chunks of the posted work done */
+    _Alignas(64) _Atomic uint32_t bell;   /* bumped for each posting; sleeping helpers wait on it */
+    _Atomic int sleepers, closing, helpers_numbered;
+    /* The posted work: written by the caller only while no chunk of the last one runs. */
+    ChunkRun run;
+    const void *context;
+    pid_t owner;
+    int helpers_started;
+    pthread_t helpers[];
+} Team;
+
+/* Claims the posted work's next chunk into *chunk: 1, or 0 when every chunk is claimed. */
+static int claim_chunk(Team *team, long *chunk) {
+    uint64_t ticket = atomic_load(&team->ticket);
+    while ((uint32_t)ticket < (uint32_t)(ticket >> 32))
+        if (atomic_compare_exchange_weak(&team->ticket, &ticket, ticket + 1)) {
+            *chunk = (long)(uint32_t)ticket;
+            return 1;
+        }
+    return 0;
+}
+
+/* Runs chunks of the posted work as worker until none is left to claim. */
+static void run_claimed_chunks(Team *team, int worker) {
+    long chunk;
+    while (claim_chunk(team, &chunk)) {
+        team->run(team->context, chunk, worker);
+        atomic_fetch_add_explicit(&team->finished, 1, memory_order_release);
+    }
+}
+
+static int team_has_work(Team *team) {
+    uint64_t ticket = atomic_load(&team->ticket);
+    return (uint32_t)ticket < (uint32_t)(ticket >> 32) || atomic_load(&team->closing);
+}
+
+/* A helper's wait for a chunk to claim (or for the team to close): spin, yield, sleep. */
+static void wait_for_work(Team *team) {
+    double start = shardline_seconds_now();
+    for (long checks = 1; !team_has_work(team); checks++) {
+        SHARDLINE_CPU_RELAX();
+        if (checks % 64 != 0) continue;
+        double waited = shardline_seconds_now() - start;
+        if (waited < TEAM_SPIN_S) continue;
+        if (waited < TEAM_YIELD_S) {
+            sched_yield();
+            continue;
+        }
+        /* The caller bumps the bell after posting, then wakes the sleepers it counts: work
+         * posted after the check below has changed the bell, so the wait returns at once. */
+        uint32_t bell = atomic_load(&team->bell);
+        atomic_fetch_add(&team->sleepers, 1);
+        if (!team_has_work(team))
+            syscall(SYS_futex, &team->bell, FUTEX_WAIT_PRIVATE, bell, NULL, NULL, 0);
+        atomic_fetch_sub(&team->sleepers, 1);
+    }
+}
+
+static void *helper_main(void *argument) {
+    Team *team = argument;
+    int worker = atomic_fetch_add(&team->helpers_numbered, 1) + 1;
+    while (!atomic_load(&team->closing)) {
+        run_claimed_chunks(team, worker);
+        wait_for_work(team);
+    }
+    return NULL;
+}
+
+static void wake_helpers(Team *team) {
+    atomic_fetch_add(&team->bell, 1);
+    if (atomic_load(&team->sleepers) > 0)
+        syscall(SYS_futex, &team->bell, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* The threads work given to team runs on (NULL: 1, this one). */
+static int team_workers(const Team *team) { return team == NULL ? 1 : 1 + team->helpers_started; }
+
+/* run(context, c, worker) for every chunk c < chunks, shared out by team (NULL: this thread
+ * alone, worker 0); returns when all have run. */
+static void team_run(Team *team, long chunks, ChunkRun run, const void *context) {
+    if (team == NULL || team->helpers_started == 0 || chunks < 2) {
+        for (long c = 0; c < chunks; c++) run(context, c, 0);
+        return;
+    }
+    team->run = run;
+    team->context = context;
+    atomic_store_explicit(&team->finished, 0, memory_order_relaxed);
+    atomic_store(&team->ticket, (uint64_t)chunks << 32);
+    wake_helpers(team);
+    run_claimed_chunks(team, 0);
+    for (long spins = 0; atomic_load_explicit(&team->finished, memory_order_acquire) < chunks;
+         spins++) {
+        if (spins < TEAM_CALLER_SPINS) SHARDLINE_CPU_RELAX();
+        else sched_yield();
+    }
+}
+
+/* A team of threads (the caller and threads - 1 helpers), or NULL with MemoryError. Helpers
+ * that cannot be started are left out (a smaller team). */
+static Team *team_new(int threads) {
+    Team *team = calloc(1, sizeof(Team) + sizeof(pthread_t) * (size_t)threads);
+    if (team == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    team->owner = getpid();
+    sigset_t all, old; /* helpers take no signals: Python handles them in its main thread */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    for (int i = 0; i < threads - 1; i++) {
+        if (pthread_create(&team->helpers[i], NULL, helper_main, team) != 0) break;
+        team->helpers_started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return team;
+}
+
+/* Ends the team's helpers and frees it. */
+static void team_end(Team *team) {
+    if (team->owner == getpid()) { /* a forked child's copy has no threads to end */
+        atomic_store(&team->closing, 1);
+        wake_helpers(team);
+        for (int i = 0; i < team->helpers_started; i++) pthread_join(team->helpers[i], NULL);
+    }
+    free(team);
+}
+
+static void team_close(PyObject *capsule) {
+    Team *team = PyCapsule_GetPointer(capsule, TEAM_CAPSULE);
+    if (team != NULL) team_end(team);
+}
+
+/* The team an argument names (None: no team); NULL with an exception where it is not one,
+ * with *failed set. A forked child's copy of a team: NULL (the caller runs alone). */
+static Team *team_of(PyObject *argument, int *failed) {
+    *failed = 0;
+    if (argument == Py_None) return NULL;
+    Team *team = PyCapsule_GetPointer(argument, TEAM_CAPSULE);
+    if (team == NULL) *failed = 1;
+    return team != NULL && team->owner == getpid() ? team : NULL;
+}
 
 /* ---- linear: y = x W^T + b, W blocked for the kernel ------------------------------------
  * W [out, in] is stored block after block: block k holds outputs 64k..64k+63 input by input
@@ -207,15 +377,16 @@ AVX512 static void linear_row_two_blocks(const float *block, long in, const floa
         }
 }
 
-static void blocked_linear_rows(const float *weight, const float *x, float *y, const float *bias,
-                                long rows, long out, long in) {
-    long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK, first = 0;
+/* y's outputs in blocks [first, end) of the weight (the last block may be narrower): one row
+ * through two full blocks at a time, else tiles of up to 6 rows per block. */
+static void linear_blocks(const float *weight, const float *x, float *y, const float *bias,
+                          long rows, long out, long in, long first, long end) {
     if (rows == 1)
-        for (; first + 2 <= out / LINEAR_BLOCK; first += 2)
+        for (; first + 2 <= end && first + 2 <= out / LINEAR_BLOCK; first += 2)
             linear_row_two_blocks(weight + first * in * LINEAR_BLOCK, in, x,
                                   y + first * LINEAR_BLOCK,
                                   bias ? bias + first * LINEAR_BLOCK : NULL);
-    for (long k = first; k < blocks; k++) {
+    for (long k = first; k < end; k++) {
         const float *block = weight + k * in * LINEAR_BLOCK;  /* the last may be narrower */
         long width = out - k * LINEAR_BLOCK < LINEAR_BLOCK ? out - k * LINEAR_BLOCK : LINEAR_BLOCK;
         const float *block_bias = bias ? bias + k * LINEAR_BLOCK : NULL;
@@ -233,6 +404,33 @@ static void blocked_linear_rows(const float *weight, const float *x, float *y, c
             }
         }
     }
+}
+
+typedef struct {
+    const float *weight, *x, *bias;
+    float *y;
+    long rows, out, in, blocks_per_chunk;
+} LinearJob;
+
+static void linear_chunk(const void *context, long chunk, int worker) {
+    const LinearJob *job = context;
+    long blocks = (job->out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
+    long first = chunk * job->blocks_per_chunk;
+    long end = first + job->blocks_per_chunk < blocks ? first + job->blocks_per_chunk : blocks;
+    linear_blocks(job->weight, job->x, job->y, job->bias, job->rows, job->out, job->in, first,
+                  end);
+}
+
+/* y = x W^T + b, W blocked, shared out by team (NULL: this thread alone) in chunks of blocks:
+ * two for a single row (the two-stream path), one otherwise. */
+static void blocked_linear_rows(Team *team, const float *weight, const float *x, float *y,
+                                const float *bias, long rows, long out, long in) {
+    long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
+    long per_chunk = rows == 1 ? 2 : 1;
+    while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
+    LinearJob job = {.weight = weight, .x = x, .bias = bias, .y = y, .rows = rows, .out = out,
+                     .in = in, .blocks_per_chunk = per_chunk};
+    team_run(team, (blocks + per_chunk - 1) / per_chunk, linear_chunk, &job);
 }
 
 /* The 16 lanes' sums of p[0..15], as lanes 0..15 of one vector: pairs of vectors interleaved
@@ -525,19 +723,40 @@ typedef struct {
 } Step;
 
 /* Floats of scratch one half of a layer needs (attention's is the larger unless the MLP is
- * wide): normed rows, qkv, queries, attended rows, a norm row and the attention scores. */
-static size_t scratch_floats(const Step *step) {
+ * wide): normed rows, qkv, queries, attended rows, a norm row and the attention scores of each
+ * of workers threads. */
+static size_t scratch_floats(const Step *step, int workers) {
     long qkv_width = (step->q_heads + 2 * step->kv_heads) * step->d;
     long attention = step->rows * (step->hidden + qkv_width + 2 * step->q_heads * step->d) +
-                     step->hidden + step->longest + 2 * step->d;
+                     step->hidden + workers * (step->longest + 2 * step->d);
     long mlp = step->rows * (step->hidden + 3 * step->size) + step->hidden;
     return (size_t)(attention > mlp ? attention : mlp);
 }
 
 #ifdef HAVE_BLOCKED_LINEAR
+/* A step's decode attention over one layer's cache, a sequence per chunk; each worker scores
+ * in its own piece of scores (longest + 2 d floats). */
+typedef struct {
+    const Layer *layer;
+    const Step *step;
+    const float *q;
+    float *out, *scores;
+} AttentionJob;
+
+static void attention_chunk(const void *context, long sequence, int worker) {
+    const AttentionJob *job = context;
+    const Step *step = job->step;
+    long at = sequence * step->q_heads * step->d;
+    attend_f32(job->q + at, job->layer->key_cache, job->layer->value_cache,
+               step->blocks + sequence * step->per_seq, step->per_seq, step->lengths + sequence,
+               1, step->q_heads, job->layer->kv_index, step->kv_heads, step->d, step->block_size,
+               step->scale, job->out + at, job->scores + worker * (step->longest + 2 * step->d),
+               step->longest);
+}
+
 /* partial = o_proj(attention(norm(x [+ residual]))); residual_out = x + residual where
  * residual is given. partial may be x. */
-static void attention_half(const Layer *layer, const Step *step, const float *x,
+static void attention_half(Team *team, const Layer *layer, const Step *step, const float *x,
                            const float *residual, float *residual_out, float *partial,
                            float *scratch, double *times) {
     long rows = step->rows, hidden = step->hidden, d = step->d;
@@ -548,22 +767,23 @@ static void attention_half(const Layer *layer, const Step *step, const float *x,
     rms_norm_rows_f32(x, residual, layer->input_norm, normed, residual_out, rows, hidden,
                       layer->input_eps, row);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(layer->qkv_weight, normed, qkv, layer->qkv_bias, rows, qkv_width, hidden);
+    blocked_linear_rows(team, layer->qkv_weight, normed, qkv, layer->qkv_bias, rows, qkv_width, hidden);
     lap(times, LAP_MATMUL, &since);
     rope_store_rows_f32(qkv, rows, step->q_heads, step->kv_heads, d, step->cos, step->sin, q,
                         layer->key_cache, layer->value_cache, step->slots);
     lap(times, LAP_OTHER, &since);
-    attend_f32(q, layer->key_cache, layer->value_cache, step->blocks, step->per_seq,
-               step->lengths, rows, step->q_heads, layer->kv_index, step->kv_heads, d,
-               step->block_size, step->scale, attended, scores, step->longest);
+    AttentionJob attention = {.layer = layer, .step = step, .q = q, .out = attended,
+                              .scores = scores};
+    team_run(team, rows, attention_chunk, &attention);
     lap(times, LAP_ATTENTION, &since);
-    blocked_linear_rows(layer->o_weight, attended, partial, NULL, rows, hidden, width);
+    blocked_linear_rows(team, layer->o_weight, attended, partial, NULL, rows, hidden, width);
     lap(times, LAP_MATMUL, &since);
 }
 
 /* partial = down(silu(gate) * up of norm(x + residual)); residual_out = x + residual. */
-static void mlp_half(const Layer *layer, const Step *step, const float *x, const float *residual,
-                     float *residual_out, float *partial, float *scratch, double *times) {
+static void mlp_half(Team *team, const Layer *layer, const Step *step, const float *x,
+                     const float *residual, float *residual_out, float *partial, float *scratch,
+                     double *times) {
     long rows = step->rows, hidden = step->hidden, size = step->size;
     float *normed = scratch, *gate_up = normed + rows * hidden;
     float *activated = gate_up + 2 * rows * size, *row = activated + rows * size;
@@ -571,12 +791,12 @@ static void mlp_half(const Layer *layer, const Step *step, const float *x, const
     rms_norm_rows_f32(x, residual, layer->post_norm, normed, residual_out, rows, hidden,
                       layer->post_eps, row);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(layer->gate_up_weight, normed, gate_up, layer->gate_up_bias, rows,
+    blocked_linear_rows(team, layer->gate_up_weight, normed, gate_up, layer->gate_up_bias, rows,
                         2 * size, hidden);
     lap(times, LAP_MATMUL, &since);
     silu_mul_rows_f32(gate_up, activated, rows, size);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(layer->down_weight, activated, partial, NULL, rows, hidden, size);
+    blocked_linear_rows(team, layer->down_weight, activated, partial, NULL, rows, hidden, size);
     lap(times, LAP_MATMUL, &since);
 }
 
@@ -610,7 +830,7 @@ static int check_step(Step *step, const int64_t *kv_index) {
 }
 
 static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 27, "attention_block") < 0) return NULL;
+    if (take_args(args, nargs, 28, "attention_block") < 0) return NULL;
     const float *x = ADDRESS(0), *residual = ADDRESS(1);
     Layer layer = {.input_norm = ADDRESS(2), .input_eps = REAL(3), .qkv_weight = ADDRESS(6),
                    .qkv_bias = ADDRESS(7), .key_cache = ADDRESS(14),
@@ -622,30 +842,35 @@ static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize
                  .per_seq = SIZE(19), .lengths = ADDRESS(20), .scale = REAL(22)};
     float *partial = ADDRESS(24), *residual_out = ADDRESS(25);
     double *times = ADDRESS(26);
-    if (PyErr_Occurred() || blocked_linear_or_error() < 0 || check_step(&step, layer.kv_index) < 0)
+    int failed;
+    Team *team = team_of(args[27], &failed);
+    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0 ||
+        check_step(&step, layer.kv_index) < 0)
         return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    float *scratch = malloc(sizeof(float) * scratch_floats(&step));
+    float *scratch = malloc(sizeof(float) * scratch_floats(&step, team_workers(team)));
     if (scratch == NULL) return PyErr_NoMemory();
-    attention_half(&layer, &step, x, residual, residual_out, partial, scratch, times);
+    attention_half(team, &layer, &step, x, residual, residual_out, partial, scratch, times);
     free(scratch);
 #endif
     Py_RETURN_NONE;
 }
 
 static PyObject *mlp_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 13, "mlp_block") < 0) return NULL;
+    if (take_args(args, nargs, 14, "mlp_block") < 0) return NULL;
     const float *x = ADDRESS(0), *residual = ADDRESS(1);
     Layer layer = {.post_norm = ADDRESS(2), .post_eps = REAL(3), .gate_up_weight = ADDRESS(6),
                    .gate_up_bias = ADDRESS(7), .down_weight = ADDRESS(9)};
     Step step = {.rows = SIZE(4), .hidden = SIZE(5), .size = SIZE(8)};
     float *partial = ADDRESS(10), *residual_out = ADDRESS(11);
     double *times = ADDRESS(12);
-    if (PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
+    int failed;
+    Team *team = team_of(args[13], &failed);
+    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    float *scratch = malloc(sizeof(float) * scratch_floats(&step));
+    float *scratch = malloc(sizeof(float) * scratch_floats(&step, team_workers(team)));
     if (scratch == NULL) return PyErr_NoMemory();
-    mlp_half(&layer, &step, x, residual, residual_out, partial, scratch, times);
+    mlp_half(team, &layer, &step, x, residual, residual_out, partial, scratch, times);
     free(scratch);
 #endif
     Py_RETURN_NONE;
@@ -664,7 +889,7 @@ enum {
 };
 
 static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 24, "decode_layers") < 0) return NULL;
+    if (take_args(args, nargs, 25, "decode_layers") < 0) return NULL;
     const int64_t *table = ADDRESS(0);
     const double *eps = ADDRESS(1);
     long layers = SIZE(2);
@@ -677,7 +902,9 @@ static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t
     float *hidden_out = ADDRESS(20), *residual_out = ADDRESS(21);
     PyObject *all_reduce = args[22];
     double *times = ADDRESS(23);
-    if (PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
+    int failed;
+    Team *team = team_of(args[24], &failed);
+    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
     const shardline_native_all_reduce *entry = NULL;
     if (all_reduce != Py_None) {
         entry = PyCapsule_GetPointer(all_reduce, SHARDLINE_NATIVE_ALL_REDUCE);
@@ -689,7 +916,7 @@ static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t
     char error[512] = "";
     int status = 0;
 #ifdef HAVE_BLOCKED_LINEAR
-    float *scratch = malloc(sizeof(float) * scratch_floats(&step));
+    float *scratch = malloc(sizeof(float) * scratch_floats(&step, team_workers(team)));
     if (scratch == NULL) return PyErr_NoMemory();
     size_t row_bytes = sizeof(float) * (size_t)(step.rows * step.hidden);
     Py_BEGIN_ALLOW_THREADS
@@ -706,19 +933,20 @@ static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t
                        .input_eps = (float)eps[2 * l], .post_eps = (float)eps[2 * l + 1]};
 #undef FIELD
         if (l > 0) /* the previous layer's output and residual stream */
-            attention_half(&layer, &step, hidden_out, residual_out, residual_out, hidden_out,
-                           scratch, times);
+            attention_half(team, &layer, &step, hidden_out, residual_out, residual_out,
+                           hidden_out, scratch, times);
         else if (residual != NULL) /* a later pipeline stage: the stream comes with x */
-            attention_half(&layer, &step, x, residual, residual_out, hidden_out, scratch, times);
+            attention_half(team, &layer, &step, x, residual, residual_out, hidden_out, scratch,
+                           times);
         else { /* the first layer: x is the residual stream */
-            attention_half(&layer, &step, x, NULL, NULL, hidden_out, scratch, times);
+            attention_half(team, &layer, &step, x, NULL, NULL, hidden_out, scratch, times);
             memcpy(residual_out, x, row_bytes);
         }
         status = reduce_between(entry, hidden_out, times, error, sizeof error);
         if (status != 0) break;
         add_bias(hidden_out, layer.o_bias, step.rows, step.hidden);
-        mlp_half(&layer, &step, hidden_out, residual_out, residual_out, hidden_out, scratch,
-                 times);
+        mlp_half(team, &layer, &step, hidden_out, residual_out, residual_out, hidden_out,
+                 scratch, times);
         status = reduce_between(entry, hidden_out, times, error, sizeof error);
         add_bias(hidden_out, layer.down_bias, step.rows, step.hidden);
     }
@@ -746,15 +974,38 @@ static PyObject *native_all_reduce_call(PyObject *self, PyObject *const *args,
 }
 
 static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 7, "blocked_linear") < 0) return NULL;
+    if (take_args(args, nargs, 8, "blocked_linear") < 0) return NULL;
     const float *weight = ADDRESS(0), *x = ADDRESS(1), *bias = ADDRESS(3);
     float *y = ADDRESS(2);
     long rows = SIZE(4), out = SIZE(5), in = SIZE(6);
-    if (PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
+    int failed;
+    Team *team = team_of(args[7], &failed);
+    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    blocked_linear_rows(weight, x, y, bias, rows, out, in);
+    blocked_linear_rows(team, weight, x, y, bias, rows, out, in);
 #endif
     Py_RETURN_NONE;
+}
+
+static PyObject *team(PyObject *self, PyObject *argument) {
+    long threads = PyLong_AsLong(argument);
+    if (threads == -1 && PyErr_Occurred()) return NULL;
+    if (threads < 1 || threads > 4096) {
+        PyErr_Format(PyExc_ValueError, "team: threads = %ld; allowed: 1 to 4096", threads);
+        return NULL;
+    }
+    Team *made = team_new((int)threads);
+    if (made == NULL) return NULL;
+    PyObject *capsule = PyCapsule_New(made, TEAM_CAPSULE, team_close);
+    if (capsule == NULL) team_end(made);
+    return capsule;
+}
+
+static PyObject *team_threads(PyObject *self, PyObject *argument) {
+    int failed;
+    Team *of = team_of(argument, &failed);
+    if (failed) return NULL;
+    return PyLong_FromLong(team_workers(of));
 }
 
 static PyObject *blocked_linear_available(PyObject *self, PyObject *unused) {
@@ -777,22 +1028,28 @@ static PyMethodDef methods[] = {
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(bf16, gate_up, out, rows, size)"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
-     "blocked_linear(weight, x, y, bias or 0, rows, out, in): float32, weight blocked by "
-     "LINEAR_BLOCK outputs"},
+     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None): float32, weight "
+     "blocked by LINEAR_BLOCK outputs"},
+    {"team", team, METH_O,
+     "team(threads): a team of threads (this one and threads - 1 helpers) that the linear calls "
+     "share each multiply with; its helpers end when it is freed"},
+    {"team_threads", team_threads, METH_O,
+     "team_threads(team or None): the threads a call given it runs on (1 for None, or in a "
+     "forked child)"},
     {"attention_block", (PyCFunction)(void (*)(void))attention_block, METH_FASTCALL,
      "attention_block(x, residual or 0, norm_weight, eps, rows, hidden, qkv_weight, qkv_bias "
      "or 0, q_heads, kv_heads, d, cos, sin, slots, key_cache, value_cache, num_blocks, "
      "block_size, blocks, per_seq, lengths, kv_index, scale, o_weight, partial, residual_out "
-     "or 0, times or 0): float32, blocked weights"},
+     "or 0, times or 0, team or None): float32, blocked weights"},
     {"decode_layers", (PyCFunction)(void (*)(void))decode_layers, METH_FASTCALL,
      "decode_layers(table, eps, layers, x, residual or 0, rows, hidden, q_heads, kv_heads, d, "
      "size, scale, cos, sin, slots, num_blocks, block_size, blocks, per_seq, lengths, "
-     "hidden_out, residual_out, all_reduce capsule or None, times or 0): every layer of a "
-     "decode step; None, or the all-reduce's failure (message, timed_out)"},
+     "hidden_out, residual_out, all_reduce capsule or None, times or 0, team or None): every "
+     "layer of a decode step; None, or the all-reduce's failure (message, timed_out)"},
     {"mlp_block", (PyCFunction)(void (*)(void))mlp_block, METH_FASTCALL,
      "mlp_block(x, residual or 0, norm_weight, eps, rows, hidden, gate_up_weight, gate_up_bias "
-     "or 0, size, down_weight, partial, residual_out or 0, times or 0): float32, blocked "
-     "weights"},
+     "or 0, size, down_weight, partial, residual_out or 0, times or 0, team or None): "
+     "float32, blocked weights"},
     {"native_all_reduce_call", (PyCFunction)(void (*)(void))native_all_reduce_call,
      METH_FASTCALL,
      "native_all_reduce_call(capsule, data): one call of a communicator's native all-reduce "

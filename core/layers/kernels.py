@@ -276,13 +276,17 @@ class NativeKernels(TorchKernels):
     other input the torch path. The C path checks slots and blocks against the cache; shapes
     and dtypes are checked here."""
 
-    def __init__(self, native: ModuleType) -> None:
+    def __init__(self, native: ModuleType, threads: int = 1) -> None:
+        """``threads``: how many threads share each C linear (the rank's torch threads); with
+        more than one, a team of helper threads lives as long as this object."""
         self.native = native
+        self.team = (
+            native.team(threads) if threads > 1 and native.blocked_linear_available() else None
+        )
 
     def pack_linear(self, weight):
-        """A float32 CPU weight, on a CPU with AVX-512 and a rank with one torch thread, blocked
-        for the C kernel (:func:`blocked`); else oneDNN's packing. The C kernel is
-        single-threaded: a rank with more threads keeps oneDNN's threaded one."""
+        """A float32 CPU weight, on a CPU with AVX-512, blocked for the C kernel
+        (:func:`blocked`); else oneDNN's packing."""
         if self._blocks(weight):
             return blocked(weight, self.native.LINEAR_BLOCK)
         return super().pack_linear(weight)
@@ -309,7 +313,7 @@ class NativeKernels(TorchKernels):
         """Whether :meth:`pack_linear` blocks ``weight`` for the C kernel."""
         return (
             weight.dtype is torch.float32 and weight.dim() == 2
-            and packs(weight.device.type, "float32") and torch.get_num_threads() == 1
+            and packs(weight.device.type, "float32")
             and self.native.blocked_linear_available()
         )  # fmt: skip
 
@@ -335,6 +339,7 @@ class NativeKernels(TorchKernels):
         self.native.blocked_linear(
             weight.data_ptr(), rows.data_ptr(), y.data_ptr(),
             0 if bias is None else bias.data_ptr(), rows.shape[0], out_features, in_features,
+            self.team,
         )  # fmt: skip
         return y if flat else y.view(*x.shape[:-1], out_features)
 
@@ -531,7 +536,7 @@ class NativeKernels(TorchKernels):
             slot_mapping.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
             cache.key.shape[0], cache.block_size, decode.blocks.data_ptr(),
             decode.blocks_per_seq, decode.lengths.data_ptr(), kv_index, blocks.scale, o_weight,
-            partial.data_ptr(), _address(summed), _address(times),
+            partial.data_ptr(), _address(summed), _address(times), self.team,
         )  # fmt: skip
         _record(timer, times)
         return partial, hidden if summed is None else summed
@@ -560,7 +565,7 @@ class NativeKernels(TorchKernels):
         self.native.mlp_block(
             hidden.data_ptr(), residual.data_ptr(), norm, eps, rows, blocks.hidden_size, gate_up,
             gate_up_bias, blocks.intermediate_size, down, partial.data_ptr(), summed.data_ptr(),
-            _address(times),
+            _address(times), self.team,
         )  # fmt: skip
         _record(timer, times)
         return partial, summed
@@ -590,7 +595,7 @@ class NativeKernels(TorchKernels):
             cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), cache.key.shape[0],
             cache.block_size, decode.blocks.data_ptr(), decode.blocks_per_seq,
             decode.lengths.data_ptr(), out.data_ptr(), summed.data_ptr(),
-            None if all_reduce is None else all_reduce.capsule, _address(times),
+            None if all_reduce is None else all_reduce.capsule, _address(times), self.team,
         )  # fmt: skip
         if failure is not None:
             raise all_reduce.failed(*failure)
@@ -748,4 +753,4 @@ def layer_kernels(device: torch.device, environ: Mapping[str, str]) -> TorchKern
     native = native_extension("shardline.layers._kernels", environ)
     if native is None or torch.device(device).type != "cpu":
         return TORCH_KERNELS
-    return NativeKernels(native)
+    return NativeKernels(native, torch.get_num_threads())
