@@ -246,11 +246,15 @@ def test_a_team_multiplies_to_the_same_bits_as_one_thread(rows, out_features):
 
 
 def test_a_teams_helpers_live_as_long_as_it():
-    """team(3) starts two threads; they end when it is freed. A team needs 1 to 4096."""
+    """team(3) starts two threads, named; they end when it is freed. A team needs 1 to 4096
+    threads."""
     before = set(os.listdir("/proc/self/task"))
     team = native_module.team(3)
     helpers = set(os.listdir("/proc/self/task")) - before
     assert len(helpers) == 2 and native_module.team_threads(team) == 3
+    for helper in helpers:  # named for top -H and py-spy
+        with open(f"/proc/self/task/{helper}/comm", encoding="ascii") as comm:
+            assert comm.read().strip() == "shardline-team"
     del team
     assert not helpers & set(os.listdir("/proc/self/task"))
     assert native_module.team_threads(None) == 1

@@ -239,6 +239,7 @@ static Team *team_new(int threads) {
     pthread_sigmask(SIG_BLOCK, &all, &old);
     for (int i = 0; i < threads - 1; i++) {
         if (pthread_create(&team->helpers[i], NULL, helper_main, team) != 0) break;
+        pthread_setname_np(team->helpers[i], "shardline-team"); /* as top -H and py-spy show */
         team->helpers_started++;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
