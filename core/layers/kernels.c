@@ -768,7 +768,8 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     rms_norm_rows_f32(x, residual, layer->input_norm, normed, residual_out, rows, hidden,
                       layer->input_eps, row);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(team, layer->qkv_weight, normed, qkv, layer->qkv_bias, rows, qkv_width, hidden);
+    blocked_linear_rows(team, layer->qkv_weight, normed, qkv, layer->qkv_bias, rows, qkv_width,
+                        hidden);
     lap(times, LAP_MATMUL, &since);
     rope_store_rows_f32(qkv, rows, step->q_heads, step->kv_heads, d, step->cos, step->sin, q,
                         layer->key_cache, layer->value_cache, step->slots);

@@ -490,14 +490,18 @@ class NativeKernels(TorchKernels):
                 down_bias, kv_index, c.key.data_ptr(), c.value.data_ptr(),
             ])  # fmt: skip
             eps.append([input_eps, post_eps])
-        table = torch.tensor(rows, dtype=torch.int64)
+        table = torch.tensor(rows, dtype=torch.int64, device="cpu")
         if table.shape[1] != self.native.LAYER_TABLE_FIELDS:
             raise RuntimeError(
                 f"layer table of {table.shape[1]} fields; the extension reads "
                 f"{self.native.LAYER_TABLE_FIELDS} (rebuild it: pip install -e .)"
             )
         return LayerStack(
-            first, table, torch.tensor(eps, dtype=torch.float64), tuple(layers), tuple(caches)
+            first,
+            table,
+            torch.tensor(eps, dtype=torch.float64, device="cpu"),
+            tuple(layers),
+            tuple(caches),
         )
 
     def attention_block(
@@ -529,7 +533,7 @@ class NativeKernels(TorchKernels):
         norm, eps, qkv, qkv_bias, kv_index, o_weight = blocks.attention_args
         partial = hidden.new_empty(rows, blocks.hidden_size)
         summed = None if residual is None else torch.empty_like(hidden)
-        times = torch.zeros(2, dtype=torch.float64) if timer.active else None
+        times = _times(2) if timer.active else None
         self.native.attention_block(
             hidden.data_ptr(), _address(residual), norm, eps, rows, blocks.hidden_size, qkv,
             qkv_bias, blocks.q_heads, blocks.kv_heads, d, cos.data_ptr(), sin.data_ptr(),
@@ -561,7 +565,7 @@ class NativeKernels(TorchKernels):
         norm, eps, gate_up, gate_up_bias, down = blocks.mlp_args
         partial = hidden.new_empty(rows, blocks.hidden_size)
         summed = torch.empty_like(hidden)
-        times = torch.zeros(2, dtype=torch.float64) if timer.active else None
+        times = _times(2) if timer.active else None
         self.native.mlp_block(
             hidden.data_ptr(), residual.data_ptr(), norm, eps, rows, blocks.hidden_size, gate_up,
             gate_up_bias, blocks.intermediate_size, down, partial.data_ptr(), summed.data_ptr(),
@@ -587,7 +591,7 @@ class NativeKernels(TorchKernels):
                 return None
         cos, sin = rope
         out, summed = torch.empty_like(hidden), torch.empty_like(hidden)
-        times = torch.zeros(3, dtype=torch.float64) if timer.active else None
+        times = _times(3) if timer.active else None
         failure = self.native.decode_layers(
             stack.table.data_ptr(), stack.eps.data_ptr(), layers, hidden.data_ptr(),
             _address(residual), hidden.shape[0], first.hidden_size, first.q_heads,
@@ -639,7 +643,7 @@ def blocked(weight: torch.Tensor, block: int, out: torch.Tensor | None = None) -
     whole = out_features // block * block
     source = weight.detach()
     if out is None:
-        out = torch.empty(out_features * in_features, dtype=weight.dtype)
+        out = torch.empty(out_features * in_features, dtype=weight.dtype, device=weight.device)
     out[: whole * in_features].view(-1, in_features, block).copy_(
         source[:whole].view(-1, block, in_features).transpose(1, 2)
     )
@@ -651,12 +655,12 @@ def blocked(weight: torch.Tensor, block: int, out: torch.Tensor | None = None) -
 
 
 class WeightArena:
-    """One float32 buffer of ``size`` elements handed out front to back in pieces, each
-    starting on a 64-byte boundary (a cache line). Made with ``torch.empty``: memory is
-    committed only as pieces are written."""
+    """One float32 buffer of ``size`` elements in host memory, handed out front to back in
+    pieces, each starting on a 64-byte boundary (a cache line). Made with ``torch.empty``:
+    memory is committed only as pieces are written."""
 
     def __init__(self, size: int) -> None:
-        self.buffer = torch.empty(size, dtype=torch.float32)
+        self.buffer = torch.empty(size, dtype=torch.float32, device="cpu")
         self.used = 0
 
     def take(self, size: int) -> torch.Tensor:
@@ -669,6 +673,12 @@ class WeightArena:
         piece = self.buffer[self.used : self.used + size]
         self.used += _aligned(size)
         return piece
+
+
+def _times(parts: int) -> torch.Tensor:
+    """Zeroed seconds for a fused C call to add its parts' times to (host memory, whatever
+    torch's default device)."""
+    return torch.zeros(parts, dtype=torch.float64, device="cpu")
 
 
 def _aligned(size: int) -> int:
@@ -727,7 +737,7 @@ class KVHeadIndex:
         index = index.to(device="cpu", dtype=torch.int64).contiguous()
         heads, kv_heads = len(index), int(index.max()) + 1
         grouped = heads % kv_heads == 0 and torch.equal(
-            index, torch.arange(heads) // (heads // kv_heads)
+            index, torch.arange(heads, device=index.device) // (heads // kv_heads)
         )
         return cls(index, grouped)
 
