@@ -131,6 +131,9 @@ def test_inputs_the_c_path_does_not_take_go_to_torch():
     assert torch.equal(NATIVE.rms_norm(x, weight, 1e-5), TORCH_KERNELS.rms_norm(x, weight, 1e-5))
     gate_up = torch.randn(8, 3).t()  # not contiguous
     assert torch.equal(NATIVE.silu_and_mul(gate_up), TORCH_KERNELS.silu_and_mul(gate_up))
+    elsewhere = torch.empty(4, 6, device="meta")  # not in host memory: no address to give C
+    assert NATIVE.silu_and_mul(elsewhere).shape == (4, 3)
+    assert NATIVE.rms_norm(elsewhere, torch.ones(6, device="meta"), 1e-5).is_meta
 
 
 def test_a_slot_or_block_outside_the_cache_is_an_error_not_a_write():

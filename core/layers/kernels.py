@@ -702,11 +702,11 @@ def _record(timer: StepTimer, times: torch.Tensor | None) -> None:
 
 
 def _fits(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
-    """A tensor the C path takes (the model's are in CPU memory): contiguous, float32 or
-    bfloat16 (``dtype`` where given)."""
-    if dtype is None:
-        return tensor.dtype in _C_DTYPES and tensor.is_contiguous()
-    return tensor.dtype is dtype and tensor.is_contiguous()
+    """A tensor the C path takes: in host memory, contiguous, float32 or bfloat16 (``dtype``
+    where given)."""
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        return False
+    return tensor.dtype in _C_DTYPES if dtype is None else tensor.dtype is dtype
 
 
 _C_DTYPES = (torch.float32, torch.bfloat16)
