@@ -6,6 +6,7 @@ not writes."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -246,6 +247,29 @@ def test_a_team_multiplies_to_the_same_bits_as_one_thread(rows, out_features):
         if call % 10 == 9:
             time.sleep(0.005)  # past the helpers' spin and yield: they sleep, then are woken
         assert torch.equal(TEAM.linear(x, weight, bias), alone)
+
+
+def test_threads_calling_through_one_team_at_once_each_get_their_own_product():
+    """The linear runs without the GIL: a call made while another thread's has the team runs
+    alone in its thread, and neither sees the other's work."""
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+    weights = [NATIVE.pack_linear(torch.randn(640, 96)) for _ in range(3)]
+    inputs = [torch.randn(rows, 96) for rows in (1, 3, 16)]
+    expected = [NATIVE.linear(x, w, None) for x, w in zip(inputs, weights, strict=True)]
+    wrong: list[int] = []
+
+    def multiply(which: int) -> None:
+        for _ in range(200):
+            if not torch.equal(TEAM.linear(inputs[which], weights[which], None), expected[which]):
+                wrong.append(which)
+
+    threads = [threading.Thread(target=multiply, args=(which,)) for which in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads) and not wrong
 
 
 def test_a_teams_helpers_live_as_long_as_it():

@@ -113,8 +113,8 @@ static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as
  * chunk's outputs are computed as one thread computes them, so results do not depend on the
  * team's size. Helpers wait for work spinning (TEAM_SPIN_S), then yielding the CPU (until
  * TEAM_YIELD_S), then asleep on a futex; the caller waits for the last chunk spinning, then
- * yielding. One caller at a time (kernels.py calls from a rank's one engine thread); in a
- * forked child a team has no helpers and the caller runs every chunk itself. */
+ * yielding. A call made while another thread's call has the team, or in a forked child (which
+ * has none of the helpers), runs every chunk in its own thread. */
 
 #define TEAM_SPIN_S 50e-6
 #define TEAM_YIELD_S 2e-3
@@ -131,6 +131,7 @@ typedef struct {
     _Alignas(64) _Atomic long finished;   /* chunks of the posted work done */
     _Alignas(64) _Atomic uint32_t bell;   /* bumped for each posting; sleeping helpers wait on it */
     _Atomic int sleepers, closing, helpers_numbered;
+    _Atomic int busy; /* a caller has posted work and not yet seen it finish */
     /* The posted work: written by the caller only while no chunk of the last one runs. */
     ChunkRun run;
     const void *context;
@@ -208,7 +209,8 @@ static int team_workers(const Team *team) { return team == NULL ? 1 : 1 + team->
 /* run(context, c, worker) for every chunk c < chunks, shared out by team (NULL: this thread
  * alone, worker 0); returns when all have run. */
 static void team_run(Team *team, long chunks, ChunkRun run, const void *context) {
-    if (team == NULL || team->helpers_started == 0 || chunks < 2) {
+    if (team == NULL || team->helpers_started == 0 || chunks < 2 ||
+        atomic_exchange(&team->busy, 1)) { /* busy: another thread's call has the team */
         for (long c = 0; c < chunks; c++) run(context, c, 0);
         return;
     }
@@ -223,6 +225,7 @@ static void team_run(Team *team, long chunks, ChunkRun run, const void *context)
         if (spins < TEAM_CALLER_SPINS) SHARDLINE_CPU_RELAX();
         else sched_yield();
     }
+    atomic_store(&team->busy, 0);
 }
 
 /* A team of threads (the caller and threads - 1 helpers), or NULL with MemoryError. Helpers
@@ -984,7 +987,9 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
     Team *team = team_of(args[7], &failed);
     if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
+    Py_BEGIN_ALLOW_THREADS
     blocked_linear_rows(team, weight, x, y, bias, rows, out, in);
+    Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
 }
@@ -1031,7 +1036,7 @@ static PyMethodDef methods[] = {
      "silu_mul(bf16, gate_up, out, rows, size)"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
      "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None): float32, weight "
-     "blocked by LINEAR_BLOCK outputs"},
+     "blocked by LINEAR_BLOCK outputs; without the GIL"},
     {"team", team, METH_O,
      "team(threads): a team of threads (this one and threads - 1 helpers) that the linear calls "
      "share each multiply with; its helpers end when it is freed"},
