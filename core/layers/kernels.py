@@ -272,13 +272,14 @@ class LayerStack:
 
 class NativeKernels(TorchKernels):
     """The per-layer operations in C (``native``: the built extension) for a model on the CPU:
-    contiguous float32 or bfloat16 tensors (all of one call in one dtype) take the C path, any
-    other input the torch path. The C path checks slots and blocks against the cache; shapes
-    and dtypes are checked here."""
+    contiguous float32 or bfloat16 tensors in host memory (all of one call in one dtype) take
+    the C path, any other input the torch path. The C path checks slots and blocks against the
+    cache; shapes and dtypes are checked here."""
 
     def __init__(self, native: ModuleType, threads: int = 1) -> None:
-        """``threads``: how many threads share each C linear (the rank's torch threads); with
-        more than one, a team of helper threads lives as long as this object."""
+        """``threads``: how many threads share each C linear and a fused step's decode
+        attention (the rank's torch threads); with more than one, a team of helper threads
+        lives as long as this object."""
         self.native = native
         self.team = (
             native.team(threads) if threads > 1 and native.blocked_linear_available() else None
