@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
-from shardline.layers.kernels import TORCH_KERNELS, KVHeadIndex, NativeKernels, layer_kernels
+from shardline.layers.kernels import (
+    TORCH_KERNELS,
+    KVHeadIndex,
+    NativeKernels,
+    layer_kernels,
+    per_query_head,
+)
 from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
 
@@ -113,6 +119,18 @@ def test_decode_attention_over_the_paged_cache(kv_index, grouped, d, block_size)
         NATIVE.decode_attention(q, cache, decode, 0.3, kv_index),
         TORCH_KERNELS.decode_attention(q, cache, decode, 0.3, kv_index),
     )
+
+
+def test_a_kv_head_index_is_copied_to_another_device_once():
+    """The torch path gathers keys per query head with the index on the keys' device: made
+    there on first use and kept (on a GPU, a copy per layer and step would synchronize)."""
+    kv_index = KVHeadIndex.of(torch.tensor([0, 1, 1]))
+    assert kv_index.on(torch.device("cpu")) is kv_index.index
+    elsewhere = kv_index.on(torch.device("meta"))
+    assert elsewhere.is_meta and kv_index.on(torch.device("meta")) is elsewhere
+    keys = torch.empty(2, 2, 5, 4, device="meta")  # [batch, kv_heads, tokens, d]
+    gathered, _ = per_query_head(keys, keys, kv_index)
+    assert gathered.shape == (2, 3, 5, 4) and kv_index.on(torch.device("meta")) is elsewhere
 
 
 def test_a_step_mixing_prefill_and_decode_attends_alike():

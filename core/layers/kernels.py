@@ -13,7 +13,7 @@ The C path does each group in one call (``benchmarks/layer_kernels.py`` measures
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -727,11 +727,25 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 @dataclass(frozen=True)
 class KVHeadIndex:
     """Which KV head each query head of a layer reads (``index``: int64, contiguous, one per
-    query head), and whether consecutive query heads share each KV head (``grouped``: torch's
-    attention reads a shared head itself, GQA; otherwise keys are gathered per query head)."""
+    query head, in host memory for the C path), and whether consecutive query heads share each
+    KV head (``grouped``: torch's attention reads a shared head itself, GQA; otherwise keys are
+    gathered per query head)."""
 
     index: torch.Tensor
     grouped: bool
+    copies: dict[torch.device, torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """``index`` on ``device``, copied there once (a copy per step to a GPU is a
+        synchronizing host-to-device transfer in every layer)."""
+        if device.type == "cpu":
+            return self.index
+        copy = self.copies.get(device)
+        if copy is None:
+            copy = self.copies[device] = self.index.to(device)
+        return copy
 
     @classmethod
     def of(cls, index: torch.Tensor) -> KVHeadIndex:
@@ -750,7 +764,7 @@ def per_query_head(
     torch's GQA where ``kv_index`` is grouped, else gathered per query head."""
     if kv_index.grouped:
         return keys, values
-    index = kv_index.index.to(keys.device)
+    index = kv_index.on(keys.device)
     return keys.index_select(-3, index), values.index_select(-3, index)
 
 
