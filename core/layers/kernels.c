@@ -117,7 +117,7 @@ static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as
  * has none of the helpers), runs every chunk in its own thread. */
 
 #define TEAM_SPIN_S 50e-6
-#define TEAM_YIELD_S 2e-3
+#define TEAM_YIELD_S 2e-4
 #define TEAM_CALLER_SPINS 4096
 #define TEAM_MAX_CHUNKS 4096
 #define TEAM_CAPSULE "shardline.layers._kernels.Team"
