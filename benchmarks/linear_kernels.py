@@ -5,7 +5,7 @@ share of this machine; ``--threads 2``: a TP=1 rank's), in one run:
 - ``F.linear``, weight ``[out, in]`` contiguous (as checkpoints store it; torch's GEMM);
 - ``F.linear``, weight stored column by column (``[in, out]`` contiguous);
 - oneDNN's linear on the weight packed in its blocked layout (``shardline.layers.kernels.packed``;
-  what a rank with several threads, or a bfloat16 model, uses);
+  what a bfloat16 model, or a CPU without AVX-512, uses);
 - Shardline's C kernel on its own blocked layout (``shardline.layers.kernels.blocked``; what a
   float32 rank uses; with ``--threads N``, each call shared by a team of N threads, as a rank
   with N torch threads shares it), where the extension is built and the CPU has AVX-512.

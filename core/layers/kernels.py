@@ -739,9 +739,7 @@ class KVHeadIndex:
 
     def on(self, device: torch.device) -> torch.Tensor:
         """``index`` on ``device``, copied there once (a copy per step to a GPU is a
-        synchronizing host-to-device transfer in every layer)."""
-        if device.type == "cpu":
-            return self.index
+        synchronizing host-to-device transfer in every layer); on the host, ``index`` itself."""
         copy = self.copies.get(device)
         if copy is None:
             copy = self.copies[device] = self.index.to(device)

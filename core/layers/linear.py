@@ -5,11 +5,12 @@ Each layer holds only its rank's shard and loads it from the *full* checkpoint t
 :mod:`shardline.layers.sharding`, so a rank never keeps more than its share.
 
 Once loaded, :func:`pack_linear_weights` has each layer's kernels
-(:mod:`shardline.layers.kernels`) lay its weight out for their linear kernel: oneDNN's blocked
-layout (float32, bfloat16 on the CPU; faster than torch's default GEMM at every decode batch
-size, ``benchmarks/linear_kernels.py``), or the C kernel's own for float32 (shared among a
-rank's threads), all of a model's back to back in one buffer in the order a step reads them. Where
-neither applies the weights stay as they are and ``F.linear`` runs.
+(:mod:`shardline.layers.kernels`) lay its weight out for their linear kernel: the C kernel's
+own for float32 on a CPU with AVX-512 (shared among a rank's threads), all of a model's back
+to back in one buffer in the order a step reads them, else oneDNN's blocked layout (float32,
+bfloat16 on the CPU; faster than torch's default GEMM at every decode batch size,
+``benchmarks/linear_kernels.py``). Where neither applies the weights stay as they are and
+``F.linear`` runs.
 """
 
 from __future__ import annotations
