@@ -212,12 +212,13 @@ def test_bfloat16_rounds_where_the_torch_path_rounds():
     )
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 16, 40])
+@pytest.mark.parametrize("rows", [1, 5, 6, 16, 40, 64, 65])
 @pytest.mark.parametrize("out_features,in_features", [(100, 37), (64, 16), (130, 576), (320, 40)])
 def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features):
-    """Blocked by 64 outputs (a partial last block, inputs past the 16-wide lanes), every
-    row tile size, with and without a bias, and a 3-d input; the layout takes no more memory
-    than the weight."""
+    """Blocked by 64 outputs (a partial last block, inputs past the 16-wide lanes, one piece
+    of 32 inputs and several), every row tile size of both paths (pairs of blocks up to 64
+    rows, one block at a time past it), with and without a bias, and a 3-d input; the layout
+    takes no more memory than the weight."""
     if not native_module.blocked_linear_available():
         pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
@@ -236,24 +237,27 @@ def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features):
 
 
 @pytest.mark.parametrize("out_features", [64, 128, 320, 330])
-def test_one_row_gets_the_same_bits_alone_as_in_a_batch(out_features):
-    """A single row reads two blocks at a time (two streams), a batch one block per tile:
-    each output is the same sum in the same order either way (pairs of blocks, an odd block
-    left over, a partial last block; with a bias)."""
+def test_a_row_gets_the_same_bits_alone_as_in_any_batch(out_features):
+    """Up to 64 rows go through pairs of blocks a piece at a time, in tiles of up to 3 rows;
+    more rows through one block at a time in tiles of up to 6, in one pass: each output is the
+    same sum in the same order every way (pairs of blocks, an odd block left over, a partial
+    last block, pieces of 32 of the 96 inputs; with a bias)."""
     if not native_module.blocked_linear_available():
         pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
     weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
-    x = torch.randn(7, 96)
+    x = torch.randn(70, 96)
     batch = NATIVE.linear(x, weight, bias)
-    for row in range(7):
-        assert torch.equal(NATIVE.linear(x[row : row + 1], weight, bias), batch[row : row + 1])
+    for rows in (1, 2, 3, 4, 7, 64):
+        for first in range(0, 70 - rows + 1, rows):
+            part = x[first : first + rows]
+            assert torch.equal(NATIVE.linear(part, weight, bias), batch[first : first + rows])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 70])
 @pytest.mark.parametrize("out_features", [64, 130, 330, 6144])
 def test_a_team_multiplies_to_the_same_bits_as_one_thread(rows, out_features):
-    """Chunks of blocks shared out among three threads (one chunk only, pairs of blocks for a
-    row, a partial last block, many more chunks than threads; a bias): each output is computed
+    """Chunks of blocks shared out among three threads (one chunk only, pairs of blocks up to
+    64 rows, a partial last block, many more chunks than threads; a bias): each output is computed
     as one thread computes it, call after call as the helpers wake and sleep."""
     if not native_module.blocked_linear_available():
         pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
