@@ -283,12 +283,12 @@ static Team *team_of(PyObject *argument, int *failed) {
  * time: two streams through memory, which one core reads faster than one. One row takes them
  * in one pass. Two or more take them a piece (LINEAR_PIECE inputs) at a time, which every tile
  * of up to 3 rows takes from the L1 cache while the tiles prefetch the next piece, so the
- * weight streams in while it is computed on: 4 to 64 rows 1.2-1.7x faster than tiles of 6 rows
- * against one block, each of which read the block in turn (one run; at one row the prefetches
- * cost 5-7%). More rows (a prefill) are compute-bound: tiles of 6 rows against one block, in
- * one pass. Every output's sum is the same on every path (the same terms in the same order;
- * the sums kept between pieces are stored whole). AVX-512 only (checked at run time); float32.
- */
+ * weight streams in while it is computed on: 4 to 32 rows 1.1-1.6x and 64 rows 1.1x faster
+ * than tiles of 6 rows against one block, each of which read the block in turn (one thread,
+ * one run; at one row the prefetches cost 5-7%). More rows (a prefill) are compute-bound:
+ * tiles of 6 rows against one block, in one pass. Every output's sum is the same on every
+ * path (the same terms in the same order; the sums kept between pieces are stored whole).
+ * AVX-512 only (checked at run time); float32. */
 
 #define LINEAR_BLOCK 64
 #define LINEAR_TILE_ROWS 6
