@@ -26,6 +26,7 @@ from shardline.catalog import resolve_model_path
 from shardline.cli.bench_decode import load_transformers
 from shardline.cli.table import render
 from shardline.engine import LLM, SamplingParams
+from shardline.errors import ShardlineError
 
 LAYOUTS = {
     "tp1 uni": ["parallel.tensor_parallel_size=1", "parallel.distributed_executor_backend=uni"],
@@ -76,13 +77,17 @@ def main() -> int:
     args = parser.parse_args()
     if not 64 <= args.tokens <= 32768 or not 1 <= args.repeats <= 100:
         parser.error("--tokens must be 64 to 32768 and --repeats 1 to 100")
-    model = resolve_model_path(args.model)
     generator = torch.Generator().manual_seed(0)
     prompt = [int(i) for i in torch.randint(100, 30000, (args.tokens,), generator=generator)]
-    results = {
-        name: shardline_seconds(model, layout, args.overrides, prompt, args.repeats)
-        for name, layout in LAYOUTS.items()
-    }
+    try:
+        model = resolve_model_path(args.model)
+        results = {
+            name: shardline_seconds(model, layout, args.overrides, prompt, args.repeats)
+            for name, layout in LAYOUTS.items()
+        }
+    except ShardlineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     results["transformers, 2 threads"] = transformers_seconds(model, prompt, args.repeats)
     reference = statistics.median(results["transformers, 2 threads"])
     rows = []
