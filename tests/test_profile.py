@@ -129,3 +129,24 @@ def test_bench_decode_refuses_sizes_it_cannot_measure_before_starting(tmp_path, 
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith(f"error: {expected}"), done.stderr
     assert done.stdout == ""  # no case started
+
+
+def test_bench_decode_states_the_transformers_target_in_the_floors_terms():
+    """With transformers at 30 tok/s and a TP=2 floor of 20 ms a token, 2.5x transformers (75
+    tok/s) is 1.5 of the floor: the summary says so beside the ratios."""
+    from shardline.cli.bench_decode import _targets
+
+    rows = [
+        {"engine": "transformers", "threads": 2, "batch1_tok_s": 30.0},
+        {
+            "engine": "shardline", "layout": "tp2", "communicator": "custom_ar",
+            "batch1_tok_s": 45.0, "floor_s": 0.02, "of_floor": 0.9, "concurrent": 16,
+            "concurrent_tok_s": 390.0,
+        },
+    ]  # fmt: skip
+    assert _targets(rows) == [
+        "tp2 custom_ar / transformers 2 threads, batch 1: 1.50 (target >= 2.5)",
+        "tp2 custom_ar batch 1, of its floor: 0.90 (target >= 0.7)",
+        "2.5x transformers 2 threads, batch 1, is 1.50 of tp2 custom_ar's floor",
+        "tp2 custom_ar 16 concurrent / transformers 2 threads batch 1: 13.00 (target >= 12)",
+    ]
