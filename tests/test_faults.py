@@ -160,3 +160,39 @@ def test_jobs_beyond_the_host_are_one_clear_error(options, words):
     assert result.returncode == 2
     assert words in result.stderr and "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def _ill_formed_object_run(rank0_shutdown: str, returncode: int) -> list[str]:
+    """The judge's view of an mpiexec x mpi "ill-formed object" run: rank 0 raised the
+    ProtocolError and reported before its shutdown, the victim timed out and reported."""
+    from shardline.conformance.faults.matrix import Combination, _judge
+    from shardline.launch.launchers import LaunchedRun
+
+    rank0 = {
+        "role": "rank-0", "outcome": "error", "error": "ProtocolError", "elapsed_s": 0.1,
+        "message": "the object from rank 1 fails the job-secret check", "shutdown": rank0_shutdown,
+    }  # fmt: skip
+    victim = {
+        "role": "rank-1", "outcome": "error", "error": "CommTimeoutError", "elapsed_s": 3.0,
+        "message": "mpi broadcast on rank 1 of 2: no answer within 3 s", "shutdown": "clean",
+    }  # fmt: skip
+    return _judge(
+        SCENARIOS["ill-formed object"],
+        Combination("external_launcher", "mpi", launcher="mpiexec"),
+        2,
+        3.0,
+        [rank0, victim],
+        LaunchedRun(returncode, "", "", []),
+        {},
+    )
+
+
+def test_a_shutdown_cut_short_by_the_launcher_still_judges_what_the_step_raised():
+    """mpiexec ends the world when the victim's job abort comes while rank 0 shuts down:
+    rank 0's report from before its shutdown is judged (it passes); with no launcher ending
+    the world (exit code 0), an unfinished shutdown is a failure."""
+    assert _ill_formed_object_run("unfinished", returncode=1) == []
+    assert _ill_formed_object_run("clean", returncode=1) == []
+    assert _ill_formed_object_run("unfinished", returncode=0) == [
+        "rank-0: its shutdown did not finish"
+    ]

@@ -27,6 +27,7 @@ from shardline.conformance.faults.scenarios import (
     INJECTION_ENTRY_POINT,
     PLAN_VARIABLE,
     SHUTDOWN_LIMIT_S,
+    UNFINISHED,
     Scenario,
 )
 from shardline.launch import launchers, private_shm
@@ -215,9 +216,10 @@ def _judge(
     run: launchers.LaunchedRun,
     joined_at: dict[int, float],
 ) -> list[str]:
-    """What is wrong with a run (nothing: passed). A launched survivor may have no report
-    when its launcher ended the world after another rank failed (torchrun and mpiexec do);
-    one must report unless the victim's death was that failure. Start-up faults are timed
+    """What is wrong with a run (nothing: passed). A launched survivor may have no report,
+    or one from before its shutdown, when its launcher ended the world after another rank
+    failed (torchrun and mpiexec do); one must report unless the victim's death was that
+    failure. Start-up faults are timed
     from when the last rank (the victim included) reached the point of joining
     (``joined_at``: rank -> wall-clock time)."""
     victim = ranks - 1
@@ -231,14 +233,23 @@ def _judge(
     problems = []
     messages = []
     reported = [role for role in survivors if role in by_role]
+
+    def ended_by_launcher(role: str) -> bool:
+        """Whether the launcher may have ended ``role``'s process because another rank failed
+        first (torchrun and mpiexec end the world then)."""
+        others = [other for other in reported if other != role]
+        first_failure = others or scenario.name == "killed mid-step"
+        return bool(combination.launcher and first_failure and run.returncode != 0)
+
     for role in survivors:
         process = by_role.get(role)
         if process is None:
-            first_failure = reported or scenario.name == "killed mid-step"
-            if combination.launcher and first_failure and run.returncode != 0:
+            if ended_by_launcher(role):
                 continue  # the launcher ended the world when another rank failed first
             problems.append(f"{role} wrote no report (exit code {run.returncode})")
             continue
+        if process.get("shutdown") == UNFINISHED and ended_by_launcher(role):
+            process = {key: value for key, value in process.items() if key != "shutdown"}
         messages.append(process.get("message", ""))
         if scenario.deadline == "startup" and "failed_at" in process and joined_at:
             process["elapsed_s"] = round(process["failed_at"] - max(joined_at.values()), 3)
@@ -281,7 +292,9 @@ def judge_process(
                 f"{role}: the error does not name rank {victim}: {process['message'][:300]}"
             )
     shutdown = process.get("shutdown")
-    if shutdown is not None and shutdown != "clean":
+    if shutdown == UNFINISHED:
+        problems.append(f"{role}: its shutdown did not finish")
+    elif shutdown is not None and shutdown != "clean":
         problems.append(f"{role}: shutdown raised {shutdown}")
     if process.get("shutdown_s", 0.0) > SHUTDOWN_LIMIT_S:
         problems.append(f"{role}: shutdown took {process['shutdown_s']:.1f} s")

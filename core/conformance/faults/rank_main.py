@@ -6,7 +6,8 @@ launched world (the suite starts it; see :mod:`.matrix`)::
 
 It builds the world, arms the fault, runs one step, and writes what happened to
 ``DIR/ROLE.json`` (ROLE: ``driver`` or ``rank-R``): the outcome, the error's kind and
-message, the seconds from the fault's start to the error, and how shutdown went. Exit code
+message, the seconds from the fault's start to the error, and how shutdown went (written
+first with shutdown "unfinished" just before the shutdown, then again after it). Exit code
 0 when the step completed, 1 otherwise (so a launcher ends the rest of the world).
 """
 
@@ -17,6 +18,7 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from shardline.conformance.faults.scenarios import (
     INJECTION_ENTRY_POINT,
     PLAN_VARIABLE,
     SCENARIOS,
+    UNFINISHED,
     Scenario,
 )
 from shardline.errors import ShardlineError, WorkerError
@@ -78,7 +81,13 @@ def _step() -> SchedulerOutput:
     )
 
 
-def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, role: str, save: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """The scenario in this process; its report. ``save`` is given the report before the
+    executor's shutdown, marked ``"shutdown": "unfinished"``: a launcher that ends
+    the world while this process shuts down (mpiexec does, when another rank's job abort comes
+    first) leaves what the step raised on record."""
     scenario = {**SCENARIOS, **HOST_SCENARIOS}[args.scenario]
     report: dict[str, Any] = {"role": role, "pid": os.getpid(), "phase": "plugins"}
     executor = None
@@ -119,6 +128,7 @@ def run(args: argparse.Namespace, role: str) -> dict[str, Any]:
         }
     report["elapsed_s"] = round(time.monotonic() - started, 3)
     if executor is not None:
+        save(report | {"shutdown": UNFINISHED})
         began = time.monotonic()
         try:
             executor.shutdown()
@@ -142,10 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reports", type=Path, required=True)
     args = parser.parse_args(argv)
     role = f"rank-{LaunchedRank.from_environ(os.environ).rank}" if args.launched else "driver"
-    report = run(args, role)
-    partial = args.reports / f".{role}.json"
-    partial.write_text(json.dumps(report, default=repr))
-    partial.rename(args.reports / f"{role}.json")
+
+    def save(report: dict[str, Any]) -> None:
+        partial = args.reports / f".{role}.json"
+        partial.write_text(json.dumps(report, default=repr))
+        partial.rename(args.reports / f"{role}.json")
+
+    report = run(args, role, save)
+    save(report)
     return 0 if report.get("outcome") == "completed" else 1
 
 

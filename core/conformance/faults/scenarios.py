@@ -55,6 +55,9 @@ class Scenario:
     host_action: str = ""
 
 
+#: A process report's "shutdown" while its executor shuts down (the final report replaces it).
+UNFINISHED = "unfinished"
+
 SCENARIOS: dict[str, Scenario] = {
     scenario.name: scenario
     for scenario in (
