@@ -334,14 +334,14 @@ def _targets(rows: list[dict]) -> list[str]:
         lines.append(
             f"tp2 custom_ar batch 1, of its floor: {custom['of_floor']:.2f} (target >= 0.7)"
         )
-    if hf2 and custom and custom.get("floor_s"):
-        # The first target in the floor's terms: past 1, no decode that reads each weight once
-        # per token reaches it (transformers runs near the floor when the host is quiet).
-        needed = TIMES_TRANSFORMERS * hf2["batch1_tok_s"] * custom["floor_s"]
-        lines.append(
-            f"{TIMES_TRANSFORMERS:g}x transformers 2 threads, batch 1, is {needed:.2f} of tp2 "
-            "custom_ar's floor"
-        )
+        if hf2:
+            # The first target in the floor's terms: past 1, no decode that reads each weight
+            # once per token reaches it (transformers runs near the floor on a quiet host).
+            needed = TIMES_TRANSFORMERS * hf2["batch1_tok_s"] * custom["floor_s"]
+            lines.append(
+                f"{TIMES_TRANSFORMERS:g}x transformers 2 threads, batch 1, is {needed:.2f} of "
+                "tp2 custom_ar's floor"
+            )
     if hf2 and custom and custom.get("concurrent_tok_s"):
         ratio = custom["concurrent_tok_s"] / hf2["batch1_tok_s"]
         lines.append(

@@ -219,9 +219,8 @@ def _judge(
     """What is wrong with a run (nothing: passed). A launched survivor may have no report,
     or one from before its shutdown, when its launcher ended the world after another rank
     failed (torchrun and mpiexec do); one must report unless the victim's death was that
-    failure. Start-up faults are timed
-    from when the last rank (the victim included) reached the point of joining
-    (``joined_at``: rank -> wall-clock time)."""
+    failure. Start-up faults are timed from when the last rank (the victim included) reached
+    the point of joining (``joined_at``: rank -> wall-clock time)."""
     victim = ranks - 1
     by_role = {process["role"]: process for process in processes}
     if combination.launcher:
