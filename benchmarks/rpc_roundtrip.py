@@ -7,7 +7,12 @@ plain ``multiprocessing.Pipe`` echo to a child process (the baseline) and the sh
 ring alone, 2 readers, one echoing (the transport's floor). The executor and the ring run
 twice in the same run: with the ring's C word operations (the default where the extension is
 built) and with the pure-Python fallback (``SHARDLINE_NATIVE=0``, inherited by the workers).
-Prints median and p90 in microseconds, a table, and JSON with ``--json``.
+With the C ring the executor is also timed pinned, in the two placements three processes
+have on two cores: the driver on one core with the output rank (the rank that replies) or
+with the other rank (every thread of each process pinned; a placement the scheduler may pick
+for the unpinned run). Prints median and p90 in microseconds and, for the executor, the
+driver's CPU time per call (every thread's, its waits' spinning included), a table, and JSON
+with ``--json``.
 
     python benchmarks/rpc_roundtrip.py --model PATH [--iterations 2000] [--repeats 3]
         [--json out.json]
@@ -124,7 +129,49 @@ def time_ring(iterations: int, message: bytes, readers: int = 2) -> dict:
     return _summary(samples)
 
 
-def time_executor(model: str, iterations: int, step: SchedulerOutput) -> dict:
+def _pin_process(cores: set[int]) -> None:
+    """Every thread of this process on ``cores`` (threads started later inherit it)."""
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(thread), cores)
+
+
+def _pin_rank(worker, cores_by_rank: dict[int, set[int]]) -> None:
+    """In a worker (through ``collective_rpc``): pin this rank's process."""
+    _pin_process(cores_by_rank[worker.rank])
+
+
+#: Where a placement runs the driver, and each rank.
+Placement = tuple[set[int], dict[int, set[int]]]
+
+
+def placements(output_rank: int, pinned: bool) -> dict[str, Placement | None]:
+    """Where the driver and the two ranks run, by row suffix: as the scheduler places them
+    (None), and, when ``pinned`` and this process may use two cores or more, the driver
+    pinned to one core with the output rank (the rank that replies) or with the other rank,
+    the third process alone on a second core."""
+    cores = sorted(os.sched_getaffinity(0))
+    other_rank = 1 - output_rank
+    found: dict[str, Placement | None] = {"": None}
+    if pinned and len(cores) >= 2:
+        first, second = {cores[0]}, {cores[1]}
+        found[", driver on the output rank's core"] = (
+            first,
+            {output_rank: first, other_rank: second},
+        )
+        found[", driver on the other rank's core"] = (
+            first,
+            {other_rank: first, output_rank: second},
+        )
+    return found
+
+
+def time_executor(
+    model: str, iterations: int, step: SchedulerOutput, pinned: bool
+) -> dict[str, dict]:
+    """The executor's round trip in each of :func:`placements` (only as placed unless
+    ``pinned``), by the placement's row suffix; each also with the driver's CPU time per
+    call (all its threads)."""
     config = load_config(
         overrides=[
             f"model.path={model}",
@@ -134,17 +181,27 @@ def time_executor(model: str, iterations: int, step: SchedulerOutput) -> dict:
         environ={},
     ).config
     executor = Registry.load().get("executor", "mp").load_available()(config)
+    own_cores = os.sched_getaffinity(0)
+    results = {}
     try:
-        for _ in range(100):  # warm-up
-            executor.execute_model(step).result()
-        samples = []
-        for _ in range(iterations):
-            start = time.perf_counter()
-            executor.execute_model(step).result()
-            samples.append(time.perf_counter() - start)
+        for suffix, placement in placements(executor.output_rank, pinned).items():
+            driver, ranks = placement or (own_cores, {0: own_cores, 1: own_cores})
+            _pin_process(driver)
+            executor.collective_rpc(_pin_rank, (ranks,))
+            for _ in range(100):  # warm-up
+                executor.execute_model(step).result()
+            samples = []
+            cpu_start = time.process_time()
+            for _ in range(iterations):
+                start = time.perf_counter()
+                executor.execute_model(step).result()
+                samples.append(time.perf_counter() - start)
+            cpu_us = (time.process_time() - cpu_start) / iterations * 1e6
+            results[suffix] = _summary(samples) | {"driver_cpu_us": cpu_us}
     finally:
+        _pin_process(own_cores)
         executor.shutdown()
-    return _summary(samples)
+    return results
 
 
 def main() -> int:
@@ -162,25 +219,37 @@ def main() -> int:
     for _ in range(args.repeats):
         for native, path in ((True, "C"), (False, "Python")):
             with ring_path(native):
-                runs.setdefault(f"mp execute_model, 2 workers ({path})", []).append(
-                    time_executor(args.model, args.iterations, step)
-                )
+                timed = time_executor(args.model, args.iterations, step, pinned=native)
+                for suffix, summary in timed.items():
+                    runs.setdefault(f"mp execute_model, 2 workers ({path}){suffix}", []).append(
+                        summary
+                    )
                 runs.setdefault(f"shm ring echo, 2 readers ({path})", []).append(
                     time_ring(args.iterations, message)
                 )
         runs.setdefault("multiprocessing.Pipe echo", []).append(time_pipe(args.iterations, step))
     results = {
         name: {
-            key: statistics.median(run[key] for run in repeats) for key in ("median_us", "p90_us")
+            key: statistics.median(run[key] for run in repeats)
+            for key in ("median_us", "p90_us", "driver_cpu_us")
+            if key in repeats[0]
         }
         | {"repeats": repeats}
         for name, repeats in runs.items()
     }
     print(f"{args.repeats} repeat(s) of {args.iterations} round trips; medians over repeats")
-    print(f"{'round trip':<40} {'median us':>10} {'p90 us':>10} {'p90/median':>11}")
+    width = max(len(name) for name in results)
+    print(
+        f"{'round trip':<{width}} {'median us':>10} {'p90 us':>10} {'p90/median':>11}"
+        f" {'driver CPU us/call':>19}"
+    )
     for name, row in results.items():
         ratio = row["p90_us"] / row["median_us"]
-        print(f"{name:<40} {row['median_us']:>10.1f} {row['p90_us']:>10.1f} {ratio:>11.2f}")
+        cpu = f"{row['driver_cpu_us']:.1f}" if "driver_cpu_us" in row else "-"
+        print(
+            f"{name:<{width}} {row['median_us']:>10.1f} {row['p90_us']:>10.1f} {ratio:>11.2f}"
+            f" {cpu:>19}"
+        )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
