@@ -27,7 +27,7 @@ from shardline.launch import hosts as simulated
 from shardline.launch.launchers import launcher_environment
 from shardline.registry import Registry
 from shardline_ray.cluster import HEAD_PORT
-from shardline_ray.placement import Node, bundles, groups_across_nodes, place_ranks
+from shardline_ray.placement import Node, RankPlace, bundles, place_ranks
 from support.cli import ROOT
 from support.greedy_driver import GREEDY_TOKENS, run_script
 
@@ -53,6 +53,17 @@ def test_ranks_are_numbered_node_by_node_the_drivers_node_first():
     assert [p.bundle for p in places] == [2, 2, 1, 1, 0, 0]
     # A driver on no bundle's node: by address only.
     assert [p.node.hostname for p in place_ranks([A, B], "elsewhere", 2)] == ["h1", "h3"]
+
+
+def groups_across_nodes(places: list[RankPlace], group_size: int) -> list[list[int]]:
+    """The groups of ``group_size`` consecutive ranks (tensor-parallel groups) whose ranks
+    are on more than one node."""
+    groups = [places[start : start + group_size] for start in range(0, len(places), group_size)]
+    return [
+        [place.rank for place in group]
+        for group in groups
+        if len({place.node.node_id for place in group}) > 1
+    ]
 
 
 def test_tensor_parallel_groups_stay_inside_a_node_when_its_ranks_can_hold_them():

@@ -69,17 +69,6 @@ def place_ranks(bundle_nodes: Sequence[Node], driver_node: str, world_size: int)
     ]
 
 
-def groups_across_nodes(places: Sequence[RankPlace], group_size: int) -> list[list[int]]:
-    """The groups of ``group_size`` consecutive ranks (tensor-parallel groups) whose ranks are
-    on more than one node."""
-    groups = [places[start : start + group_size] for start in range(0, len(places), group_size)]
-    return [
-        [place.rank for place in group]
-        for group in groups
-        if len({place.node.node_id for place in group}) > 1
-    ]
-
-
 def all_on(places: Sequence[RankPlace], node_id: str) -> bool:
     """Whether every rank runs on node ``node_id`` (the rendezvous can then stay on loopback)."""
     return all(place.node.node_id == node_id for place in places)
