@@ -98,16 +98,21 @@ def _metadata(query_lens: list[int], seq_lens: list[int], block_size: int) -> At
         (torch.arange(6) // 3, True),
         (torch.tensor([0, 0, 1, 1], dtype=torch.int32), True),
         (torch.tensor([1, 0, 1]), False),
+        (torch.tensor([0, 0, 1, 0, 0, 0, 1]), False),
     ],
-    ids=["grouped", "grouped-int32", "uneven"],
+    ids=["grouped", "grouped-int32", "uneven", "five-on-one-kv-head"],
 )
 @pytest.mark.parametrize(
-    "d,block_size", [(16, 4), (64, 16), (80, 32), (8, 4)], ids=["16x4", "64x16", "80x32", "8x4"]
+    "d,block_size",
+    [(16, 4), (64, 16), (80, 32), (128, 16), (8, 4)],
+    ids=["16x4", "64x16", "80x32", "128x16", "8x4"],
 )
 def test_decode_attention_over_the_paged_cache(kv_index, grouped, d, block_size):
-    """Head sizes the vector kernel takes (multiples of 16: 64 and 80 = 4 + 1 vectors) and
-    one it leaves to the portable loop (8); cached tokens in whole and partial groups of 16.
-    Grouped heads go to torch's GQA, the others are gathered per query head."""
+    """Head sizes the vector kernel takes (multiples of 16: 64 and 128, which it compiles as
+    constants, and 80 = 4 + 1 vectors) and one it leaves to the portable loop (8); cached
+    tokens in whole and partial groups of 16; the vector kernel's groups of up to 4 query
+    heads of a KV head (five: 4 + 1, interleaved with another KV head's). Grouped heads go to
+    torch's GQA, the others are gathered per query head."""
     heads, kv_heads = len(kv_index), 2
     kv_index = KVHeadIndex.of(kv_index)
     assert kv_index.grouped is grouped and kv_index.index.dtype is torch.int64
@@ -119,6 +124,23 @@ def test_decode_attention_over_the_paged_cache(kv_index, grouped, d, block_size)
         NATIVE.decode_attention(q, cache, decode, 0.3, kv_index),
         TORCH_KERNELS.decode_attention(q, cache, decode, 0.3, kv_index),
     )
+
+
+@pytest.mark.parametrize("d", [64, 80])
+def test_a_query_heads_attention_does_not_depend_on_the_heads_read_with_it(d):
+    """The vector kernel scores the query heads of a KV head together (up to 4 at a time):
+    each head's output is bit for bit what it gets alone."""
+    kv_index = torch.tensor([0, 0, 1, 0, 0, 0, 1])
+    cache = _filled_cache(2, d, block_size=16)
+    metadata = _metadata([1, 1], [23, 70], cache.block_size)
+    q = torch.randn(2, len(kv_index), d)
+    decode = metadata.decode_batch(cache.block_size)
+    together = NATIVE.decode_attention(q, cache, decode, 0.3, KVHeadIndex.of(kv_index))
+    for head in range(len(kv_index)):
+        alone = NATIVE.decode_attention(
+            q[:, head : head + 1].contiguous(), cache, decode, 0.3, KVHeadIndex.of(kv_index[[head]])
+        )
+        assert torch.equal(alone[:, 0], together[:, head]), head
 
 
 def test_a_kv_head_index_is_copied_to_another_device_once():
