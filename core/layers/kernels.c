@@ -666,35 +666,44 @@ AVX512 static inline __attribute__((always_inline)) void attend_group_avx512(
 #undef ATTEND
 }
 
-/* decode_attention_rows_f32 for d a multiple of 16 on AVX-512, the query heads of each KV head
- * ATTENTION_GROUP at a time (attend_heads_avx512; d 64 and 128, the Llama family's, made
- * constants: 5-8% faster); scores: attention_scratch_floats. */
+/* One sequence's decode attention for the query heads that read KV head kv, d a multiple of
+ * 16, on AVX-512: those heads ATTENTION_GROUP at a time (attend_heads_avx512; d 64 and 128,
+ * the Llama family's, made constants: 5-8% faster); q and out: the sequence's rows; scores:
+ * attention_scratch_floats. */
+AVX512 static void attend_kv_head_avx512(const float *q, const float *key_cache,
+                                         const float *value_cache, const int64_t *table,
+                                         long length, long heads, const int64_t *kv_index,
+                                         long kv, long kv_heads, long d, long block_size,
+                                         float scale, float *out, float *scores) {
+    long stride = kv_heads * d, group[ATTENTION_GROUP], members = 0;
+    for (long h = 0; h < heads; h++) {
+        if (kv_index[h] == kv) group[members++] = h;
+        if (members < ATTENTION_GROUP && (members == 0 || h < heads - 1)) continue;
+#define ATTEND(head_dim)                                                                       \
+    attend_group_avx512(q, key_cache + kv * d, value_cache + kv * d, table, length, block_size, \
+                        stride, head_dim, group, members, scale, out, scores)
+        if (d == 64)
+            ATTEND(64);
+        else if (d == 128)
+            ATTEND(128);
+        else
+            ATTEND(d);
+#undef ATTEND
+        members = 0;
+    }
+}
+
+/* decode_attention_rows_f32 for d a multiple of 16 on AVX-512: each sequence's KV heads in
+ * turn (attend_kv_head_avx512). */
 AVX512 static void decode_attention_rows_avx512(
     const float *q, const float *key_cache, const float *value_cache, const int64_t *blocks,
     long per_seq, const int64_t *lengths, long batch, long heads, const int64_t *kv_index,
     long kv_heads, long d, long block_size, float scale, float *out, float *scores) {
-    long stride = kv_heads * d;
-    for (long b = 0; b < batch; b++) {
-        for (long kv = 0; kv < kv_heads; kv++) {
-            long group[ATTENTION_GROUP], members = 0;
-            for (long h = 0; h < heads; h++) {
-                if (kv_index[h] == kv) group[members++] = h;
-                if (members < ATTENTION_GROUP && (members == 0 || h < heads - 1)) continue;
-#define ATTEND(head_dim)                                                                       \
-    attend_group_avx512(q + b * heads * d, key_cache + kv * d, value_cache + kv * d,           \
-                        blocks + b * per_seq, (long)lengths[b], block_size, stride, head_dim,  \
-                        group, members, scale, out + b * heads * d, scores)
-                if (d == 64)
-                    ATTEND(64);
-                else if (d == 128)
-                    ATTEND(128);
-                else
-                    ATTEND(d);
-#undef ATTEND
-                members = 0;
-            }
-        }
-    }
+    for (long b = 0; b < batch; b++)
+        for (long kv = 0; kv < kv_heads; kv++)
+            attend_kv_head_avx512(q + b * heads * d, key_cache, value_cache, blocks + b * per_seq,
+                                  (long)lengths[b], heads, kv_index, kv, kv_heads, d, block_size,
+                                  scale, out + b * heads * d, scores);
 }
 #endif
 
@@ -905,24 +914,34 @@ static size_t scratch_floats(const Step *step, int workers) {
 }
 
 #ifdef HAVE_BLOCKED_LINEAR
-/* A step's decode attention over one layer's cache, a sequence per chunk; each worker scores
- * in its own piece of scores (attention_scratch_floats). */
+/* A step's decode attention over one layer's cache: a chunk is one KV head of a sequence
+ * (parts = kv_heads, where the AVX-512 kernel takes d) or a whole sequence (parts = 1), so a
+ * batch of one shares out too; each worker scores in its own piece of scores
+ * (attention_scratch_floats). */
 typedef struct {
     const Layer *layer;
     const Step *step;
     const float *q;
     float *out, *scores;
+    long parts;
 } AttentionJob;
 
-static void attention_chunk(const void *context, long sequence, int worker) {
+static void attention_chunk(const void *context, long chunk, int worker) {
     const AttentionJob *job = context;
     const Step *step = job->step;
-    long at = sequence * step->q_heads * step->d;
+    long sequence = chunk / job->parts, at = sequence * step->q_heads * step->d;
+    const int64_t *table = step->blocks + sequence * step->per_seq;
     float *scores = job->scores + worker * attention_scratch_floats(step->longest, step->d);
-    attend_f32(job->q + at, job->layer->key_cache, job->layer->value_cache,
-               step->blocks + sequence * step->per_seq, step->per_seq, step->lengths + sequence,
-               1, step->q_heads, job->layer->kv_index, step->kv_heads, step->d, step->block_size,
-               step->scale, job->out + at, scores, step->longest);
+    if (job->parts > 1)
+        attend_kv_head_avx512(job->q + at, job->layer->key_cache, job->layer->value_cache, table,
+                              (long)step->lengths[sequence], step->q_heads, job->layer->kv_index,
+                              chunk % job->parts, step->kv_heads, step->d, step->block_size,
+                              step->scale, job->out + at, scores);
+    else
+        attend_f32(job->q + at, job->layer->key_cache, job->layer->value_cache, table,
+                   step->per_seq, step->lengths + sequence, 1, step->q_heads,
+                   job->layer->kv_index, step->kv_heads, step->d, step->block_size, step->scale,
+                   job->out + at, scores, step->longest);
 }
 
 /* partial = o_proj(attention(norm(x [+ residual]))); residual_out = x + residual where
@@ -944,9 +963,10 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     rope_store_rows_f32(qkv, rows, step->q_heads, step->kv_heads, d, step->cos, step->sin, q,
                         layer->key_cache, layer->value_cache, step->slots);
     lap(times, LAP_OTHER, &since);
+    /* The fused calls run only where the CPU has AVX-512 (blocked_linear_or_error). */
     AttentionJob attention = {.layer = layer, .step = step, .q = q, .out = attended,
-                              .scores = scores};
-    team_run(team, rows, attention_chunk, &attention);
+                              .scores = scores, .parts = d % 16 == 0 ? step->kv_heads : 1};
+    team_run(team, rows * attention.parts, attention_chunk, &attention);
     lap(times, LAP_ATTENTION, &since);
     blocked_linear_rows(team, layer->o_weight, attended, partial, NULL, rows, hidden, width);
     lap(times, LAP_MATMUL, &since);
