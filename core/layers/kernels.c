@@ -574,10 +574,10 @@ AVX512 static inline __m512 sum_each_of_16(const __m512 *p) {
  * KV head, d a multiple of 16, on AVX-512: the scores of 16 cached tokens at a time (one
  * vector of partial products per token, summed lane by lane together), each 16 tokens' keys
  * read once for all the heads (in L1 after the first), then the weighted values summed in
- * registers, 64 of d at a time, each value read once for all the heads. Each head's sums are
- * those decode_attention_rows_f32's order would give one head alone here (same softmax:
- * exp_approx; sums in another order than the portable kernel's). Inlined with `members` and
- * d constants (attend_group_avx512), so the heads' sums stay in registers. */
+ * registers, 64 of d at a time, each value read once for all the heads. The heads share only
+ * the loads: each head's sums are the ones it gets alone, in the same order (the portable
+ * kernel's softmax, exp_approx; its sums in another order). Inlined with `members` and d
+ * constants (attend_group_avx512), so the heads' sums stay in registers. */
 AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
     const float *q, const float *keys_of_head, const float *values_of_head,
     const int64_t *table, long length, long block_size, long stride, const long d,
