@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shardline.cli.bench_decode import QUESTION
 from shardline.profiling import SpanTimer
 from support.cli import shardline
 from support.tiny_llama import write_tiny_llama
@@ -120,6 +121,15 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
         (["--concurrent", "1"], "--concurrent = 1: allowed: 2..32"),
         (["--timeout", "nan"], "--timeout = nan: allowed: more than 0, up to 86400 s"),
         (["--timeout", "0"], "--timeout = 0: allowed: more than 0"),
+        (
+            ["--prompt-tokens", "250"],
+            "--prompt-tokens = 250: allowed: 1..192 (the model's 256-token context less --tokens",
+        ),
+        (["--prompt-tokens", "-1"], "--prompt-tokens = -1: allowed: 1..192"),
+        (
+            ["--prompt-tokens", "10", "--tokens", "256"],
+            "--tokens = 256: allowed: 2..255 (the model's 256-token context)",
+        ),
     ],
 )
 def test_bench_decode_refuses_sizes_it_cannot_measure_before_starting(tmp_path, flags, expected):
@@ -150,3 +160,42 @@ def test_bench_decode_states_the_transformers_target_in_the_floors_terms():
         "2.5x transformers 2 threads, batch 1, is 1.50 of tp2 custom_ar's floor",
         "tp2 custom_ar 16 concurrent / transformers 2 threads batch 1: 13.00 (target >= 12)",
     ]
+
+
+@pytest.mark.timeout(240)
+def test_bench_decode_over_a_long_prompt_gives_both_engines_the_same_ids(tmp_path):
+    """``--prompt-tokens``: the chat question's ids repeated to that many, the same for both
+    engines, every concurrent request's from its own question; the bench's engine holds all
+    the concurrent requests at once; no target lines at this length."""
+    from shardline.cli.bench_decode import Case, cache_blocks, prompt_ids
+    from shardline.weights import load_tokenizer, open_checkpoint
+
+    model = add_tiny_tokenizer(write_tiny_llama(tmp_path / "model", max_position_embeddings=256))
+    tokenizer = load_tokenizer(open_checkpoint(str(model)))
+    question = prompt_ids(tokenizer, 0)
+    assert question == tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    )
+    long = prompt_ids(tokenizer, 3 * len(question) + 5)
+    assert long == (question * 4)[: 3 * len(question) + 5]
+    assert prompt_ids(tokenizer, 200, 1) != prompt_ids(tokenizer, 200, 2)
+    assert len(prompt_ids(tokenizer, 200, 1)) == 200
+    case = Case("shardline", str(model), tokens=64, concurrent=16, prompt_tokens=5000)
+    assert cache_blocks(case) == 16 * 317  # 5064 tokens in blocks of 16, for each request
+    assert cache_blocks(Case("shardline", str(model), 8, 2, prompt_tokens=100)) == 512
+    assert cache_blocks(Case("shardline", str(model), 8, 2)) is None
+
+    out = tmp_path / "decode.json"
+    done = shardline(
+        "bench", "decode", "--model", str(model), "--layouts", "tp1", "--hf-threads", "1",
+        "--tokens", "4", "--concurrent", "2", "--prompt-tokens", "60", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["engine"], row["prompt_tokens"]) for row in rows] == [
+        ("shardline", 60),
+        ("transformers", 60),
+    ]
+    assert all(row["batch1_tok_s"] > 0 for row in rows)
+    assert "prompts of 60 tokens (no targets at this length)" in done.stdout
+    assert "target" not in done.stdout.replace("no targets", "")

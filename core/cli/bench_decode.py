@@ -11,7 +11,10 @@ before each of them, since the memory bandwidth a run gets moves too (by half wi
 minute here): "of floor" is the median of the requests' own ratios.
 Concurrent: ``--concurrent`` requests submitted at once; all generated tokens over the wall
 time, prefill included. transformers: ``generate`` with a streamer timing each token, at
-1 and 2 torch threads. Both engines hold the weights in ``--dtype`` (float32 by default).
+1 and 2 torch threads. Both engines hold the weights in ``--dtype`` (float32 by default) and
+get the same prompt ids: a short chat question, or with ``--prompt-tokens N`` its ids
+repeated to N tokens (decode over a long context; the bench's engine then gets the cache
+blocks every concurrent request needs at once).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class Case:
     profile: bool = False
     #: The weights' dtype (``model.dtype``; transformers loads the same).
     dtype: str = "float32"
+    #: Tokens of each request's prompt (0: the chat question's, see :func:`prompt_ids`).
+    prompt_tokens: int = 0
 
 
 def plan(
@@ -69,6 +74,7 @@ def plan(
     timeout_s: float,
     profile: bool = False,
     dtype: str = "float32",
+    prompt_tokens: int = 0,
 ) -> list[Case]:
     """The cases of one run (``communicators``: name -> the launcher its ranks need); TP=1
     has nothing to communicate and is one row."""
@@ -95,37 +101,60 @@ def plan(
                     launcher,
                     profile,
                     dtype,
+                    prompt_tokens,
                 )
             )
     cases += [
-        Case("transformers", model, tokens, concurrent, threads=t, timeout_s=timeout_s, dtype=dtype)
+        Case(
+            "transformers",
+            model,
+            tokens,
+            concurrent,
+            threads=t,
+            timeout_s=timeout_s,
+            dtype=dtype,
+            prompt_tokens=prompt_tokens,
+        )
         for t in hf_threads
     ]
     return cases
 
 
-def check_sizes(model: str, tokens: int, concurrent: int, timeout_s: float) -> None:
+def check_sizes(
+    model: str, tokens: int, concurrent: int, timeout_s: float, prompt_tokens: int = 0
+) -> None:
     """Refuse, before anything starts, a run that cannot measure what it says: more tokens
-    than half the context the bench's engine gives ``model`` (the rest is the prompt's), more
-    concurrent requests than one step schedules (the rest would queue), a deadline that is
-    not a number of seconds within a day."""
+    than half the context the bench's engine gives ``model`` (the rest is the chat question's),
+    or, with ``prompt_tokens``, a prompt and tokens past the model's context; more concurrent
+    requests than one step schedules (the rest would queue), a deadline that is not a number
+    of seconds within a day. (With ``prompt_tokens`` the engine's cache is sized for every
+    request at once: :func:`cache_blocks`; its own capacity check refuses what the host
+    cannot hold.)"""
     from shardline.cli.flags import check_count, check_seconds
     from shardline.config.schema import EngineConfig
     from shardline.weights import open_checkpoint
 
     defaults = EngineConfig()
-    context = min(
-        open_checkpoint(model).architecture.max_positions,
-        defaults.cache.num_blocks * defaults.cache.block_size,
-    )
-    check_count(
-        "--tokens",
-        tokens,
-        2,
-        context // 2,
-        f"half the {context}-token context the benchmark's engine gives this model; the rest "
-        "is the prompt's",
-    )
+    positions = open_checkpoint(model).architecture.max_positions
+    if prompt_tokens:
+        check_count("--tokens", tokens, 2, positions - 1, f"the model's {positions}-token context")
+        check_count(
+            "--prompt-tokens",
+            prompt_tokens,
+            1,
+            positions - tokens,
+            f"the model's {positions}-token context less --tokens; 0: the chat question",
+        )
+    else:
+        context = min(positions, defaults.cache.num_blocks * defaults.cache.block_size)
+        check_count(
+            "--tokens",
+            tokens,
+            2,
+            context // 2,
+            f"half the {context}-token context the benchmark's engine gives this model; the "
+            "rest is the prompt's",
+        )
     check_count(
         "--concurrent",
         concurrent,
@@ -134,6 +163,29 @@ def check_sizes(model: str, tokens: int, concurrent: int, timeout_s: float) -> N
         "scheduler.max_num_seqs: more requests would wait in the queue, not run concurrently",
     )
     check_seconds("--timeout", timeout_s)
+
+
+def cache_blocks(case: Case) -> int | None:
+    """Cache blocks per rank that hold every concurrent request's prompt and tokens at once
+    (None: the default cache holds the chat question's)."""
+    if not case.prompt_tokens:
+        return None
+    from shardline.config.schema import EngineConfig
+
+    cache = EngineConfig().cache
+    per_request = -(-(case.prompt_tokens + case.tokens) // cache.block_size)
+    return max(int(cache.num_blocks), case.concurrent * per_request)
+
+
+def prompt_ids(tokenizer, prompt_tokens: int, variant: int | None = None) -> list[int]:
+    """A request's prompt, the same ids for both engines: the chat-templated question (the
+    concurrent requests' with "Version ``variant``." added), or with ``prompt_tokens`` its ids
+    repeated to exactly that many."""
+    text = QUESTION if variant is None else f"{QUESTION} Version {variant}."
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+    if prompt_tokens:
+        ids = (ids * -(-prompt_tokens // len(ids)))[:prompt_tokens]
+    return ids
 
 
 def available_communicators(
@@ -200,9 +252,13 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
     if sys.stderr.isatty():
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     print(_table(rows))
+    long_prompts = bool(rows and rows[0].get("prompt_tokens"))
     if rows:
         print(f"weights in {rows[0]['dtype']}")
-    for line in _targets(rows):
+    if long_prompts:
+        # The targets are set on the chat question's prompt, decode over a short context.
+        print(f"prompts of {rows[0]['prompt_tokens']} tokens (no targets at this length)")
+    for line in [] if long_prompts else _targets(rows):
         print(line)
     for row in rows:
         for mode, profile in row.get("step_profile", {}).items():
@@ -377,25 +433,25 @@ def _measure_shardline(case: Case) -> dict | None:
         overrides.append(f"parallel.communicator={case.communicator}")
     if tp * pp * dp > 1 and case.launcher is None:
         overrides.append("parallel.distributed_executor_backend=mp")
+    blocks = cache_blocks(case)
+    if blocks is not None:
+        overrides.append(f"cache.num_blocks={blocks}")
     with LLM(overrides=overrides) as llm:
-        conversation = [{"role": "user", "content": QUESTION}]
-        llm.chat(conversation, SamplingParams(max_tokens=4))
+        prompt = prompt_ids(llm.tokenizer, case.prompt_tokens)
+        llm.generate([prompt], SamplingParams(max_tokens=4))
         params = SamplingParams(max_tokens=case.tokens, ignore_eos=True)
         weights = llm.engine.executor.collective_rpc("weight_bytes_per_step")
         batch1_runs, floors = [], []
         for _ in range(BATCH1_RUNS):
             floors.append(decode_floor(llm.engine.executor, weights))
             stamps: list[float] = []
-            llm.chat(
-                conversation, params, stream=lambda *_, s=stamps: s.append(time.perf_counter())
+            llm.generate(
+                [prompt], params, stream=lambda *_, s=stamps: s.append(time.perf_counter())
             )
             batch1_runs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-        many = [
-            [{"role": "user", "content": f"{QUESTION} Version {i}."}]
-            for i in range(case.concurrent)
-        ]
+        many = [prompt_ids(llm.tokenizer, case.prompt_tokens, i) for i in range(case.concurrent)]
         started = time.perf_counter()
-        outputs = llm.chat(many, params)
+        outputs = llm.generate(many, params)
         elapsed = time.perf_counter() - started
         result = {
             "batch1_tok_s": statistics.median(batch1_runs),
@@ -413,11 +469,9 @@ def _measure_shardline(case: Case) -> dict | None:
             ),
         }
         if case.profile:
-            prompts = [llm.tokenizer.apply_chat_template(c) for c in [conversation, *many]]
-            ids = [llm.tokenizer.encode(p) for p in prompts]
             result["step_profile"] = {
-                "batch 1": profile_decode(llm.engine, ids[:1], params),
-                f"{case.concurrent} concurrent": profile_decode(llm.engine, ids[1:], params),
+                "batch 1": profile_decode(llm.engine, [prompt], params),
+                f"{case.concurrent} concurrent": profile_decode(llm.engine, many, params),
             }
         return result if llm.reports_results else None
 
@@ -503,10 +557,7 @@ def _measure_transformers(case: Case) -> dict:
 
     torch.set_num_threads(case.threads)
     path = resolve_model_path(case.model)
-    tokenizer = load_tokenizer(open_checkpoint(path))
-    prompt = tokenizer.encode(
-        tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
-    )
+    prompt = prompt_ids(load_tokenizer(open_checkpoint(path)), case.prompt_tokens)
     model = load_transformers(path, getattr(torch, case.dtype))
 
     ids = torch.tensor([prompt])

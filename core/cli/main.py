@@ -210,6 +210,13 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
     decode.add_argument("--tokens", type=int, default=64, help="tokens per request (64)")
     decode.add_argument("--concurrent", type=int, default=16, help="concurrent requests (16)")
     decode.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="tokens of each request's prompt, for decode over a long context (0: a short chat "
+        "question)",
+    )
+    decode.add_argument(
         "--layouts", default="tp1,tp2,pp2", help="of tp1, tp2, pp2, dp2 (2 replicas of tp1)"
     )
     decode.add_argument(
@@ -522,7 +529,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
             f"1..{cores} (this host's cores), or '' for no transformers rows"
         )
     model = catalog.resolve_model_path(args.model)
-    bench_decode.check_sizes(model, args.tokens, args.concurrent, args.timeout)
+    bench_decode.check_sizes(model, args.tokens, args.concurrent, args.timeout, args.prompt_tokens)
     names = [n.strip() for n in args.communicators.split(",") if n.strip()]
     usable, skipped = bench_decode.available_communicators(names)
     cases = bench_decode.plan(
@@ -535,6 +542,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         args.timeout,
         profile=args.profile,
         dtype=args.dtype,
+        prompt_tokens=args.prompt_tokens,
     )
     if args.across_hosts is not None:
         from shardline.cli import bench_hosts
