@@ -76,8 +76,10 @@ def test_rope_and_cache_store_are_bit_identical(rows, q_heads, kv_heads, d):
     assert torch.equal(caches[0].value, caches[1].value)
 
 
-def _filled_cache(kv_heads: int, d: int, num_blocks: int = 40, block_size: int = 4) -> KVCache:
-    cache = KVCache(num_blocks, block_size, kv_heads, d, torch.float32)
+def _filled_cache(
+    kv_heads: int, d: int, num_blocks: int = 40, block_size: int = 4, dtype=torch.float32
+) -> KVCache:
+    cache = KVCache(num_blocks, block_size, kv_heads, d, dtype)
     cache.key.normal_()
     cache.value.normal_()
     return cache
@@ -126,14 +128,15 @@ def test_decode_attention_over_the_paged_cache(kv_index, grouped, d, block_size)
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 80])
-def test_a_query_heads_attention_does_not_depend_on_the_heads_read_with_it(d):
+def test_a_query_heads_attention_does_not_depend_on_the_heads_read_with_it(d, dtype):
     """The vector kernel scores the query heads of a KV head together (up to 4 at a time):
     each head's output is bit for bit what it gets alone."""
     kv_index = torch.tensor([0, 0, 1, 0, 0, 0, 1])
-    cache = _filled_cache(2, d, block_size=16)
+    cache = _filled_cache(2, d, block_size=16, dtype=dtype)
     metadata = _metadata([1, 1], [23, 70], cache.block_size)
-    q = torch.randn(2, len(kv_index), d)
+    q = torch.randn(2, len(kv_index), d).to(dtype)
     decode = metadata.decode_batch(cache.block_size)
     together = NATIVE.decode_attention(q, cache, decode, 0.3, KVHeadIndex.of(kv_index))
     for head in range(len(kv_index)):
@@ -141,6 +144,28 @@ def test_a_query_heads_attention_does_not_depend_on_the_heads_read_with_it(d):
             q[:, head : head + 1].contiguous(), cache, decode, 0.3, KVHeadIndex.of(kv_index[[head]])
         )
         assert torch.equal(alone[:, 0], together[:, head]), head
+
+
+@pytest.mark.parametrize("d,block_size", [(64, 16), (80, 32), (8, 4)], ids=["64", "80", "8"])
+def test_bfloat16_decode_attention_is_the_float32_kernels_on_the_widened_tensors(d, block_size):
+    """bfloat16 keys, values and queries widen to float32 exactly: the vector kernel (head sizes
+    that are multiples of 16) computes what it computes on the widened tensors and rounds once,
+    bit for bit; every head size stays within a bfloat16 step of torch."""
+    bf16 = torch.bfloat16
+    kv_index = KVHeadIndex.of(torch.tensor([0, 0, 1, 0, 0, 0, 1]))
+    cache = _filled_cache(2, d, block_size=block_size, dtype=bf16)
+    wide = KVCache(40, block_size, 2, d, torch.float32)
+    wide.key.copy_(cache.key)
+    wide.value.copy_(cache.value)
+    decode = _metadata([1, 1, 1, 1], [1, 9, 23, 70], block_size).decode_batch(block_size)
+    q = torch.randn(4, 7, d).to(bf16)
+    got = NATIVE.decode_attention(q, cache, decode, 0.3, kv_index)
+    assert got.dtype == bf16
+    if d % 16 == 0:
+        widened = NATIVE.decode_attention(q.float(), wide, decode, 0.3, kv_index)
+        assert torch.equal(got, widened.to(bf16))
+    expected = TORCH_KERNELS.decode_attention(q, cache, decode, 0.3, kv_index)
+    _close(got.float(), expected.float(), rel=2**-7)
 
 
 def test_a_kv_head_index_is_copied_to_another_device_once():

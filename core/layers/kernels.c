@@ -110,10 +110,10 @@ static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as
 #define ATTENTION_GROUP 4
 
 /* Floats of scratch decode attention needs for sequences of up to longest tokens: the scores
- * of ATTENTION_GROUP query heads, with 2 d floats more (the portable kernel's query and sums,
- * after its one head's scores). */
+ * of ATTENTION_GROUP query heads, then their queries widened to float32 (bfloat16 tensors; the
+ * portable kernel's query and sums, 2 d, after its one head's scores, fit too). */
 static inline long attention_scratch_floats(long longest, long d) {
-    return ATTENTION_GROUP * longest + 2 * d;
+    return ATTENTION_GROUP * (longest + d);
 }
 
 /* ---- a team of threads ---------------------------------------------------------------------
@@ -570,37 +570,47 @@ AVX512 static inline __m512 sum_each_of_16(const __m512 *p) {
                          _mm512_shuffle_f32x4(front, back, 0xDD));
 }
 
-/* One sequence's attention for `members` query heads (group: their numbers) that read one
- * KV head, d a multiple of 16, on AVX-512: the scores of 16 cached tokens at a time (one
- * vector of partial products per token, summed lane by lane together), each 16 tokens' keys
- * read once for all the heads (in L1 after the first), then the weighted values summed in
- * registers, 64 of d at a time, each value read once for all the heads. The heads share only
- * the loads: each head's sums are the ones it gets alone, in the same order (the portable
- * kernel's softmax, exp_approx; its sums in another order). Inlined with `members` and d
- * constants (attend_group_avx512), so the heads' sums stay in registers. */
+/* 16 elements from base[at] as float32: float32, or bfloat16 (bf16) widened exactly. */
+AVX512 static inline __m512 load_16(const void *base, long at, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)base + at);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* One sequence's attention for `members` query heads (group: their numbers; queries: their
+ * rows as float32) that read one KV head, d a multiple of 16, on AVX-512: the scores of 16
+ * cached tokens at a time (one vector of partial products per token, summed lane by lane
+ * together), each 16 tokens' keys read once for all the heads (in L1 after the first), then
+ * the weighted values summed in registers, 64 of d at a time, each value read once for all the
+ * heads. The heads share only the loads: each head's sums are the ones it gets alone, in the
+ * same order (the portable kernel's softmax, exp_approx; its sums in another order). The cache
+ * and out hold float32, or bfloat16 (bf16: keys and values widened exactly, the output rounded
+ * once, as the portable kernel does). Inlined with `members`, d and bf16 constants
+ * (attend_group_avx512), so the heads' sums stay in registers. */
 AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
-    const float *q, const float *keys_of_head, const float *values_of_head,
+    const float *const *queries, const void *keys_of_head, const void *values_of_head,
     const int64_t *table, long length, long block_size, long stride, const long d,
-    const long *group, const long members, float scale, float *out, float *scores) {
+    const int bf16, const long *group, const long members, float scale, void *out,
+    float *scores) {
     long chunks = d / 16, blocks_used = (length + block_size - 1) / block_size;
     __m512 scale_v = _mm512_set1_ps(scale), top_v[ATTENTION_GROUP];
     for (long g = 0; g < members; g++) top_v[g] = _mm512_set1_ps(-INFINITY);
     for (long k = 0; k < blocks_used; k++) {
         long first = k * block_size;
         long count = length - first < block_size ? length - first : block_size;
-        const float *keys = keys_of_head + table[k] * block_size * stride;
+        long keys = table[k] * block_size * stride;
         for (long t0 = 0; t0 < count; t0 += 16) {
             long n = count - t0 < 16 ? count - t0 : 16;
             __mmask16 lanes = (__mmask16)((1u << n) - 1);
             for (long g = 0; g < members; g++) {
-                const float *query = q + group[g] * d;
+                const float *query = queries[g];
                 __m512 partial[16];
                 for (long j = 0; j < 16; j++) {
                     __m512 sum = _mm512_setzero_ps();
                     if (j < n) {
-                        const float *key = keys + (t0 + j) * stride;
+                        long key = keys + (t0 + j) * stride;
                         for (long c = 0; c < chunks; c++)
-                            sum = _mm512_fmadd_ps(_mm512_loadu_ps(key + 16 * c),
+                            sum = _mm512_fmadd_ps(load_16(keys_of_head, key + 16 * c, bf16),
                                                   _mm512_loadu_ps(query + 16 * c), sum);
                     }
                     partial[j] = sum;
@@ -625,13 +635,13 @@ AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
         for (long k = 0; k < blocks_used; k++) {
             long first = k * block_size;
             long count = length - first < block_size ? length - first : block_size;
-            const float *values = values_of_head + table[k] * block_size * stride + 16 * c;
+            long values = table[k] * block_size * stride + 16 * c;
             for (long t = 0; t < count; t++) {
-                const float *value = values + t * stride;
-                __m512 v0 = _mm512_loadu_ps(value);
-                __m512 v1 = m > 1 ? _mm512_loadu_ps(value + 16) : v0;
-                __m512 v2 = m > 2 ? _mm512_loadu_ps(value + 32) : v0;
-                __m512 v3 = m > 3 ? _mm512_loadu_ps(value + 48) : v0;
+                long value = values + t * stride;
+                __m512 v0 = load_16(values_of_head, value, bf16);
+                __m512 v1 = m > 1 ? load_16(values_of_head, value + 16, bf16) : v0;
+                __m512 v2 = m > 2 ? load_16(values_of_head, value + 32, bf16) : v0;
+                __m512 v3 = m > 3 ? load_16(values_of_head, value + 48, bf16) : v0;
                 for (long g = 0; g < members; g++) {
                     __m512 weight = _mm512_set1_ps(scores[g * length + first + t]);
                     acc[g][0] = _mm512_fmadd_ps(weight, v0, acc[g][0]);
@@ -642,21 +652,30 @@ AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
             }
         }
         for (long g = 0; g < members; g++) {
-            float *dst = out + group[g] * d + 16 * c;
-            for (long i = 0; i < m; i++)
-                _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(acc[g][i], inv[g]));
+            long at = group[g] * d + 16 * c;
+            for (long i = 0; i < m; i++) {
+                __m512 result = _mm512_mul_ps(acc[g][i], inv[g]);
+                if (!bf16) {
+                    _mm512_storeu_ps((float *)out + at + 16 * i, result);
+                    continue;
+                }
+                float lane[16];
+                _mm512_storeu_ps(lane, result);
+                for (int e = 0; e < 16; e++)
+                    ((uint16_t *)out)[at + 16 * i + e] = float_to_bf16(lane[e]);
+            }
         }
     }
 }
 
 /* attend_heads_avx512 with members (1 to ATTENTION_GROUP) made a constant. */
 AVX512 static inline __attribute__((always_inline)) void attend_group_avx512(
-    const float *q, const float *keys_of_head, const float *values_of_head,
+    const float *const *queries, const void *keys_of_head, const void *values_of_head,
     const int64_t *table, long length, long block_size, long stride, const long d,
-    const long *group, long members, float scale, float *out, float *scores) {
+    const int bf16, const long *group, long members, float scale, void *out, float *scores) {
 #define ATTEND(count)                                                                          \
-    attend_heads_avx512(q, keys_of_head, values_of_head, table, length, block_size, stride, d, \
-                        group, count, scale, out, scores)
+    attend_heads_avx512(queries, keys_of_head, values_of_head, table, length, block_size,     \
+                        stride, d, bf16, group, count, scale, out, scores)
     switch (members) {
     case 1: ATTEND(1); break;
     case 2: ATTEND(2); break;
@@ -667,43 +686,62 @@ AVX512 static inline __attribute__((always_inline)) void attend_group_avx512(
 }
 
 /* One sequence's decode attention for the query heads that read KV head kv, d a multiple of
- * 16, on AVX-512: those heads ATTENTION_GROUP at a time (attend_heads_avx512; d 64 and 128,
- * the Llama family's, made constants: 5-8% faster); q and out: the sequence's rows; scores:
- * attention_scratch_floats. */
-AVX512 static void attend_kv_head_avx512(const float *q, const float *key_cache,
-                                         const float *value_cache, const int64_t *table,
+ * 16, on AVX-512, float32 or bfloat16 (bf16) tensors: those heads ATTENTION_GROUP at a time
+ * (attend_heads_avx512; for float32, d 64 and 128, the Llama family's, made constants: 5-8%
+ * faster); q and out: the sequence's rows; scores: attention_scratch_floats. Not cloned per
+ * caller: its inlined kernels are large. */
+AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(int bf16, const void *q, const void *key_cache,
+                                         const void *value_cache, const int64_t *table,
                                          long length, long heads, const int64_t *kv_index,
                                          long kv, long kv_heads, long d, long block_size,
-                                         float scale, float *out, float *scores) {
+                                         float scale, void *out, float *scores) {
     long stride = kv_heads * d, group[ATTENTION_GROUP], members = 0;
+    size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const char *keys = (const char *)key_cache + kv * d * element;
+    const char *values = (const char *)value_cache + kv * d * element;
+    float *widened = scores + ATTENTION_GROUP * length;
+    const float *queries[ATTENTION_GROUP];
     for (long h = 0; h < heads; h++) {
         if (kv_index[h] == kv) group[members++] = h;
         if (members < ATTENTION_GROUP && (members == 0 || h < heads - 1)) continue;
-#define ATTEND(head_dim)                                                                       \
-    attend_group_avx512(q, key_cache + kv * d, value_cache + kv * d, table, length, block_size, \
-                        stride, head_dim, group, members, scale, out, scores)
-        if (d == 64)
-            ATTEND(64);
+        for (long g = 0; g < members; g++) {
+            if (!bf16) {
+                queries[g] = (const float *)q + group[g] * d;
+                continue;
+            }
+            for (long i = 0; i < d; i++)
+                widened[g * d + i] = bf16_to_float(((const uint16_t *)q)[group[g] * d + i]);
+            queries[g] = widened + g * d;
+        }
+#define ATTEND(head_dim, type)                                                                 \
+    attend_group_avx512(queries, keys, values, table, length, block_size, stride, head_dim,    \
+                        type, group, members, scale, out, scores)
+        if (bf16)
+            ATTEND(d, 1);
+        else if (d == 64)
+            ATTEND(64, 0);
         else if (d == 128)
-            ATTEND(128);
+            ATTEND(128, 0);
         else
-            ATTEND(d);
+            ATTEND(d, 0);
 #undef ATTEND
         members = 0;
     }
 }
 
-/* decode_attention_rows_f32 for d a multiple of 16 on AVX-512: each sequence's KV heads in
- * turn (attend_kv_head_avx512). */
+/* decode_attention_rows_f32 (bf16 0) or _bf16 (1) for d a multiple of 16 on AVX-512: each
+ * sequence's KV heads in turn (attend_kv_head_avx512). */
 AVX512 static void decode_attention_rows_avx512(
-    const float *q, const float *key_cache, const float *value_cache, const int64_t *blocks,
-    long per_seq, const int64_t *lengths, long batch, long heads, const int64_t *kv_index,
-    long kv_heads, long d, long block_size, float scale, float *out, float *scores) {
+    int bf16, const void *q, const void *key_cache, const void *value_cache,
+    const int64_t *blocks, long per_seq, const int64_t *lengths, long batch, long heads,
+    const int64_t *kv_index, long kv_heads, long d, long block_size, float scale, void *out,
+    float *scores) {
+    size_t row = (size_t)(heads * d) * (bf16 ? sizeof(uint16_t) : sizeof(float));
     for (long b = 0; b < batch; b++)
         for (long kv = 0; kv < kv_heads; kv++)
-            attend_kv_head_avx512(q + b * heads * d, key_cache, value_cache, blocks + b * per_seq,
-                                  (long)lengths[b], heads, kv_index, kv, kv_heads, d, block_size,
-                                  scale, out + b * heads * d, scores);
+            attend_kv_head_avx512(bf16, (const char *)q + b * row, key_cache, value_cache,
+                                  blocks + b * per_seq, (long)lengths[b], heads, kv_index, kv,
+                                  kv_heads, d, block_size, scale, (char *)out + b * row, scores);
 }
 #endif
 
@@ -749,23 +787,28 @@ static int check_decode(const int64_t *lengths, long batch, long per_seq, long b
     return 0;
 }
 
-/* Float32 decode attention on the widest kernel this CPU runs; scores: room for
- * attention_scratch_floats(longest, d). */
-static void attend_f32(const float *q, const float *key_cache, const float *value_cache,
-                       const int64_t *blocks, long per_seq, const int64_t *lengths, long batch,
-                       long heads, const int64_t *kv_index, long kv_heads, long d,
-                       long block_size, float scale, float *out, float *scores, long longest) {
+/* Decode attention over float32 (bf16 0) or bfloat16 (1) tensors on the widest kernel this
+ * CPU runs; scores: room for attention_scratch_floats(longest, d). */
+static void attend(int bf16, const void *q, const void *key_cache, const void *value_cache,
+                   const int64_t *blocks, long per_seq, const int64_t *lengths, long batch,
+                   long heads, const int64_t *kv_index, long kv_heads, long d, long block_size,
+                   float scale, void *out, float *scores, long longest) {
 #ifdef HAVE_BLOCKED_LINEAR
     if (d % 16 == 0 && __builtin_cpu_supports("avx512f")) {
-        decode_attention_rows_avx512(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
-                                     heads, kv_index, kv_heads, d, block_size, scale, out,
+        decode_attention_rows_avx512(bf16, q, key_cache, value_cache, blocks, per_seq, lengths,
+                                     batch, heads, kv_index, kv_heads, d, block_size, scale, out,
                                      scores);
         return;
     }
 #endif
-    decode_attention_rows_f32(q, key_cache, value_cache, blocks, per_seq, lengths, batch, heads,
-                              kv_index, kv_heads, d, block_size, scale, out, scores,
-                              scores + longest);
+    if (bf16)
+        decode_attention_rows_bf16(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
+                                   heads, kv_index, kv_heads, d, block_size, scale, out, scores,
+                                   scores + longest);
+    else
+        decode_attention_rows_f32(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
+                                  heads, kv_index, kv_heads, d, block_size, scale, out, scores,
+                                  scores + longest);
 }
 
 static int take_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
@@ -833,13 +876,8 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     float *scores = malloc((size_t)attention_scratch_floats(longest, d) * sizeof(float));
     if (scores == NULL) return PyErr_NoMemory();
-    if (bf16)
-        decode_attention_rows_bf16(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
-                                   heads, kv_index, kv_heads, d, block_size, scale, out, scores,
-                                   scores + longest);
-    else
-        attend_f32(q, key_cache, value_cache, blocks, per_seq, lengths, batch, heads, kv_index,
-                   kv_heads, d, block_size, scale, out, scores, longest);
+    attend(bf16 != 0, q, key_cache, value_cache, blocks, per_seq, lengths, batch, heads,
+           kv_index, kv_heads, d, block_size, scale, out, scores, longest);
     free(scores);
     Py_RETURN_NONE;
 }
@@ -933,15 +971,15 @@ static void attention_chunk(const void *context, long chunk, int worker) {
     const int64_t *table = step->blocks + sequence * step->per_seq;
     float *scores = job->scores + worker * attention_scratch_floats(step->longest, step->d);
     if (job->parts > 1)
-        attend_kv_head_avx512(job->q + at, job->layer->key_cache, job->layer->value_cache, table,
-                              (long)step->lengths[sequence], step->q_heads, job->layer->kv_index,
-                              chunk % job->parts, step->kv_heads, step->d, step->block_size,
-                              step->scale, job->out + at, scores);
+        attend_kv_head_avx512(0, job->q + at, job->layer->key_cache, job->layer->value_cache,
+                              table, (long)step->lengths[sequence], step->q_heads,
+                              job->layer->kv_index, chunk % job->parts, step->kv_heads, step->d,
+                              step->block_size, step->scale, job->out + at, scores);
     else
-        attend_f32(job->q + at, job->layer->key_cache, job->layer->value_cache, table,
-                   step->per_seq, step->lengths + sequence, 1, step->q_heads,
-                   job->layer->kv_index, step->kv_heads, step->d, step->block_size, step->scale,
-                   job->out + at, scores, step->longest);
+        attend(0, job->q + at, job->layer->key_cache, job->layer->value_cache, table,
+               step->per_seq, step->lengths + sequence, 1, step->q_heads, job->layer->kv_index,
+               step->kv_heads, step->d, step->block_size, step->scale, job->out + at, scores,
+               step->longest);
 }
 
 /* partial = o_proj(attention(norm(x [+ residual]))); residual_out = x + residual where
