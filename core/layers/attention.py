@@ -162,17 +162,20 @@ def paged_attention(
             keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), kv_index
         )
         n_q = end - start
-        if n_q == seq_len:  # the whole sequence: plain causal (the kernel skips masked tiles)
-            attended = F.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=scale, enable_gqa=kv_index.grouped
-            )
-        else:
+        visible = None  # the whole sequence: plain causal (the kernel skips masked tiles)
+        if n_q < seq_len:
             # Query t sits at position seq_len - n_q + t and sees keys up to there.
             key_positions = torch.arange(seq_len, device=q.device)
             query_positions = seq_len - n_q + torch.arange(n_q, device=q.device)
             visible = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
-            attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=visible, scale=scale, enable_gqa=kv_index.grouped
-            )
+        attended = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=visible,
+            is_causal=visible is None,
+            scale=scale,
+            enable_gqa=kv_index.grouped,
+        )
         out[start:end] = attended[0].transpose(0, 1)
     return out.reshape(q.shape[0], -1)

@@ -690,20 +690,21 @@ AVX512 static inline __attribute__((always_inline)) void attend_group_avx512(
  * (attend_heads_avx512; for float32, d 64 and 128, the Llama family's, made constants: 5-8%
  * faster); q and out: the sequence's rows; scores: attention_scratch_floats. Not cloned per
  * caller: its inlined kernels are large. */
-AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(int bf16, const void *q, const void *key_cache,
-                                         const void *value_cache, const int64_t *table,
-                                         long length, long heads, const int64_t *kv_index,
-                                         long kv, long kv_heads, long d, long block_size,
-                                         float scale, void *out, float *scores) {
-    long stride = kv_heads * d, group[ATTENTION_GROUP], members = 0;
+AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(
+    int bf16, const void *q, const void *key_cache, const void *value_cache,
+    const int64_t *table, long length, long heads, const int64_t *kv_index, long kv,
+    long kv_heads, long d, long block_size, float scale, void *out, float *scores) {
+    long stride = kv_heads * d, group[ATTENTION_GROUP];
     size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
     const char *keys = (const char *)key_cache + kv * d * element;
     const char *values = (const char *)value_cache + kv * d * element;
     float *widened = scores + ATTENTION_GROUP * length;
     const float *queries[ATTENTION_GROUP];
-    for (long h = 0; h < heads; h++) {
-        if (kv_index[h] == kv) group[members++] = h;
-        if (members < ATTENTION_GROUP && (members == 0 || h < heads - 1)) continue;
+    for (long h = 0; h < heads;) {
+        long members = 0; /* the next ATTENTION_GROUP heads reading kv, in order */
+        for (; h < heads && members < ATTENTION_GROUP; h++)
+            if (kv_index[h] == kv) group[members++] = h;
+        if (members == 0) break;
         for (long g = 0; g < members; g++) {
             if (!bf16) {
                 queries[g] = (const float *)q + group[g] * d;
@@ -725,7 +726,6 @@ AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(int bf16, cons
         else
             ATTEND(d, 0);
 #undef ATTEND
-        members = 0;
     }
 }
 
