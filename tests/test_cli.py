@@ -232,13 +232,13 @@ def _processes_with(variable: str) -> list[int]:
 
 @pytest.mark.timeout(120)
 def test_sigterm_stops_the_fault_matrix_mid_scenario_and_ends_its_ranks(tmp_path):
-    # The scenario runs in a session of its own; its processes inherit this TMPDIR.
-    mark = f"TMPDIR={tmp_path}"
+    # The scenario runs in a session of its own; its processes inherit this variable.
+    mark = f"SHARDLINE_TEST_MARK={tmp_path}"
     faults = subprocess.Popen(
         [SHARDLINE, "faults", "--executors", "mp", "--communicators", "gloo", "--scenarios",
          "hangs in a collective", "--timeout", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+        env={**os.environ, "SHARDLINE_TEST_MARK": str(tmp_path)},
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60

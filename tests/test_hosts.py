@@ -56,11 +56,12 @@ def test_each_host_has_its_own_name_shared_memory_and_address(two_hosts):
 
 @pytest.mark.parametrize("communicator", ["gloo", "custom_ar"])
 def test_torchrun_across_two_hosts_gives_transformers_tokens(
-    two_hosts, tiny_llama_dir, tiny_llama_greedy, communicator
+    two_hosts, tiny_llama_dir, tiny_llama_greedy, communicator, tmp_path
 ):
     h1 = two_hosts.hosts[0]
     environ = launcher_environment()
     environ["PYTHONPATH"] = f"{ROOT / 'tests'}:{environ['PYTHONPATH']}"
+    environ["TMPDIR"] = str(tmp_path)  # torchrun's log folders go with the test's
     program = ["-m", "support.launched_driver", str(tiny_llama_dir), "2", "1"]
     runs = [
         subprocess.Popen(

@@ -215,7 +215,7 @@ def available_communicators(
 
 def run_case(case: Case) -> dict:
     """Run ``case`` in fresh processes; its figures, or ``{"error": ...}``."""
-    from shardline.launch.launchers import launcher_command, launcher_environment
+    from shardline.launch.launchers import launcher_command, launcher_environment, private_tmpdir
 
     program = ["-m", "shardline.cli.bench_decode", json.dumps(asdict(case))]
     ranks = math.prod(LAYOUTS[case.layout])
@@ -225,14 +225,15 @@ def run_case(case: Case) -> dict:
         else [sys.executable, *program]
     )
     try:
-        done = subprocess.run(
-            command,
-            env=launcher_environment(),
-            capture_output=True,
-            text=True,
-            timeout=case.timeout_s,
-            start_new_session=True,
-        )
+        with private_tmpdir(launcher_environment()) as environ:
+            done = subprocess.run(
+                command,
+                env=environ,
+                capture_output=True,
+                text=True,
+                timeout=case.timeout_s,
+                start_new_session=True,
+            )
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish within {case.timeout_s:g} s"}
     for line in done.stdout.splitlines():

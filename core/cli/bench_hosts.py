@@ -26,7 +26,7 @@ from shardline.cli import bench_cmd, bench_decode
 from shardline.cli.table import render
 from shardline.errors import ConfigError
 from shardline.launch import hosts as simulated
-from shardline.launch.launchers import launcher_environment
+from shardline.launch.launchers import launcher_environment, private_tmpdir
 
 #: Marks the line a rank program prints its result on.
 COMM_MARK = "BENCH-HOSTS-COMM "
@@ -74,9 +74,9 @@ def launch(
     ``place`` under ``launcher`` ("mpiexec", or torchrun for anything else), or, with
     "driver", once in the place's first host (a driver whose executor places the ranks);
     every launch command's standard output joined. ``environ``: the commands' environment
-    (default :func:`~shardline.launch.launchers.launcher_environment`). Raises RuntimeError
-    naming the exit codes and the last error lines when a command fails or outlives
-    ``timeout_s``."""
+    (default :func:`~shardline.launch.launchers.launcher_environment`), with a temporary
+    folder of their own. Raises RuntimeError naming the exit codes and the last error lines
+    when a command fails or outlives ``timeout_s``."""
     made = place.cluster
     if launcher == "mpiexec":
         commands = [made.mpiexec(place.hosts, place.per_host, [sys.executable, *program])]
@@ -84,31 +84,32 @@ def launch(
         commands = [made.hosts[0].command([sys.executable, *program])]
     else:
         commands = made.torchrun(place.hosts, place.per_host, program)
-    started = [
-        subprocess.Popen(
-            command,
-            env=dict(environ) if environ is not None else launcher_environment(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        for command in commands
-    ]
     outputs, errors = [], []
-    for process in started:
-        try:
-            out, err = process.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for late in started:
-                late.kill()
-            out, err = process.communicate()
-            errors.append(f"did not end within {timeout_s:g} s")
-        outputs.append(out)
-        if process.returncode:
-            last = (err.strip().splitlines() or ["no output"])[-1]
-            errors.append(f"exit code {process.returncode}: {last}")
+    with private_tmpdir(launcher_environment() if environ is None else environ) as private:
+        started = [
+            subprocess.Popen(
+                command,
+                env=private,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
+            for command in commands
+        ]
+        for process in started:
+            try:
+                out, err = process.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                for late in started:
+                    late.kill()
+                out, err = process.communicate()
+                errors.append(f"did not end within {timeout_s:g} s")
+            outputs.append(out)
+            if process.returncode:
+                last = (err.strip().splitlines() or ["no output"])[-1]
+                errors.append(f"exit code {process.returncode}: {last}")
     if errors:
         raise RuntimeError("; ".join(errors))
     return "\n".join(outputs)

@@ -10,9 +10,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,15 @@ def launcher_environment(base: Mapping[str, str] | None = None) -> dict[str, str
     if os.geteuid() == 0:
         environ |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     return environ
+
+
+@contextlib.contextmanager
+def private_tmpdir(environ: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """``environ`` with ``TMPDIR`` a new folder, removed with its contents on exit: what a
+    launcher leaves in its temporary folder (torchrun: a ``torchelastic_*`` folder a run)
+    goes with the run."""
+    with tempfile.TemporaryDirectory(prefix="shardline-run-", ignore_cleanup_errors=True) as folder:
+        yield {**environ, "TMPDIR": folder}
 
 
 @dataclass
@@ -142,7 +152,17 @@ def run_session(
     process still in that session ``_SETTLE_S`` later is listed (``leftovers``) and killed.
     The command is tethered to this process (it gets SIGTERM should this process die: a
     launcher then ends its ranks). ``sessions``: the owner's runs, which this one joins while
-    its command runs."""
+    its command runs. The command's temporary folder is its own (:func:`private_tmpdir`)."""
+    with private_tmpdir(environ) as private:
+        return _run_session(command, private, timeout_s, sessions)
+
+
+def _run_session(
+    command: list[str],
+    environ: dict[str, str],
+    timeout_s: float,
+    sessions: Sessions | None,
+) -> LaunchedRun:
     process = subprocess.Popen(
         tethered(command, signal.SIGTERM),
         env=environ,

@@ -124,9 +124,12 @@ def run_host_scenario(
 
 
 def _environment(scenario: Scenario, scratch: Path, markers: Path) -> dict[str, str]:
-    """The world's environment: the fault plan, and for a start-up fault the injection
-    plugin on the import path (:mod:`.injection`)."""
+    """The world's environment: the fault plan, a temporary folder inside ``scratch`` (what
+    torchrun leaves there goes with it), and for a start-up fault the injection plugin on
+    the import path (:mod:`.injection`)."""
     environ = launcher_environment()
+    environ["TMPDIR"] = str(scratch / "tmp")
+    (scratch / "tmp").mkdir()
     if not scenario.step_fault:
         write_injection_distribution(scratch / "dist")
         environ["PYTHONPATH"] = os.pathsep.join([str(scratch / "dist"), environ["PYTHONPATH"]])
