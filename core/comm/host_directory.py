@@ -27,8 +27,8 @@ def announce_host(rendezvous: Rendezvous, rank: int, timeout_s: float) -> None:
 
 def wait_for_announcements(rendezvous: Rendezvous, world_size: int, timeout_s: float) -> bool:
     """Wait until every rank of the world has announced its host, at most ``timeout_s``;
-    whether they all have. Joining a world then starts its deadline once the last rank is
-    there, however late its process started (a loaded host, a slow actor start)."""
+    whether they all have (a failed join then names the hosts, and the watchdog reads them
+    once the worlds are joined)."""
     try:
         store = connect_store(rendezvous.with_prefix(_PREFIX), timeout_s)
         store.wait([str(rank) for rank in range(world_size)], timedelta(seconds=timeout_s))

@@ -51,6 +51,7 @@ class ProcessGroupCommunicator(Communicator):
         world_size: int,
         timeout_s: float,
         prefix: str,
+        join_timeout_s: float,
     ) -> None:
         super().__init__()
         self._pg: Any = process_group
@@ -60,6 +61,7 @@ class ProcessGroupCommunicator(Communicator):
         self._world_size = world_size
         self._timeout_s = timeout_s
         self._prefix = prefix
+        self._join_timeout_s = join_timeout_s
         self._groups_created = 0
 
     @classmethod
@@ -71,30 +73,34 @@ class ProcessGroupCommunicator(Communicator):
         world_size: int,
         timeout_s: float,
         prefix: str,
+        join_timeout_s: float,
     ) -> ProcessGroupCommunicator:
-        """Join the group stored under ``prefix``; every member calls this. A timeout names
-        the members that never arrived."""
+        """Join the group stored under ``prefix``; every member calls this. Joining waits
+        ``join_timeout_s`` for the members (a timeout names those that never arrived); the
+        group's operations then end by ``timeout_s``."""
         group_store = dist.PrefixStore(prefix, store)
         announce_arrival(group_store, rank)
         try:
-            pg = cls.new_process_group(group_store, transport, rank, world_size, timeout_s)
+            pg = cls.new_process_group(group_store, transport, rank, world_size, join_timeout_s)
         except (RuntimeError, dist.DistError) as error:
             missing = never_arrived(group_store, world_size)
             who = f"ranks {missing} never arrived" if missing else "every rank arrived"
             raise CommTimeoutError(
                 f"{cls.backend_name} group {prefix!r}: rank {rank} of {world_size} could not "
-                f"connect to all peers within {timeout_s:g} s: {who} ({error})",
+                f"connect to all peers within {join_timeout_s:g} s: {who} ({error})",
                 op="new_group",
                 rank=rank,
             ) from error
-        return cls(pg, store, transport, rank, world_size, timeout_s, prefix)
+        pg.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return cls(pg, store, transport, rank, world_size, timeout_s, prefix, join_timeout_s)
 
     @classmethod
     @abc.abstractmethod
     def new_process_group(
         cls, store: dist.Store, transport: Any, rank: int, world_size: int, timeout_s: float
     ) -> Any:
-        """A new process group of this backend over ``store``."""
+        """A new process group of this backend over ``store``, made within ``timeout_s`` (the
+        join deadline: :meth:`create` sets the operations' own after)."""
 
     def stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` where the backend can use it (a copy on its device, or itself)."""
@@ -233,6 +239,7 @@ class ProcessGroupCommunicator(Communicator):
             len(ranks),
             self._timeout_s if timeout_s is None else timeout_s,
             f"{self._prefix}g{self._groups_created}/",
+            self._join_timeout_s,
         )
 
     def close(self) -> None:

@@ -324,6 +324,23 @@ def never_joins(ctx, deadline_s: float) -> tuple[float, str] | None:
         group.close()
 
 
+def late_member(ctx, deadline_s: float) -> None:
+    """The last rank reaches ``new_group`` (deadline ``deadline_s``) ``deadline_s`` + 0.5 s
+    after the others: joining waits as long as joining the world did, not the new group's
+    deadline, so every rank joins; a barrier of the world (so that a backend whose join does
+    not wait still starts together), then an all_reduce over the group, sums."""
+    comm = ctx.comm
+    if comm.rank == comm.world_size - 1:
+        time.sleep(deadline_s + 0.5)
+    group = comm.new_group(list(range(comm.world_size)), timeout_s=deadline_s)
+    try:
+        comm.barrier()
+        total = group.all_reduce(torch.ones(4))
+        assert_same(total, torch.full((4,), float(comm.world_size)), "all_reduce after a late join")
+    finally:
+        group.close()
+
+
 def recv_deadline(ctx, deadline_s: float) -> float | None:
     """Rank 0 waits for a message rank 1 (alive, connected: holding the group open until
     :func:`close_held`) never sends, with an explicit wait timeout shorter than the group's

@@ -1,4 +1,5 @@
-"""Deadlines: a rank that never joins makes the others raise the typed timeout error."""
+"""Deadlines: a rank that never joins makes the others raise the typed timeout error; one
+that joins a group late (past the group's deadline, within the world's join deadline) joins."""
 
 import pytest
 
@@ -27,3 +28,9 @@ def test_wait_timeout(conformance, world_size):
     finally:
         conformance.run(world_size, checks.close_held)
     assert elapsed[0] is not None
+
+
+@pytest.mark.shardline_op("deadline: late member joins")
+@pytest.mark.shardline_world_sizes(2)
+def test_late_member_joins(conformance, world_size):
+    conformance.run(world_size, checks.late_member, DEADLINE_S)

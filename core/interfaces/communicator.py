@@ -160,8 +160,9 @@ class Communicator(abc.ABC):
     def new_group(self, ranks: list[int], timeout_s: float | None = None) -> Communicator | None:
         """A communicator over ``ranks`` (ranks of this group; the new group's rank i is
         ``ranks[i]``). Called by *every* rank of this group, in the same order, with the same
-        arguments; returns None on ranks not in ``ranks``. ``timeout_s`` defaults to this
-        group's deadline."""
+        arguments; returns None on ranks not in ``ranks``. ``timeout_s``, the new group's
+        deadline, defaults to this group's; joining it waits as long as joining this group's
+        world did (``Rendezvous.join_timeout``): members may reach it at different times."""
 
     @abc.abstractmethod
     def close(self) -> None:

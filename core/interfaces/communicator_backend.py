@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardline.interfaces.capabilities import Capabilities
 from shardline.interfaces.communicator import Communicator
@@ -18,12 +18,17 @@ class Rendezvous:
     Backends that bring their own rendezvous (MPI under ``mpiexec``) may ignore it.
     ``secret`` is the job's shared secret: control-plane objects are signed with it, and
     bytes that fail the check are never unpickled (by :class:`shardline.sdk.ControlPlane`).
+    ``join_timeout_s``: how long joining the world, and every group later made from it, waits
+    for all its ranks to arrive (see :meth:`join_timeout`); operations keep the world's
+    deadline. Ranks reach a join at different times while they start, so the framework sets
+    what its start-up phase (``parallel.startup_timeout_s``) leaves here.
     """
 
     host: str
     port: int
     prefix: str = ""
     secret: bytes = field(default=b"", repr=False)
+    join_timeout_s: float | None = None
 
     @property
     def job(self) -> str:
@@ -34,8 +39,13 @@ class Rendezvous:
         return hashlib.sha256(b"shardline job " + self.secret).hexdigest()[:12]
 
     def with_prefix(self, prefix: str) -> Rendezvous:
-        """The same store and secret, with ``prefix`` appended to this one's."""
-        return Rendezvous(self.host, self.port, f"{self.prefix}{prefix}/", self.secret)
+        """The same store, secret and join deadline, with ``prefix`` appended to this one's."""
+        return replace(self, prefix=f"{self.prefix}{prefix}/")
+
+    def join_timeout(self, timeout_s: float) -> float:
+        """How long a join waits for every rank: ``join_timeout_s``, or the world's deadline
+        ``timeout_s`` where it is unset."""
+        return timeout_s if self.join_timeout_s is None else self.join_timeout_s
 
 
 class CommunicatorBackend(abc.ABC):
@@ -69,7 +79,9 @@ class CommunicatorBackend(abc.ABC):
 
         Called by every rank, once per world it joins: a process joins two worlds (data and
         control plane), so a backend selected for both planes is called twice, with two
-        rendezvous of different ``prefix``; keep worlds apart by it. Joining ends by
-        ``timeout_s`` with :class:`~shardline.errors.CommTimeoutError` naming the ranks that
-        never arrived (``shardline.sdk.announce_arrival`` / ``never_arrived``).
+        rendezvous of different ``prefix``; keep worlds apart by it. Joining, and joining each
+        group later made with ``new_group``, ends by ``rendezvous.join_timeout(timeout_s)``
+        with :class:`~shardline.errors.CommTimeoutError` naming the ranks that never arrived
+        (``shardline.sdk.announce_arrival`` / ``never_arrived``); operations end by
+        ``timeout_s``.
         """

@@ -3,7 +3,7 @@ control-plane world with its ParallelState on top."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardline.comm.host_directory import HostDirectory
 from shardline.comm.watchdog import SideChannel, WatchedCommunicator
@@ -41,16 +41,19 @@ class RankContext:
 @dataclass(frozen=True)
 class CommunicatorSetup:
     """Join the world of communicator ``backend`` (a registered name or
-    ``package.module:Class``) with deadline ``timeout_s``. ``allow_plugins`` is the plugin
-    allow-list, honoured in the rank process as in the parent."""
+    ``package.module:Class``) with deadline ``timeout_s``; joins wait ``join_timeout_s``
+    (None: ``timeout_s``). ``allow_plugins`` is the plugin allow-list, honoured in the rank
+    process as in the parent."""
 
     backend: str
     timeout_s: float
     allow_plugins: tuple[str, ...] | None = None
+    join_timeout_s: float | None = None
 
     def __call__(self, rank: int, world_size: int, rendezvous: Rendezvous) -> RankContext:
         registry = Registry.load(allow=self.allow_plugins)
         backend = registry.get("communicator", self.backend).load_available()()
+        rendezvous = replace(rendezvous, join_timeout_s=self.join_timeout_s)
         comm = backend.init_world(rank, world_size, rendezvous, self.timeout_s)
         # Object bytes travel on the CPU unless the backend moves device tensors only.
         device = "cpu" if "cpu" in comm.capabilities.devices else "cuda"
@@ -86,11 +89,18 @@ class ParallelSetup:
 
 
 def join_parallel_worlds(
-    config: EngineConfig, registry: Registry, rank: int, world_size: int, rendezvous: Rendezvous
+    config: EngineConfig,
+    registry: Registry,
+    rank: int,
+    world_size: int,
+    rendezvous: Rendezvous,
+    join_timeout_s: float | None = None,
 ) -> ParallelRankContext:
     """Join the configured data-plane and control-plane worlds as ``rank`` and build the
-    rank's :class:`ParallelState`."""
+    rank's :class:`ParallelState`. Joining a world or group waits ``join_timeout_s`` for its
+    ranks (None: ``parallel.timeout_s``); their operations end by ``parallel.timeout_s``."""
     parallel = config.parallel
+    rendezvous = replace(rendezvous, join_timeout_s=join_timeout_s)
     data_backend = registry.get(
         "communicator", parallel.communicator, "parallel.communicator"
     ).load_available()()

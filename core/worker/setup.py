@@ -3,16 +3,31 @@ the model runner, load the model. Used by every executor and by test drivers."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardline.comm.host_directory import HostDirectory, announce_host, wait_for_announcements
-from shardline.config.schema import EngineConfig
+from shardline.config.schema import EngineConfig, ParallelConfig
 from shardline.errors import CommunicationError
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.comm_world import ParallelRankContext, join_parallel_worlds
 from shardline.registry import Registry
 from shardline.worker.worker import Worker
+
+#: What a rank's joins leave of its "distributed init" phase: time for a join's error, which
+#: names the ranks that never arrived, to reach whoever watches the phase before the phase's
+#: own deadline passes (whose error could not say who was missing).
+REPORT_S = 2.0
+
+
+def join_timeout(parallel: ParallelConfig, phase_began: float) -> float:
+    """How long a rank's joins wait for the other ranks: what is left of its start-up phase
+    (``parallel.startup_timeout_s`` from ``phase_began``, a ``time.monotonic()``) less
+    :data:`REPORT_S`, and never less than ``parallel.timeout_s``. Ranks reach a join at
+    different times while they start, on a loaded host seconds apart."""
+    left = parallel.startup_timeout_s - (time.monotonic() - phase_began) - REPORT_S
+    return round(max(left, parallel.timeout_s), 1)
 
 
 @dataclass
@@ -51,16 +66,24 @@ class WorkerSetup:
         every rank to announce its own, join the worlds (phase "distributed init"; a
         failure to join names the hosts of the ranks when they are several), then build the
         runner and load the model (phase "model load"); ``on_phase`` is called as each phase
-        completes."""
+        completes. Joining waits for the other ranks as long as the phase allows
+        (:func:`join_timeout`)."""
+        began = time.monotonic()
         registry = Registry.for_plugins(self.config.plugins)
         startup_timeout_s = self.config.parallel.startup_timeout_s
         announce_host(rendezvous, rank, startup_timeout_s)
         registry.rank_starting(rank, world_size)
-        # Joining waits parallel.timeout_s for peers: start it once every rank has arrived
-        # (within parallel.startup_timeout_s), not when this one happens to.
+        # Every rank has announced its host before any joins a world (the joins read them).
         wait_for_announcements(rendezvous, world_size, startup_timeout_s)
         try:
-            parallel = join_parallel_worlds(self.config, registry, rank, world_size, rendezvous)
+            parallel = join_parallel_worlds(
+                self.config,
+                registry,
+                rank,
+                world_size,
+                rendezvous,
+                join_timeout(self.config.parallel, began),
+            )
         except CommunicationError as error:
             hosts = HostDirectory.read(rendezvous, world_size, timeout_s=1.0)
             if not hosts.spans_hosts:

@@ -31,10 +31,13 @@ class GlooBackend(CommunicatorBackend):
     def init_world(
         self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float
     ) -> GlooCommunicator:
-        store = connect_store(rendezvous.with_prefix("gloo"), timeout_s)
+        join_timeout_s = rendezvous.join_timeout(timeout_s)
+        store = connect_store(rendezvous.with_prefix("gloo"), join_timeout_s)
         # One transport device (one I/O thread) serves the world and all its subgroups.
         device = _gloo_device(rendezvous.host, rendezvous.port)
-        return GlooCommunicator.create(store, device, rank, world_size, timeout_s, "w/")
+        return GlooCommunicator.create(
+            store, device, rank, world_size, timeout_s, "w/", join_timeout_s
+        )
 
 
 class GlooCommunicator(ProcessGroupCommunicator):

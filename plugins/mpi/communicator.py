@@ -105,13 +105,15 @@ class MpiBackend(CommunicatorBackend):
                 f"MPI rank {world.Get_rank()} of {world.Get_size()} was asked to be rank {rank} "
                 f"of {world_size}; allowed: the ranks and size mpiexec assigned"
             )
-        _meet(world, rank, world_size, rendezvous, timeout_s)
+        join_timeout_s = rendezvous.join_timeout(timeout_s)
+        _meet(world, rank, world_size, rendezvous, join_timeout_s)
         comm = world.Dup()
         comm.Set_errhandler(mpi.ERRORS_RETURN)
         ranks_here = LaunchedRank.from_environ(os.environ).local_world_size
         return MpiCommunicator(
             comm,
             timeout_s,
+            join_timeout_s,
             user_ops={},
             polling=Polling.for_ranks_on_host(ranks_here, only_thread=True),
             native=_NativePath.find(mpi, os.environ),
@@ -176,6 +178,7 @@ def _meet(world: Any, rank: int, world_size: int, rendezvous: Rendezvous, timeou
 class MpiCommunicator(Communicator):
     """One MPI communicator. See :class:`~shardline.interfaces.Communicator` for the contract.
 
+    ``join_timeout_s``: how long making a subgroup waits for its members.
     ``user_ops`` caches the float16/bfloat16 reduction operations, shared with subgroups;
     ``polling`` says how waits use the CPU (from the number of ranks on this host); ``native``
     is the native all-reduce's path (None: no native entry point).
@@ -185,6 +188,7 @@ class MpiCommunicator(Communicator):
         self,
         comm: Any,
         timeout_s: float,
+        join_timeout_s: float,
         user_ops: dict,
         polling: Polling,
         native: _NativePath | None = None,
@@ -196,6 +200,7 @@ class MpiCommunicator(Communicator):
         self._rank = comm.Get_rank()
         self._world_size = comm.Get_size()
         self._timeout_s = timeout_s
+        self._join_timeout_s = join_timeout_s
         self._user_ops = user_ops
         self._polling = polling
         mpi = self._mpi
@@ -410,8 +415,10 @@ class MpiCommunicator(Communicator):
 
     def new_group(self, ranks: list[int], timeout_s: float | None = None) -> MpiCommunicator | None:
         ranks = group_ranks(ranks, self._world_size)
-        # Split blocks without a deadline: meet in a barrier that has one first.
-        self.barrier()
+        # Split blocks without a deadline: meet in a barrier that has one (joining's) first.
+        if self._world_size > 1:
+            barrier = self._call("new_group", lambda c: c.Ibarrier())
+            self._complete("new_group", barrier, self._join_timeout_s)
         member = self._rank in ranks
         color = 0 if member else self._mpi.UNDEFINED
         key = ranks.index(self._rank) if member else 0
@@ -420,7 +427,9 @@ class MpiCommunicator(Communicator):
             return None
         sub.Set_errhandler(self._mpi.ERRORS_RETURN)
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        return MpiCommunicator(sub, timeout_s, self._user_ops, self._polling, self._native)
+        return MpiCommunicator(
+            sub, timeout_s, self._join_timeout_s, self._user_ops, self._polling, self._native
+        )
 
     def close(self) -> None:
         comm, self._comm = self._comm, None

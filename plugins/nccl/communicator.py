@@ -56,8 +56,11 @@ class NcclBackend(CommunicatorBackend):
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
-        store = connect_store(rendezvous.with_prefix("nccl"), timeout_s)
-        return NcclCommunicator.create(store, device, rank, world_size, timeout_s, "w/")
+        join_timeout_s = rendezvous.join_timeout(timeout_s)
+        store = connect_store(rendezvous.with_prefix("nccl"), join_timeout_s)
+        return NcclCommunicator.create(
+            store, device, rank, world_size, timeout_s, "w/", join_timeout_s
+        )
 
 
 class NcclCommunicator(ProcessGroupCommunicator):

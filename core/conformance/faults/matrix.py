@@ -283,7 +283,8 @@ def judge_process(
         limit = deadline + DEADLINE_SLACK_S
         if process["elapsed_s"] > limit:
             problems.append(
-                f"{role}: raised after {process['elapsed_s']:.2f} s (limit {limit:g} s)"
+                f"{role}: raised {kind} after {process['elapsed_s']:.2f} s (limit {limit:g} s): "
+                f"{process['message'][:300]}"
             )
         names = re.search(rf"\branks? \[?(\d+, )*{victim}\b", process["message"])
         if scenario.names_victim and role in ("driver", "rank-0") and not names:
