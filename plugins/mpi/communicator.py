@@ -375,8 +375,12 @@ class MpiCommunicator(Communicator):
         return tensor
 
     def barrier(self) -> None:
+        self._barrier("barrier", self._timeout_s)
+
+    def _barrier(self, op: str, timeout_s: float) -> None:
+        """A barrier named ``op`` in errors, ending by ``timeout_s``."""
         if self._world_size > 1:
-            self._complete("barrier", self._call("barrier", lambda c: c.Ibarrier()))
+            self._complete(op, self._call(op, lambda c: c.Ibarrier()), timeout_s)
 
     # ---- point to point ------------------------------------------------------------------------
 
@@ -416,9 +420,7 @@ class MpiCommunicator(Communicator):
     def new_group(self, ranks: list[int], timeout_s: float | None = None) -> MpiCommunicator | None:
         ranks = group_ranks(ranks, self._world_size)
         # Split blocks without a deadline: meet in a barrier that has one (joining's) first.
-        if self._world_size > 1:
-            barrier = self._call("new_group", lambda c: c.Ibarrier())
-            self._complete("new_group", barrier, self._join_timeout_s)
+        self._barrier("new_group", self._join_timeout_s)
         member = self._rank in ranks
         color = 0 if member else self._mpi.UNDEFINED
         key = ranks.index(self._rank) if member else 0
