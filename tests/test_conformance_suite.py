@@ -64,6 +64,7 @@ def test_sigterm_stops_the_suite_ends_its_ranks_and_leaves_a_report_marked_parti
         stderr=subprocess.STDOUT,
         text=True,
         cwd=ROOT,
+        env={**os.environ, "SHARDLINE_DEBUG": "1"},  # an escaped error shows its traceback
     )
     try:
         # Mid-run: a case has passed, so a world of rank processes is up.
@@ -85,6 +86,44 @@ def test_sigterm_stops_the_suite_ends_its_ranks_and_leaves_a_report_marked_parti
     assert report["complete"] is False
     assert 0 < report["ran"] < report["collected"]
     assert report["summary"].get("failed", 0) == 0
+
+
+INTERRUPTED_AT_A_LINELESS_INSTRUCTION = """
+import types
+
+def test_interrupted():
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as error:
+        frame = error.__traceback__.tb_frame
+    lineless = next(start for start, _, line in frame.f_code.co_lines() if line is None)
+    entry = types.TracebackType(None, frame, lineless, -1)
+    assert entry.tb_lineno is None
+    raise KeyboardInterrupt().with_traceback(entry)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupt_raised_where_python_has_no_line_number_still_stops_the_suite(tmp_path):
+    """A signal handler can raise at an instruction without a line number (what made the
+    SIGTERM test above fail once in CI with an internal TypeError, exit code 1): the suite's
+    pytest run still ends as interrupted."""
+    (tmp_path / "test_lineless.py").write_text(INTERRUPTED_AT_A_LINELESS_INSTRUCTION)
+    program = (
+        "import sys\n"
+        "from shardline.cli.conformance_cmd import _run_pytest\n"
+        "sys.exit(_run_pytest(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    assert result.returncode == pytest.ExitCode.INTERRUPTED, result.stdout + result.stderr
+    assert "TypeError" not in result.stdout + result.stderr
+    assert "KeyboardInterrupt" in result.stdout
 
 
 def _zombie(pid: int) -> bool:

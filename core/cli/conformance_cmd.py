@@ -99,6 +99,24 @@ class _SuiteTerminated(KeyboardInterrupt):
     started (another exception would only fail the test running and go on to the next)."""
 
 
+class _InterruptTracebacks:
+    """A pytest plugin for the interrupt a signal handler raised (Ctrl-C, SIGTERM): its
+    traceback loses the entries that have no line number before pytest formats it.
+
+    Python gives an entry no line number when the handler ran at an instruction that has
+    none (a ``with`` block's exit on its exception path, say); pytest's formatting of such
+    an entry raised TypeError, which escaped ``pytest.main`` as an internal error instead of
+    the stop, and the report was written as complete."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo) -> object:
+        # pytest's TracebackEntry has no public accessor for the raw entry's line.
+        excinfo.traceback = excinfo.traceback.filter(
+            lambda entry: entry._rawentry.tb_lineno is not None
+        )
+        return (yield)
+
+
 def _run_pytest(arguments: list[str]) -> int:
     """``pytest.main(arguments)``; SIGTERM stops it (see :class:`_SuiteTerminated`) and then
     ends the command as SIGTERM ends any other (``Terminated``: exit code 143)."""
@@ -107,7 +125,7 @@ def _run_pytest(arguments: list[str]) -> int:
     on_sigterm = StopOnSigterm(_SuiteTerminated)
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        code = int(pytest.main(arguments))
+        code = int(pytest.main(arguments, plugins=[_InterruptTracebacks()]))
     finally:
         if on_sigterm.first is None:
             signal.signal(signal.SIGTERM, previous)

@@ -36,12 +36,15 @@ def summary(cases: list[dict]) -> dict[str, int]:
 
 def write_report(path: Path, report: dict, session: pytest.Session, exitstatus: int) -> None:
     """Write ``report`` to ``path`` as JSON, with ``complete``: false when the run stopped
-    early (interrupted: Ctrl-C, SIGTERM, ``-x``), so that a partial report never reads as a
-    pass; ``collected`` and ``ran`` say how far it got. Written whole or not at all."""
+    early (interrupted: Ctrl-C, SIGTERM, ``-x``) or some case has no result, so that a
+    partial report never reads as a pass; ``collected`` and ``ran`` say how far it got.
+    Written whole or not at all."""
     ran = len(report["cases"])
     report = {
         **report,
-        "complete": exitstatus != pytest.ExitCode.INTERRUPTED and not session.shouldstop,
+        "complete": exitstatus != pytest.ExitCode.INTERRUPTED
+        and not session.shouldstop
+        and ran == session.testscollected,
         "collected": session.testscollected,
         "ran": ran,
     }
