@@ -40,12 +40,12 @@ def write_report(path: Path, report: dict, session: pytest.Session, exitstatus: 
     partial report never reads as a pass; ``collected`` and ``ran`` say how far it got.
     Written whole or not at all."""
     ran = len(report["cases"])
+    collected = session.testscollected
+    stopped = exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldstop
     report = {
         **report,
-        "complete": exitstatus != pytest.ExitCode.INTERRUPTED
-        and not session.shouldstop
-        and ran == session.testscollected,
-        "collected": session.testscollected,
+        "complete": not stopped and ran == collected,
+        "collected": collected,
         "ran": ran,
     }
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
