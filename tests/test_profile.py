@@ -93,6 +93,7 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
         processes = run["processes"]
         assert set(processes) == {"driver", "rank 0", "rank 1"}
         assert run["output_rank"] == "rank 0"
+        assert run["steps_in_flight"] == 1
         for rank in ("rank 0", "rank 1"):
             parts = processes[rank]
             for part in STEP_PARTS:
@@ -160,6 +161,35 @@ def test_bench_decode_states_the_transformers_target_in_the_floors_terms():
         "2.5x transformers 2 threads, batch 1, is 1.50 of tp2 custom_ar's floor",
         "tp2 custom_ar 16 concurrent / transformers 2 threads batch 1: 13.00 (target >= 12)",
     ]
+
+
+def test_the_executor_round_trip_is_given_only_when_steps_do_not_overlap():
+    """One step in flight: the driver's send and wait beyond the output rank's step (0.5 +
+    4.0 - 3.0 = 1.5 ms). Two in flight (PP=2): the output stage's 6 ms step overlaps the other
+    stage's and the driver's, so no difference is printed (0.5 + 4.0 - 6.0 came out negative)."""
+    from shardline.cli.bench_decode import profile_table
+
+    row = {"engine": "shardline", "layout": "pp2", "communicator": "gloo", "executor": "mp",
+           "floor_s": 0.01, "weight_bytes": [2**20], "bandwidth": [1e9]}  # fmt: skip
+
+    def step(seconds: dict) -> dict:
+        return {part: {"seconds": s * 10, "entries": 10} for part, s in seconds.items()}
+
+    def round_trip(output_step_s: float, in_flight: int) -> str:
+        processes = {
+            "driver": step({"send step": 5e-4, "wait for ranks": 4e-3, "driver step, rest": 1e-4}),
+            "rank 0": step({"matmul (weights)": 2e-3, "rank step, rest": 1e-3}),
+            "rank 1": step({"matmul (weights)": output_step_s - 1e-3, "rank step, rest": 1e-3}),
+        }
+        profile = {"processes": processes, "output_rank": "rank 1", "steps_in_flight": in_flight}
+        (line,) = [
+            line for line in profile_table(row, "batch 1", profile).splitlines()
+            if line.startswith("executor round trip")
+        ]  # fmt: skip
+        return line.split("  ")[-1].strip()
+
+    assert round_trip(3e-3, in_flight=1) == "1.50 (0.15)"
+    assert round_trip(6e-3, in_flight=2) == "- (2 steps in flight)"
 
 
 @pytest.mark.timeout(240)

@@ -326,7 +326,9 @@ DRIVER_PARTS = (
 
 def profile_table(row: dict, mode: str, profile: dict) -> str:
     """Milliseconds per step of each part in each process, and each as a fraction of the
-    floor (a step that reads every weight once at the measured bandwidth)."""
+    floor (a step that reads every weight once at the measured bandwidth). The executor
+    round trip (the driver's send and wait beyond the output rank's step) is given only
+    when one step is in flight at a time."""
     floor_ms = row["floor_s"] * 1e3
     processes = profile["processes"]
     per_step = {}
@@ -359,9 +361,14 @@ def profile_table(row: dict, mode: str, profile: dict) -> str:
         if part in driver:
             table.append([part, *("-" for _ in ranks), cell(driver[part])])
     table.append(["driver step", *("-" for _ in ranks), cell(sum(driver.values()))])
-    output_rank = sum(per_step[profile["output_rank"]].values())
-    beyond = driver.get("send step", 0.0) + driver.get("wait for ranks", 0.0) - output_rank
-    table.append(["executor round trip", *("-" for _ in ranks), cell(beyond)])
+    in_flight = profile["steps_in_flight"]
+    if in_flight == 1:
+        output_rank = sum(per_step[profile["output_rank"]].values())
+        beyond = driver.get("send step", 0.0) + driver.get("wait for ranks", 0.0) - output_rank
+        table.append(["executor round trip", *("-" for _ in ranks), cell(beyond)])
+    else:  # the ranks' steps overlap each other and the driver's: no per-step difference
+        overlapped = f"- ({in_flight} steps in flight)"
+        table.append(["executor round trip", *("-" for _ in ranks), overlapped])
     mebibytes = max(row["weight_bytes"]) / 2**20
     bandwidth = min(row["bandwidth"]) / 1e9
     title = (
@@ -516,6 +523,7 @@ def profile_decode(engine, prompts: list[list[int]], params) -> dict:
         "output_rank": f"rank {output_rank}"
         if len(ranks) == 1
         else f"replica 0 rank {output_rank}",
+        "steps_in_flight": sum(replica.pipeline_depth for replica in engine.replicas),
     }
 
 
