@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import types
 
 import pytest
 
@@ -110,11 +111,24 @@ class _InterruptTracebacks:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo) -> object:
-        # pytest's TracebackEntry has no public accessor for the raw entry's line.
-        excinfo.traceback = excinfo.traceback.filter(
-            lambda entry: entry._rawentry.tb_lineno is not None
-        )
+        entries = list(_entries(excinfo.tb))
+        if any(entry.tb_lineno is None for entry in entries):
+            kept = None
+            for entry in reversed(entries):
+                if entry.tb_lineno is not None:
+                    kept = types.TracebackType(
+                        kept, entry.tb_frame, entry.tb_lasti, entry.tb_lineno
+                    )
+            lined = pytest.ExceptionInfo.from_exc_info((excinfo.type, excinfo.value, kept))
+            excinfo.traceback = lined.traceback
         return (yield)
+
+
+def _entries(traceback: types.TracebackType | None):
+    """The entries of ``traceback``, outermost first."""
+    while traceback is not None:
+        yield traceback
+        traceback = traceback.tb_next
 
 
 def _run_pytest(arguments: list[str]) -> int:
