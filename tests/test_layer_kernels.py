@@ -85,8 +85,10 @@ def _filled_cache(
     return cache
 
 
-def _metadata(query_lens: list[int], seq_lens: list[int], block_size: int) -> AttentionMetadata:
-    free = torch.randperm(40).tolist()
+def _metadata(
+    query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int = 40
+) -> AttentionMetadata:
+    free = torch.randperm(num_blocks).tolist()
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
     starts = [0]
     for n in query_lens:
@@ -547,6 +549,43 @@ def test_every_layer_in_one_call_is_the_layers_one_by_one(bias, threads):
         assert torch.equal(got, expected) and torch.equal(got_residual, stream)
         for cache, copy in zip(caches, copies, strict=True):
             assert torch.equal(cache.key, copy.key) and torch.equal(cache.value, copy.value)
+
+
+def test_long_sequences_are_attended_in_pieces_merged_as_one_softmax():
+    """Past 256 tokens a fused layer run by a team attends a sequence's KV heads in pieces of
+    256 tokens, shared out over its threads, and merges them by their softmax sums (here 600,
+    20 and 290 tokens in blocks of 16: three, one and two pieces): within rounding of its
+    operations one by one, which attend each sequence whole (as one thread does, bit for bit),
+    and the same bits on a team of two as on one of three."""
+    heads, hidden, size = (3, 2, 32), 72, 40
+    weights, kv_index, blocks = _layer_blocks(hidden, heads, size, bias=False)
+    metadata = _metadata([1, 1, 1], [600, 20, 290], 16, num_blocks=64)
+    slots = torch.tensor(
+        [table[(n - 1) // 16] * 16 + (n - 1) % 16 for table, n in zip(
+            metadata.block_tables, metadata.seq_lens, strict=True)]
+    )  # fmt: skip
+    decode = metadata.decode_batch(16)
+    rope = RotaryEmbedding(32, 10000.0, 1024).at(torch.tensor(metadata.seq_lens) - 1)
+    x = torch.randn(3, hidden)
+    cache = _filled_cache(2, 32, num_blocks=64, block_size=16)
+
+    def fused(kernels: NativeKernels) -> torch.Tensor:
+        copy = KVCache(64, 16, 2, 32, torch.float32)
+        copy.key.copy_(cache.key)
+        copy.value.copy_(cache.value)
+        partial, _ = kernels.attention_block(blocks, x, None, rope, copy, slots, decode)
+        return partial
+
+    normed = NATIVE.rms_norm(x, weights["input_norm"], 1e-5)
+    qkv = NATIVE.linear(normed, weights["qkv"], None)
+    q = NATIVE.rotate_and_store(qkv, 3, 2, rope, cache, slots)
+    attended = NATIVE.decode_attention(q, cache, decode, 0.3, kv_index)
+    expected = NATIVE.linear(attended.reshape(3, -1), weights["o"], None)
+    assert torch.equal(fused(NATIVE), expected)
+    team = fused(TEAM)
+    assert not torch.equal(team, expected)  # the pieces were merged, not one softmax
+    _close(team, expected, rel=2e-5)
+    assert torch.equal(fused(NativeKernels(native_module, threads=2)), team)
 
 
 def test_a_layer_stack_takes_only_layers_of_one_shape_and_float32_caches():

@@ -121,10 +121,12 @@ static inline long attention_scratch_floats(long longest, long d) {
  * thread and threads - 1 helpers claim chunks of the work one at a time from a shared ticket,
  * so a helper that is not running on a busy host holds up only the chunk it has claimed. A
  * chunk's outputs are computed as one thread computes them, so results do not depend on the
- * team's size. Helpers wait for work spinning (TEAM_SPIN_S), then yielding the CPU (until
- * TEAM_YIELD_S), then asleep on a futex; the caller waits for the last chunk spinning, then
- * yielding. A call made while another thread's call has the team, or in a forked child (which
- * has none of the helpers), runs every chunk in its own thread. */
+ * team's size, with one exception: decode attention splits long sequences into pieces when
+ * the team has several threads (attention_pieces), and those results differ from one
+ * thread's within rounding. Helpers wait for work spinning (TEAM_SPIN_S), then yielding the
+ * CPU (until TEAM_YIELD_S), then asleep on a futex; the caller waits for the last chunk
+ * spinning, then yielding. A call made while another thread's call has the team, or in a
+ * forked child (which has none of the helpers), runs every chunk in its own thread. */
 
 #define TEAM_SPIN_S 50e-6
 #define TEAM_YIELD_S 2e-4
@@ -585,13 +587,13 @@ AVX512 static inline __m512 load_16(const void *base, long at, const int bf16) {
  * heads. The heads share only the loads: each head's sums are the ones it gets alone, in the
  * same order (the portable kernel's softmax, exp_approx; its sums in another order). The cache
  * and out hold float32, or bfloat16 (bf16: keys and values widened exactly, the output rounded
- * once, as the portable kernel does). Inlined with `members`, d and bf16 constants
+ * once, as the portable kernel does). stats: see attend_kv_head_avx512. Inlined with `members`, d and bf16 constants
  * (attend_group_avx512), so the heads' sums stay in registers. */
 AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
     const float *const *queries, const void *keys_of_head, const void *values_of_head,
     const int64_t *table, long length, long block_size, long stride, const long d,
     const int bf16, const long *group, const long members, float scale, void *out,
-    float *scores) {
+    float *scores, float *stats) {
     long chunks = d / 16, blocks_used = (length + block_size - 1) / block_size;
     __m512 scale_v = _mm512_set1_ps(scale), top_v[ATTENTION_GROUP];
     for (long g = 0; g < members; g++) top_v[g] = _mm512_set1_ps(-INFINITY);
@@ -625,7 +627,9 @@ AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
     for (long g = 0; g < members; g++) {
         float *head_scores = scores + g * length, top = _mm512_reduce_max_ps(top_v[g]);
         for (long t = 0; t < length; t++) head_scores[t] = exp_approx(head_scores[t] - top);
-        inv[g] = _mm512_set1_ps(1.0f / sum_of(head_scores, length));
+        float total = sum_of(head_scores, length);
+        inv[g] = _mm512_set1_ps(1.0f / total);
+        if (stats != NULL) stats[2 * group[g]] = top, stats[2 * group[g] + 1] = total;
     }
     for (long c = 0; c < chunks; c += 4) {
         long m = chunks - c < 4 ? chunks - c : 4;
@@ -672,10 +676,11 @@ AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
 AVX512 static inline __attribute__((always_inline)) void attend_group_avx512(
     const float *const *queries, const void *keys_of_head, const void *values_of_head,
     const int64_t *table, long length, long block_size, long stride, const long d,
-    const int bf16, const long *group, long members, float scale, void *out, float *scores) {
+    const int bf16, const long *group, long members, float scale, void *out, float *scores,
+    float *stats) {
 #define ATTEND(count)                                                                          \
     attend_heads_avx512(queries, keys_of_head, values_of_head, table, length, block_size,     \
-                        stride, d, bf16, group, count, scale, out, scores)
+                        stride, d, bf16, group, count, scale, out, scores, stats)
     switch (members) {
     case 1: ATTEND(1); break;
     case 2: ATTEND(2); break;
@@ -688,12 +693,14 @@ AVX512 static inline __attribute__((always_inline)) void attend_group_avx512(
 /* One sequence's decode attention for the query heads that read KV head kv, d a multiple of
  * 16, on AVX-512, float32 or bfloat16 (bf16) tensors: those heads ATTENTION_GROUP at a time
  * (attend_heads_avx512; for float32, d 64 and 128, the Llama family's, made constants: 5-8%
- * faster); q and out: the sequence's rows; scores: attention_scratch_floats. Not cloned per
+ * faster); q and out: the sequence's rows; scores: attention_scratch_floats; stats (NULL:
+ * not kept): each head h's largest score and softmax sum, at 2 h and 2 h + 1. Not cloned per
  * caller: its inlined kernels are large. */
 AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(
     int bf16, const void *q, const void *key_cache, const void *value_cache,
     const int64_t *table, long length, long heads, const int64_t *kv_index, long kv,
-    long kv_heads, long d, long block_size, float scale, void *out, float *scores) {
+    long kv_heads, long d, long block_size, float scale, void *out, float *scores,
+    float *stats) {
     long stride = kv_heads * d, group[ATTENTION_GROUP];
     size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
     const char *keys = (const char *)key_cache + kv * d * element;
@@ -716,7 +723,7 @@ AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(
         }
 #define ATTEND(head_dim, type)                                                                 \
     attend_group_avx512(queries, keys, values, table, length, block_size, stride, head_dim,    \
-                        type, group, members, scale, out, scores)
+                        type, group, members, scale, out, scores, stats)
         if (bf16)
             ATTEND(d, 1);
         else if (d == 64)
@@ -741,7 +748,8 @@ AVX512 static void decode_attention_rows_avx512(
         for (long kv = 0; kv < kv_heads; kv++)
             attend_kv_head_avx512(bf16, (const char *)q + b * row, key_cache, value_cache,
                                   blocks + b * per_seq, (long)lengths[b], heads, kv_index, kv,
-                                  kv_heads, d, block_size, scale, (char *)out + b * row, scores);
+                                  kv_heads, d, block_size, scale, (char *)out + b * row, scores,
+                                  NULL);
 }
 #endif
 
@@ -940,13 +948,35 @@ typedef struct {
     const int64_t *slots, *blocks, *lengths;
 } Step;
 
+/* A team of several threads attends each sequence's KV heads in pieces of this many tokens
+ * (rounded up to whole cache blocks), merged by their softmax sums, so that a long sequence's
+ * attention shares out over its threads (one thread attends each whole: pieces cost it 3-10%);
+ * a sequence of one piece is attended whole. */
+#define ATTENTION_PIECE_TOKENS 256
+
+/* Cache blocks of one attention piece. */
+static long attention_piece_blocks(const Step *step) {
+    return (ATTENTION_PIECE_TOKENS + step->block_size - 1) / step->block_size;
+}
+
+/* Pieces of the step's longest sequence for workers threads (the other sequences have as
+ * many, the last ones empty); 1 for one thread, and for a step without attention (an MLP
+ * half alone: no cache blocks). */
+static long attention_pieces(const Step *step, int workers) {
+    if (workers == 1 || step->block_size == 0) return 1;
+    long blocks = (step->longest + step->block_size - 1) / step->block_size;
+    return (blocks + attention_piece_blocks(step) - 1) / attention_piece_blocks(step);
+}
+
 /* Floats of scratch one half of a layer needs (attention's is the larger unless the MLP is
- * wide): normed rows, qkv, queries, attended rows, a norm row and the attention scores of each
- * of workers threads. */
+ * wide): normed rows, qkv, queries, attended rows, a norm row, the attention scores of each
+ * of workers threads and the attention pieces' outputs and sums (attention_pieces). */
 static size_t scratch_floats(const Step *step, int workers) {
     long qkv_width = (step->q_heads + 2 * step->kv_heads) * step->d;
+    long pieces = attention_pieces(step, workers);
     long attention = step->rows * (step->hidden + qkv_width + 2 * step->q_heads * step->d) +
-                     step->hidden + workers * attention_scratch_floats(step->longest, step->d);
+                     step->hidden + workers * attention_scratch_floats(step->longest, step->d) +
+                     (pieces > 1 ? step->rows * step->q_heads * pieces * (step->d + 2) : 0);
     long mlp = step->rows * (step->hidden + 3 * step->size) + step->hidden;
     return (size_t)(attention > mlp ? attention : mlp);
 }
@@ -955,31 +985,79 @@ static size_t scratch_floats(const Step *step, int workers) {
 /* A step's decode attention over one layer's cache: a chunk is one KV head of a sequence
  * (parts = kv_heads, where the AVX-512 kernel takes d) or a whole sequence (parts = 1), so a
  * batch of one shares out too; each worker scores in its own piece of scores
- * (attention_scratch_floats). */
+ * (attention_scratch_floats). With pieces > 1 (attention_pieces) a KV head's chunk is one
+ * piece of the sequence's cache blocks: its heads' outputs go to partial and their
+ * largest scores and sums to stats ([sequence][piece][q_heads] rows of d and 2 floats), and
+ * merge_pieces makes out of them. */
 typedef struct {
     const Layer *layer;
     const Step *step;
     const float *q;
-    float *out, *scores;
-    long parts;
+    float *out, *scores, *partial, *stats;
+    long parts, pieces;
 } AttentionJob;
 
 static void attention_chunk(const void *context, long chunk, int worker) {
     const AttentionJob *job = context;
     const Step *step = job->step;
-    long sequence = chunk / job->parts, at = sequence * step->q_heads * step->d;
+    long per_sequence = job->parts * job->pieces, sequence = chunk / per_sequence;
+    long length = (long)step->lengths[sequence], at = sequence * step->q_heads * step->d;
     const int64_t *table = step->blocks + sequence * step->per_seq;
     float *scores = job->scores + worker * attention_scratch_floats(step->longest, step->d);
-    if (job->parts > 1)
-        attend_kv_head_avx512(0, job->q + at, job->layer->key_cache, job->layer->value_cache,
-                              table, (long)step->lengths[sequence], step->q_heads,
-                              job->layer->kv_index, chunk % job->parts, step->kv_heads, step->d,
-                              step->block_size, step->scale, job->out + at, scores);
-    else
+    if (job->parts == 1) {
         attend(0, job->q + at, job->layer->key_cache, job->layer->value_cache, table,
                step->per_seq, step->lengths + sequence, 1, step->q_heads, job->layer->kv_index,
                step->kv_heads, step->d, step->block_size, step->scale, job->out + at, scores,
                step->longest);
+        return;
+    }
+    long kv = chunk % per_sequence / job->pieces, piece = chunk % job->pieces;
+    float *out = job->out + at, *stats = NULL;
+    if (job->pieces > 1) {
+        long blocks = (length + step->block_size - 1) / step->block_size;
+        long first = piece * attention_piece_blocks(step);
+        long end = first + attention_piece_blocks(step) < blocks
+                       ? first + attention_piece_blocks(step) : blocks;
+        long slice = (sequence * job->pieces + piece) * step->q_heads;
+        out = job->partial + slice * step->d, stats = job->stats + 2 * slice;
+        if (first >= end) { /* a sequence shorter than the longest: this piece is past it */
+            for (long h = 0; h < step->q_heads; h++)
+                if (job->layer->kv_index[h] == kv) stats[2 * h + 1] = 0.0f;
+            return;
+        }
+        long until = end * step->block_size < length ? end * step->block_size : length;
+        table += first, length = until - first * step->block_size;
+    }
+    attend_kv_head_avx512(0, job->q + at, job->layer->key_cache, job->layer->value_cache, table,
+                          length, step->q_heads, job->layer->kv_index, kv, step->kv_heads,
+                          step->d, step->block_size, step->scale, out, scores, stats);
+}
+
+/* out's row of each sequence and query head from its pieces' (attention_chunk): their outputs
+ * weighted by each piece's share of the whole softmax's sum (its sum scaled from its own
+ * largest score to the largest of all). */
+static void merge_pieces(const AttentionJob *job) {
+    long heads = job->step->q_heads, d = job->step->d, pieces = job->pieces;
+    for (long sequence = 0; sequence < job->step->rows; sequence++)
+        for (long h = 0; h < heads; h++) {
+            /* piece p's row: (sequence * pieces + p) * heads + h, p = 0 .. pieces - 1 */
+            long first = sequence * pieces * heads + h;
+            const float *stats = job->stats + 2 * first, *part = job->partial + first * d;
+            float top = -INFINITY, total = 0.0f, weight[pieces];
+            for (long p = 0; p < pieces; p++)
+                if (stats[2 * p * heads + 1] > 0.0f && stats[2 * p * heads] > top)
+                    top = stats[2 * p * heads];
+            for (long p = 0; p < pieces; p++) {
+                const float *piece = stats + 2 * p * heads; /* largest score, sum */
+                weight[p] = piece[1] > 0.0f ? piece[1] * expf(piece[0] - top) : 0.0f;
+                total += weight[p];
+            }
+            float *out = job->out + (sequence * heads + h) * d;
+            for (long i = 0; i < d; i++) out[i] = 0.0f;
+            for (long p = 0; p < pieces; p++)
+                for (long i = 0; weight[p] > 0.0f && i < d; i++)
+                    out[i] += weight[p] / total * part[p * heads * d + i];
+        }
 }
 
 /* partial = o_proj(attention(norm(x [+ residual]))); residual_out = x + residual where
@@ -991,6 +1069,9 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     long qkv_width = (step->q_heads + 2 * step->kv_heads) * d, width = step->q_heads * d;
     float *normed = scratch, *qkv = normed + rows * hidden, *q = qkv + rows * qkv_width;
     float *attended = q + rows * width, *row = attended + rows * width, *scores = row + hidden;
+    int workers = team_workers(team);
+    long pieces = attention_pieces(step, workers);
+    float *piece_outputs = scores + workers * attention_scratch_floats(step->longest, d);
     double since = times ? shardline_seconds_now() : 0.0;
     rms_norm_rows_f32(x, residual, layer->input_norm, normed, residual_out, rows, hidden,
                       layer->input_eps, row);
@@ -1003,8 +1084,11 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     lap(times, LAP_OTHER, &since);
     /* The fused calls run only where the CPU has AVX-512 (blocked_linear_or_error). */
     AttentionJob attention = {.layer = layer, .step = step, .q = q, .out = attended,
-                              .scores = scores, .parts = d % 16 == 0 ? step->kv_heads : 1};
-    team_run(team, rows * attention.parts, attention_chunk, &attention);
+                              .scores = scores, .partial = piece_outputs,
+                              .stats = piece_outputs + rows * step->q_heads * pieces * d,
+                              .parts = d % 16 == 0 ? step->kv_heads : 1, .pieces = pieces};
+    team_run(team, rows * attention.parts * pieces, attention_chunk, &attention);
+    if (pieces > 1) merge_pieces(&attention);
     lap(times, LAP_ATTENTION, &since);
     blocked_linear_rows(team, layer->o_weight, attended, partial, NULL, rows, hidden, width);
     lap(times, LAP_MATMUL, &since);
