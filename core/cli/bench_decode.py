@@ -496,7 +496,9 @@ def decode_floor(executor, weight_bytes: list[int]) -> dict:
 def profile_decode(engine, prompts: list[list[int]], params) -> dict:
     """Run ``prompts`` to the end on ``engine``, timing part by part every step after each
     request has its first token (the decode steps): per process (each rank of each replica,
-    and the driver) the exclusive seconds of each part and the steps taken."""
+    and the driver) the exclusive seconds of each part and the steps taken, and the most
+    steps that were in flight at once (a step still running when another was collected:
+    pipeline stages or replicas overlapping)."""
     from shardline.profiling import NO_TIMER, SpanTimer
 
     outputs = [engine.add_request(prompt, params) for prompt in prompts]
@@ -506,9 +508,12 @@ def profile_decode(engine, prompts: list[list[int]], params) -> dict:
     for executor in executors:
         executor.collective_rpc("start_profile")
     engine.timer = timer = SpanTimer()
+    still_running = 0
     try:
         while engine.has_unfinished_requests():
             engine.step()
+            running = sum(len(replica.in_flight) for replica in engine.replicas)
+            still_running = max(still_running, running)
     finally:
         engine.timer = NO_TIMER
         ranks = [executor.collective_rpc("stop_profile") for executor in executors]
@@ -523,7 +528,7 @@ def profile_decode(engine, prompts: list[list[int]], params) -> dict:
         "output_rank": f"rank {output_rank}"
         if len(ranks) == 1
         else f"replica 0 rank {output_rank}",
-        "steps_in_flight": sum(replica.pipeline_depth for replica in engine.replicas),
+        "steps_in_flight": 1 + still_running,
     }
 
 
