@@ -8,13 +8,18 @@ import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from shardline.cli.bench_decode import QUESTION
+from shardline.config import load_config
+from shardline.launch.comm_world import ParallelSetup
+from shardline.launch.local_world import LocalWorld
 from shardline.profiling import SpanTimer
+from shardline.worker.worker import Worker
 from support.cli import shardline
 from support.tiny_llama import write_tiny_llama
 from support.tiny_tokenizer import add_tiny_tokenizer
@@ -161,6 +166,37 @@ def test_bench_decode_states_the_transformers_target_in_the_floors_terms():
         "2.5x transformers 2 threads, batch 1, is 1.50 of tp2 custom_ar's floor",
         "tp2 custom_ar 16 concurrent / transformers 2 threads batch 1: 13.00 (target >= 12)",
     ]
+
+
+class _ReadsThePreviousStage:
+    """A last stage's runner that only reads the tensors the previous stage sent."""
+
+    def execute_model(self, scheduler_output, intermediate):
+        return sorted(intermediate.tensors)
+
+
+def _profile_a_step_behind_a_slow_first_stage(ctx) -> dict:
+    if ctx.state.pp.is_first_rank:
+        time.sleep(0.5)
+        ctx.state.pp.send_tensor_dict({"hidden_states": torch.ones(2, 8)})
+        return {}
+    worker = Worker(ctx.state, _ReadsThePreviousStage())
+    worker.start_profile()
+    output = worker.execute_model(SimpleNamespace(total_num_scheduled_tokens=2))
+    return {"output": output, "profile": worker.stop_profile()}
+
+
+@pytest.mark.timeout(120)
+def test_a_later_stage_waiting_for_the_previous_one_is_profiled_as_that_wait():
+    """The first stage sends 0.5 s late: the last stage's profile puts that time under "comm
+    wait for the previous stage" (its metadata's receive included), not in the step's rest."""
+    config = load_config(overrides=["parallel.pipeline_parallel_size=2"], environ={}).config
+    with LocalWorld(2, ParallelSetup(config), call_timeout_s=60) as world:
+        _, last = world.run(_profile_a_step_behind_a_slow_first_stage)
+    assert last["output"] == ["hidden_states"]
+    parts = last["profile"]
+    assert parts["comm wait for the previous stage"]["seconds"] > 0.4, parts
+    assert parts["rank step, rest"]["seconds"] < 0.1, parts
 
 
 def test_the_executor_round_trip_is_given_only_when_steps_do_not_overlap():

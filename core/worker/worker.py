@@ -85,9 +85,10 @@ class Worker:
         gather_group = self.state.tp if self.tp_assisted_transfer else None
         intermediate = None
         if forward_pass and not pp.is_first_rank:
-            intermediate = AsyncIntermediateTensors(
-                pp.irecv_tensor_dict(all_gather_group=gather_group), self.timer
-            )
+            # The tensors' metadata comes now: it leaves with the previous stage's send.
+            with self.timer("comm wait for the previous stage"):
+                receive = pp.irecv_tensor_dict(all_gather_group=gather_group)
+            intermediate = AsyncIntermediateTensors(receive, self.timer)
         output = self.model_runner.execute_model(scheduler_output, intermediate)
         if isinstance(output, IntermediateTensors):
             if pp.is_last_rank:
