@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from shardline.config import load_config
+from shardline.engine import LLM, SamplingParams
 from shardline.errors import ConfigError
 from shardline.launch.launcher_env import LaunchedRank, local_rank
 from shardline.launch.launchers import run_launched
 from shardline.worker.model_runner import rank_device
 from shardline_executors.external_launcher import ExternalLauncherExecutor
+from support.tiny_llama import write_tiny_llama
+from support.tiny_tokenizer import add_tiny_tokenizer
 
 TORCHRUN = {
     "RANK": "1",
@@ -112,5 +115,36 @@ def test_launched_world_generates_transformers_tokens(
     report = json.loads(printed[0])
     assert report["executor"] == "external_launcher"
     assert report["tokens"] == tiny_llama_greedy
+    assert run.leftovers == []
+    assert own_shm.entries() == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_pipeline_stages_overlapping_steps_give_the_same_answers(tmp_path, own_shm, launcher):
+    """PP=2 with six conversations at once: the last stage sends each step's result as soon as
+    it has it and the first stage receives it when its engine asks (two steps in flight).
+    Every answer and the embedding equal one process's (uni) on the same model."""
+    model = add_tiny_tokenizer(write_tiny_llama(tmp_path / "model", max_position_embeddings=256))
+    questions = [f"question {i}: {'why ' * i}" for i in range(6)]
+    run = run_launched(
+        launcher,
+        2,
+        ["-m", "support.llm_driver", str(model), "12", *questions, "--embed", "a text",
+         "--", "parallel.pipeline_parallel_size=2", "parallel.timeout_s=60"],
+        timeout_s=200,
+        wrap=own_shm.wrap,
+    )  # fmt: skip
+    assert run.returncode == 0, f"{launcher} failed:\n{run.stdout}\n{run.stderr}"
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    report = json.loads(line)
+    assert report["executor"] == "external_launcher"
+    with LLM(overrides=[f"model.path={model}"]) as llm:
+        conversations = [[{"role": "user", "content": q}] for q in questions]
+        expected = llm.chat(conversations, SamplingParams(max_tokens=12))
+        (embedding,) = llm.embed("a text")
+    assert report["tokens"] == [output.token_ids for output in expected]
+    assert all(len(tokens) == 12 for tokens in report["tokens"])
+    torch.testing.assert_close(torch.tensor(report["embedding"]), embedding)
     assert run.leftovers == []
     assert own_shm.entries() == []

@@ -6,7 +6,10 @@ Every process makes the same calls in the same order (scheduling is deterministi
 returns the same list in every process: ``collective_rpc`` through the rendezvous store
 (each call has its own deadline and names the silent ranks), ``execute_model`` through a
 broadcast from the output rank on the control communicator, so that every rank's scheduler
-sees the sampled tokens. Only rank 0 reports results (:attr:`reports_results`).
+sees the sampled tokens. With pipeline stages (and one replica) the output rank instead sends
+each step's result to every other rank as soon as it has it, and they receive it when their
+engine first asks for it: the first stage starts its next step while the last computes this
+one, as under ``mp``. Only rank 0 reports results (:attr:`reports_results`).
 
 A process that meets a missed deadline or a lost peer may share an MPI job with a stuck rank:
 its exit then ends the job (:func:`~shardline.launch.mpi_job.abort_job_at_exit`) instead of
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -85,7 +89,11 @@ class ExternalLauncherExecutor(Executor):
         self.rank = launched.rank
         self.world_size = launched.world_size
         self.launcher = launched.launcher
-        self._output_rank = config.parallel.layout.output_rank
+        layout = config.parallel.layout
+        self._output_rank = layout.output_rank
+        #: Results travel as sends that the other ranks receive when asked (see the module).
+        self._results_sent = layout.pipeline_parallel_size > 1 and layout.data_parallel_size == 1
+        self._result_sends: list = []
         self._call_timeout_s = config.parallel.timeout_s
         self._next_call = 0
         self._failure: ShardlineError | None = None
@@ -217,13 +225,18 @@ class ExternalLauncherExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
         """Run the step on this rank; every rank gets the output rank's result, in a Future
-        resolved before it is returned (the step ran in this thread)."""
+        resolved before it is returned (the step ran in this thread), or, with pipeline
+        stages, on the other ranks one that receives it when first asked for."""
         future: Future[ModelRunnerOutput | None] = Future()
         try:
             self.check_health()
             output = self._context.worker.execute_model(scheduler_output)
-            if self.world_size > 1:
-                world = self._context.parallel.state.world
+            world = self._context.parallel.state.world
+            if self._results_sent and self.rank != self._output_rank:
+                return _ResultOnRequest(lambda: self._receive_result(world))
+            if self._results_sent:
+                self._send_result(world, output)
+            elif self.world_size > 1:
                 output = world.broadcast_object(output, src=self._output_rank)
         except Exception as error:
             if isinstance(error, CommTimeoutError | PeerLostError):
@@ -232,6 +245,22 @@ class ExternalLauncherExecutor(Executor):
         else:
             future.set_result(output)
         return future
+
+    def _send_result(self, world, output: ModelRunnerOutput | None) -> None:
+        """Start sending the output rank's ``output`` to every other rank; the sends of the
+        step before are complete first (they went out while this step ran)."""
+        for work in self._result_sends:
+            work.wait()
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        self._result_sends = [world.control_plane.isend_object(output, rank) for rank in others]
+
+    def _receive_result(self, world) -> ModelRunnerOutput | None:
+        """The output rank's next step result (steps are asked for in the order they ran)."""
+        try:
+            self.check_health()
+            return world.control_plane.recv_object(self._output_rank)
+        except (CommTimeoutError, PeerLostError) as error:
+            raise self._fail(error) from None
 
     def check_health(self) -> None:
         if self._context is None:
@@ -247,6 +276,10 @@ class ExternalLauncherExecutor(Executor):
             return
         context, self._context = self._context, None
         if context is not None:
+            if self._failure is None:  # the last results reach their ranks before it closes
+                with contextlib.suppress(ShardlineError):
+                    for work in self._result_sends:
+                        work.wait()
             context.close()
         store = getattr(self, "_store", None)
         if store is not None:
@@ -260,3 +293,25 @@ class ExternalLauncherExecutor(Executor):
         self._store = None
         self._meeting.close()
         self._meeting = None
+
+
+class _ResultOnRequest(Future):
+    """A step's result that another rank sends: received (by ``receive``) the first time
+    ``result`` is called, in that thread (a second caller waits for that receive); the engine
+    asks for its steps in the order they ran, which is the order they are sent in."""
+
+    def __init__(self, receive: Callable[[], ModelRunnerOutput | None]) -> None:
+        super().__init__()
+        self._receive = receive
+        self._receiving = threading.Lock()
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput | None:
+        """The result, received now if it was not yet; the receive ends by the
+        communicator's deadline (``timeout`` does not cut it short)."""
+        with self._receiving:
+            if not self.done():
+                try:
+                    self.set_result(self._receive())
+                except Exception as error:
+                    self.set_exception(error)
+        return super().result(timeout)
