@@ -587,8 +587,8 @@ AVX512 static inline __m512 load_16(const void *base, long at, const int bf16) {
  * heads. The heads share only the loads: each head's sums are the ones it gets alone, in the
  * same order (the portable kernel's softmax, exp_approx; its sums in another order). The cache
  * and out hold float32, or bfloat16 (bf16: keys and values widened exactly, the output rounded
- * once, as the portable kernel does). stats: see attend_kv_head_avx512. Inlined with `members`, d and bf16 constants
- * (attend_group_avx512), so the heads' sums stay in registers. */
+ * once, as the portable kernel does). stats: see attend_kv_head_avx512. Inlined with
+ * `members`, d and bf16 constants (attend_group_avx512), so the heads' sums stay in registers. */
 AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
     const float *const *queries, const void *keys_of_head, const void *values_of_head,
     const int64_t *table, long length, long block_size, long stride, const long d,
@@ -960,10 +960,11 @@ static long attention_piece_blocks(const Step *step) {
 }
 
 /* Pieces of the step's longest sequence for workers threads (the other sequences have as
- * many, the last ones empty); 1 for one thread, and for a step without attention (an MLP
- * half alone: no cache blocks). */
+ * many, the last ones empty); 1 for one thread, for a head size the AVX-512 kernel does not
+ * take (a chunk is a whole sequence there) and for a step without attention (an MLP half
+ * alone: no cache blocks). */
 static long attention_pieces(const Step *step, int workers) {
-    if (workers == 1 || step->block_size == 0) return 1;
+    if (workers == 1 || step->d % 16 != 0 || step->block_size == 0) return 1;
     long blocks = (step->longest + step->block_size - 1) / step->block_size;
     return (blocks + attention_piece_blocks(step) - 1) / attention_piece_blocks(step);
 }
