@@ -362,13 +362,13 @@ def profile_table(row: dict, mode: str, profile: dict) -> str:
             table.append([part, *("-" for _ in ranks), cell(driver[part])])
     table.append(["driver step", *("-" for _ in ranks), cell(sum(driver.values()))])
     in_flight = profile["steps_in_flight"]
+    # Overlapping steps overlap each other and the driver's wait: no per-step difference.
+    round_trip = f"- ({in_flight} steps in flight)"
     if in_flight == 1:
         output_rank = sum(per_step[profile["output_rank"]].values())
         beyond = driver.get("send step", 0.0) + driver.get("wait for ranks", 0.0) - output_rank
-        table.append(["executor round trip", *("-" for _ in ranks), cell(beyond)])
-    else:  # the ranks' steps overlap each other and the driver's: no per-step difference
-        overlapped = f"- ({in_flight} steps in flight)"
-        table.append(["executor round trip", *("-" for _ in ranks), overlapped])
+        round_trip = cell(beyond)
+    table.append(["executor round trip", *("-" for _ in ranks), round_trip])
     mebibytes = max(row["weight_bytes"]) / 2**20
     bandwidth = min(row["bandwidth"]) / 1e9
     title = (

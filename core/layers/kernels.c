@@ -1016,9 +1016,8 @@ static void attention_chunk(const void *context, long chunk, int worker) {
     float *out = job->out + at, *stats = NULL;
     if (job->pieces > 1) {
         long blocks = (length + step->block_size - 1) / step->block_size;
-        long first = piece * attention_piece_blocks(step);
-        long end = first + attention_piece_blocks(step) < blocks
-                       ? first + attention_piece_blocks(step) : blocks;
+        long span = attention_piece_blocks(step), first = piece * span;
+        long end = first + span < blocks ? first + span : blocks;
         long slice = (sequence * job->pieces + piece) * step->q_heads;
         out = job->partial + slice * step->d, stats = job->stats + 2 * slice;
         if (first >= end) { /* a sequence shorter than the longest: this piece is past it */
@@ -1055,9 +1054,11 @@ static void merge_pieces(const AttentionJob *job) {
             }
             float *out = job->out + (sequence * heads + h) * d;
             for (long i = 0; i < d; i++) out[i] = 0.0f;
-            for (long p = 0; p < pieces; p++)
+            for (long p = 0; p < pieces; p++) {
+                float share = weight[p] / total;
                 for (long i = 0; weight[p] > 0.0f && i < d; i++)
-                    out[i] += weight[p] / total * part[p * heads * d + i];
+                    out[i] += share * part[p * heads * d + i];
+            }
         }
 }
 

@@ -249,10 +249,15 @@ class ExternalLauncherExecutor(Executor):
     def _send_result(self, world, output: ModelRunnerOutput | None) -> None:
         """Start sending the output rank's ``output`` to every other rank; the sends of the
         step before are complete first (they went out while this step ran)."""
-        for work in self._result_sends:
-            work.wait()
+        self._finish_result_sends()
         others = [rank for rank in range(self.world_size) if rank != self.rank]
         self._result_sends = [world.control_plane.isend_object(output, rank) for rank in others]
+
+    def _finish_result_sends(self) -> None:
+        """Wait until the last step's result sends have gone out."""
+        for work in self._result_sends:
+            work.wait()
+        self._result_sends = []
 
     def _receive_result(self, world) -> ModelRunnerOutput | None:
         """The output rank's next step result (steps are asked for in the order they ran)."""
@@ -278,8 +283,7 @@ class ExternalLauncherExecutor(Executor):
         if context is not None:
             if self._failure is None:  # the last results reach their ranks before it closes
                 with contextlib.suppress(ShardlineError):
-                    for work in self._result_sends:
-                        work.wait()
+                    self._finish_result_sends()
             context.close()
         store = getattr(self, "_store", None)
         if store is not None:
