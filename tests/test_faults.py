@@ -169,11 +169,13 @@ def _ill_formed_object_run(rank0_shutdown: str, returncode: int) -> list[str]:
     from shardline.launch.launchers import LaunchedRun
 
     rank0 = {
-        "role": "rank-0", "outcome": "error", "error": "ProtocolError", "elapsed_s": 0.1,
+        "role": "rank-0", "phase": "step", "outcome": "error", "error": "ProtocolError",
+        "elapsed_s": 0.1,
         "message": "the object from rank 1 fails the job-secret check", "shutdown": rank0_shutdown,
     }  # fmt: skip
     victim = {
-        "role": "rank-1", "outcome": "error", "error": "CommTimeoutError", "elapsed_s": 3.0,
+        "role": "rank-1", "phase": "step", "outcome": "error", "error": "CommTimeoutError",
+        "elapsed_s": 3.0,
         "message": "mpi broadcast on rank 1 of 2: no answer within 3 s", "shutdown": "clean",
     }  # fmt: skip
     return _judge(
@@ -195,4 +197,31 @@ def test_a_shutdown_cut_short_by_the_launcher_still_judges_what_the_step_raised(
     assert _ill_formed_object_run("clean", returncode=1) == []
     assert _ill_formed_object_run("unfinished", returncode=0) == [
         "rank-0: its shutdown did not finish"
+    ]
+
+
+def test_a_victim_that_fails_before_its_fault_is_planted_fails_the_scenario():
+    """torchrun x gloo "hangs in a collective" where the victim's arming call timed out (its
+    peer came out of start-up late) and torchrun then ended rank 0 before it reported: the
+    scenario never ran, and the judge says why instead of only "rank-0 wrote no report"."""
+    from shardline.conformance.faults.matrix import Combination, _judge
+    from shardline.launch.launchers import LaunchedRun
+
+    victim = {
+        "role": "rank-1", "phase": "arm", "outcome": "error", "error": "CommTimeoutError",
+        "elapsed_s": 2.0, "message": "collective_rpc 'arm': ranks [0] did not answer within 2 s",
+    }  # fmt: skip
+    problems = _judge(
+        SCENARIOS["hangs in a collective"],
+        Combination("external_launcher", "gloo", launcher="torchrun"),
+        2,
+        2.0,
+        [victim],
+        LaunchedRun(1, "", "", []),
+        {},
+    )
+    assert problems == [
+        "rank-0 wrote no report (exit code 1)",
+        "rank-1 failed in its arm phase, before the fault: CommTimeoutError: "
+        "collective_rpc 'arm': ranks [0] did not answer within 2 s",
     ]

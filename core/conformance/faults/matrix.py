@@ -256,6 +256,13 @@ def _judge(
     for word in scenario.words:
         if messages and not any(word in message for message in messages):
             problems.append(f"no survivor's message mentions {word!r}")
+    if scenario.step_fault:
+        problems += [
+            f"{process['role']} failed in its {process['phase']} phase, before the fault: "
+            f"{process.get('error')}: {process.get('message', '')[:300]}"
+            for process in processes
+            if process.get("phase") != "step"
+        ]
     return problems
 
 

@@ -111,7 +111,9 @@ def run(
         fault = scenario.name if scenario.step_fault else None
         markers = json.loads(os.environ.get(PLAN_VARIABLE) or "{}").get("markers", "")
         plan = Plan(fault, args.ranks - 1, markers)
-        report["rank_pids"] = executor.collective_rpc(arm, (plan,))
+        # Planting the fault is set-up, not the step under test: under load a rank may come
+        # out of start-up seconds after another, so the call waits the start-up deadline.
+        report["rank_pids"] = executor.collective_rpc(arm, (plan,), timeout=args.startup_timeout)
         report["phase"] = "step"
         started = time.monotonic()
         output = executor.execute_model(_step()).result(timeout=args.timeout + 30)
