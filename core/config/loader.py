@@ -47,6 +47,7 @@ OTHER_VARIABLES = frozenset(
         "SHARDLINE_TEST_MODELS",
         "SHARDLINE_LOCAL_WORLD_AUTHKEY",
         "SHARDLINE_FAULT_PLAN",
+        "SHARDLINE_RUN_MARKER",
         SWITCH,
     }
 )

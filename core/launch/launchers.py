@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,6 +22,9 @@ from shardline.launch.tether import tethered
 
 #: How long processes of a finished run may take to exit (Python's resource tracker, say).
 _SETTLE_S = 2.0
+#: The environment variable that marks every process of one :func:`run_session` (a random
+#: value per run, inherited by whatever the command starts).
+RUN_MARKER = "SHARDLINE_RUN_MARKER"
 
 #: The launchers a launched world can be started with.
 LAUNCHERS = ("torchrun", "mpiexec", "mpiexec+master")
@@ -74,9 +78,9 @@ class LaunchedRun:
     returncode: int
     stdout: str
     stderr: str
-    #: Processes of the launcher's session still alive after it ended (killed since).
+    #: Processes of the run still alive after it ended (killed since).
     leftovers: list[int]
-    #: Whether the run outlived its deadline (its whole session was killed).
+    #: Whether the run outlived its deadline (its every process was killed).
     timed_out: bool = False
 
 
@@ -87,9 +91,9 @@ def run_launched(
     timeout_s: float,
     wrap: Callable[[list[str]], list[str]] | None = None,
 ) -> LaunchedRun:
-    """Run ``program`` (``-m module args...``) on ``ranks`` ranks; the whole process group is
-    killed if it outlives ``timeout_s``. ``wrap`` changes the whole command (e.g. to run it
-    with a private /dev/shm)."""
+    """Run ``program`` (``-m module args...``) on ``ranks`` ranks; every process of the run
+    is killed if it outlives ``timeout_s`` (see :func:`run_session`). ``wrap`` changes the
+    whole command (e.g. to run it with a private /dev/shm)."""
     command = [*launcher_command(launcher, ranks), *program]
     run = run_session(wrap(command) if wrap else command, launcher_environment(), timeout_s)
     if run.timed_out:
@@ -149,10 +153,12 @@ def run_session(
     sessions: Sessions | None = None,
 ) -> LaunchedRun:
     """Run ``command`` in a session of its own; when it ends, or outlives ``timeout_s``, every
-    process still in that session ``_SETTLE_S`` later is listed (``leftovers``) and killed.
-    The command is tethered to this process (it gets SIGTERM should this process die: a
-    launcher then ends its ranks). ``sessions``: the owner's runs, which this one joins while
-    its command runs. The command's temporary folder is its own (:func:`private_tmpdir`)."""
+    process of the run still alive ``_SETTLE_S`` later is listed (``leftovers``) and killed.
+    The run's processes are those in the command's session and those that inherited its
+    :data:`RUN_MARKER` (torchrun starts each rank in a session of its own). The command is
+    tethered to this process (it gets SIGTERM should this process die: a launcher then ends
+    its ranks). ``sessions``: the owner's runs, which this one joins while its command runs.
+    The command's temporary folder is its own (:func:`private_tmpdir`)."""
     with private_tmpdir(environ) as private:
         return _run_session(command, private, timeout_s, sessions)
 
@@ -163,14 +169,16 @@ def _run_session(
     timeout_s: float,
     sessions: Sessions | None,
 ) -> LaunchedRun:
+    marker = secrets.token_hex(8)
     process = subprocess.Popen(
         tethered(command, signal.SIGTERM),
-        env=environ,
+        env={**environ, RUN_MARKER: marker},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
+    run = _Run(process.pid, marker)
     if sessions is not None:
         sessions._started(process)
     timed_out = False
@@ -178,34 +186,72 @@ def _run_session(
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(process.pid, signal.SIGKILL)
+        run.kill()  # every holder of the output pipes, so that they close
         stdout, stderr = process.communicate()
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            run.kill()
             process.wait()
         if sessions is not None:
             sessions._finished(process)
-    leftovers = session_processes(process.pid)
+    leftovers = run.processes()
     settle_until = time.monotonic() + _SETTLE_S
     while leftovers and time.monotonic() < settle_until:
         time.sleep(0.05)
-        leftovers = session_processes(process.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+        leftovers = run.processes()
+    run.kill()
     return LaunchedRun(process.returncode, stdout, stderr, leftovers, timed_out)
 
 
-def session_processes(session_id: int) -> list[int]:
-    """Processes still alive in session ``session_id`` ."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+@dataclass(frozen=True)
+class _Run:
+    """The processes of one run: session ``session_id`` and every process whose environment
+    carries :data:`RUN_MARKER` = ``marker``."""
+
+    session_id: int
+    marker: str
+
+    def processes(self) -> list[int]:
+        """The run's processes alive now."""
+        return [pid for pid, _ in self._scan()]
+
+    def kill(self) -> None:
+        """SIGKILL every process of the run (each through a pidfd opened before its marker
+        is read, so a reused process id is never signalled)."""
+        for pid, in_session in self._scan():
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            try:
+                if in_session or self._marked(pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            finally:
+                os.close(pidfd)
+
+    def _scan(self) -> list[tuple[int, bool]]:
+        """(process id, whether it is in the session) for each live process of the run."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z":
+                continue
+            pid = int(entry.name)
+            in_session = int(fields[3]) == self.session_id
+            if in_session or self._marked(pid):
+                found.append((pid, in_session))
+        return found
+
+    def _marked(self, pid: int) -> bool:
+        """Whether process ``pid`` started with this run's marker in its environment."""
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session_id and fields[0] != "Z":
-            alive.append(int(entry.name))
-    return alive
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:  # gone, or another user's
+            return False
+        return f"{RUN_MARKER}={self.marker}".encode() in environ.split(b"\0")
