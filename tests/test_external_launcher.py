@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shardline.config import load_config
+from shardline.conformance.faults.scenarios import DEADLINE_SLACK_S, SHUTDOWN_LIMIT_S
 from shardline.engine import LLM, SamplingParams
 from shardline.errors import ConfigError
 from shardline.launch.launcher_env import LaunchedRank, local_rank
@@ -146,5 +147,39 @@ def test_pipeline_stages_overlapping_steps_give_the_same_answers(tmp_path, own_s
     assert report["tokens"] == [output.token_ids for output in expected]
     assert all(len(tokens) == 12 for tokens in report["tokens"])
     torch.testing.assert_close(torch.tensor(report["embedding"]), embedding)
+    assert run.leftovers == []
+    assert own_shm.entries() == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("launcher", "communicators"),
+    [("torchrun", "gloo"), ("mpiexec", "mpi")],
+)
+def test_a_hung_last_stage_ends_the_world_in_time(tmp_path, own_shm, launcher, communicators):
+    """PP=2: the last stage (the output rank) hangs inside a step while the first stage
+    waits for that step's result. The first stage raises CommTimeoutError naming rank 1
+    within the deadline + 1 s, its engine shuts down cleanly (its pending send to the hung
+    stage is dropped, not waited on), its exit ends the world, nothing is left."""
+    model = add_tiny_tokenizer(write_tiny_llama(tmp_path / "model", max_position_embeddings=256))
+    timeout_s = 3.0
+    run = run_launched(
+        launcher,
+        2,
+        ["-m", "support.stalled_stage_driver", str(model), "--",
+         "parallel.pipeline_parallel_size=2", f"parallel.timeout_s={timeout_s}",
+         f"parallel.communicator={communicators}",
+         f"parallel.control_communicator={communicators}"],
+        timeout_s=150,
+        wrap=own_shm.wrap,
+    )  # fmt: skip
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    (hung,) = [report for report in reports if "hung_at" in report]
+    (first,) = [report for report in reports if report.get("rank") == 0]
+    assert first["error"] == "CommTimeoutError", first
+    assert "from rank 1" in first["message"] or "no answer from rank 1" in first["message"]
+    assert first["raised_at"] - hung["hung_at"] <= timeout_s + DEADLINE_SLACK_S, first
+    assert first["shutdown"] == "clean" and first["shutdown_s"] <= SHUTDOWN_LIMIT_S, first
+    assert run.returncode != 0  # the launcher ended the hung rank when rank 0 failed
     assert run.leftovers == []
     assert own_shm.entries() == []

@@ -209,8 +209,8 @@ class ProcessGroupCommunicator(Communicator):
         if tensor.numel() == 0:
             return OnceWork(lambda timeout: None, lambda: True)
         payload = self.stage(tensor).contiguous()
-        native = self._start("send", lambda pg: pg.send([payload], dst, _P2P_TAG))
-        return self._wrap("send", native, result=None, keep_alive=[payload])
+        native = self._start("send", lambda pg: pg.send([payload], dst, _P2P_TAG), dst)
+        return self._wrap("send", native, result=None, keep_alive=[payload], peer=dst)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
         self._check_peer(src, "recv")
@@ -219,9 +219,11 @@ class ProcessGroupCommunicator(Communicator):
         buffer = self.stage(tensor)
         if not buffer.is_contiguous():
             buffer = torch.empty_like(buffer, memory_format=torch.contiguous_format)
-        native = self._start("recv", lambda pg: pg.recv([buffer], src, _P2P_TAG))
+        native = self._start("recv", lambda pg: pg.recv([buffer], src, _P2P_TAG), src)
         copy_back = (lambda: tensor.copy_(buffer)) if buffer is not tensor else None
-        return self._wrap("recv", native, result=tensor, keep_alive=[buffer], after=copy_back)
+        return self._wrap(
+            "recv", native, result=tensor, keep_alive=[buffer], after=copy_back, peer=src
+        )
 
     # ---- groups and lifetime ---------------------------------------------------------------------
 
@@ -247,7 +249,7 @@ class ProcessGroupCommunicator(Communicator):
 
     # ---- helpers ---------------------------------------------------------------------------------
 
-    def _start(self, op: str, call):
+    def _start(self, op: str, call, peer: int | None = None):
         if self._pg is None:
             raise CommunicationError(
                 f"{op}: the {self.backend_name} group was closed", op=op, rank=self._rank
@@ -255,7 +257,7 @@ class ProcessGroupCommunicator(Communicator):
         try:
             return call(self._pg)
         except RuntimeError as error:
-            raise self._translate(op, error) from error
+            raise self._translate(op, error, peer) from error
 
     def _run(self, op: str, call) -> None:
         native = self._start(op, call)
@@ -264,22 +266,27 @@ class ProcessGroupCommunicator(Communicator):
         except RuntimeError as error:
             raise self._translate(op, error) from error
 
-    def _wrap(self, op: str, native, result, keep_alive, after=None) -> Work:
+    def _wrap(self, op: str, native, result, keep_alive, after=None, peer=None) -> Work:
         def native_wait(timeout: float | None) -> None:
             seconds = self._timeout_s if timeout is None else timeout
             try:
                 native.wait(datetime.timedelta(seconds=seconds))
             except RuntimeError as error:
-                raise self._translate(op, error) from error
+                raise self._translate(op, error, peer) from error
             if after is not None:
                 after()
 
         return OnceWork(native_wait, native.is_completed, result=result, keep_alive=keep_alive)
 
-    def _translate(self, op: str, error: RuntimeError) -> CommunicationError:
+    def _translate(
+        self, op: str, error: RuntimeError, peer: int | None = None
+    ) -> CommunicationError:
+        """``error`` of native operation ``op`` as a Shardline error naming this rank, its
+        group and, for a point-to-point operation, the ``peer`` (a rank of the group)."""
         text = str(error)
+        between = "" if peer is None else f" {'from' if op == 'recv' else 'to'} rank {peer}"
         where = (
-            f"{self.backend_name} {op} on rank {self._rank} of {self._world_size} "
+            f"{self.backend_name} {op}{between} on rank {self._rank} of {self._world_size} "
             f"(group {self._prefix!r})"
         )
         if "Timed out" in text or "timeout" in text.lower():

@@ -38,10 +38,13 @@ class WorkerContext:
     worker: Worker
     parallel: ParallelRankContext
 
-    def close(self) -> None:
-        """Finish the Worker's pending sends and leave the worlds (every rank, at shutdown)."""
-        self.worker.close()
-        self.parallel.close()
+    def close(self, finish_sends: bool = True) -> None:
+        """Finish the Worker's pending sends (drop them with ``finish_sends`` False: after a
+        failure) and leave the worlds, also when a send fails (every rank, at shutdown)."""
+        try:
+            self.worker.close(finish_sends)
+        finally:
+            self.parallel.close()
 
 
 @dataclass(frozen=True)

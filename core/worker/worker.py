@@ -177,7 +177,9 @@ class Worker:
         del probe
         return BANDWIDTH_PROBE_BYTES / min(times)
 
-    def close(self) -> None:
-        if self._pp_send_work is not None:
-            self._pp_send_work.wait()
-        self._pp_send_work = None
+    def close(self, finish_sends: bool = True) -> None:
+        """Wait for the last pipeline send to go out; with ``finish_sends`` False (after the
+        world failed: its receiver may never take it) drop it instead."""
+        work, self._pp_send_work = self._pp_send_work, None
+        if work is not None and finish_sends:
+            work.wait()

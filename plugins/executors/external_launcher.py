@@ -281,10 +281,11 @@ class ExternalLauncherExecutor(Executor):
             return
         context, self._context = self._context, None
         if context is not None:
-            if self._failure is None:  # the last results reach their ranks before it closes
+            healthy = self._failure is None
+            if healthy:  # the last results reach their ranks before it closes
                 with contextlib.suppress(ShardlineError):
                     self._finish_result_sends()
-            context.close()
+            context.close(finish_sends=healthy)
         store = getattr(self, "_store", None)
         if store is not None:
             with contextlib.suppress(RuntimeError, dist.DistError):

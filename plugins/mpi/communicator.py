@@ -398,7 +398,7 @@ class MpiCommunicator(Communicator):
         request = self._call(
             "send", lambda c: c.Isend([self._memory(payload), self._mpi.BYTE], dst, _P2P_TAG)
         )
-        return self._work("send", request, result=None, keep_alive=[payload])
+        return self._work("send", request, result=None, keep_alive=[payload], peer=dst)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
         self._check_peer(src, "recv")
@@ -413,7 +413,9 @@ class MpiCommunicator(Communicator):
             "recv", lambda c: c.Irecv([self._memory(buffer), self._mpi.BYTE], src, _P2P_TAG)
         )
         copy_back = (lambda: tensor.copy_(buffer)) if buffer is not tensor else None
-        return self._work("recv", request, result=tensor, keep_alive=[buffer], after=copy_back)
+        return self._work(
+            "recv", request, result=tensor, keep_alive=[buffer], after=copy_back, peer=src
+        )
 
     # ---- groups and lifetime ---------------------------------------------------------------------
 
@@ -449,9 +451,12 @@ class MpiCommunicator(Communicator):
         except self._mpi.Exception as error:
             raise self._translate(op, str(error)) from error
 
-    def _complete(self, op: str, request: Any, timeout: float | None = None) -> None:
+    def _complete(
+        self, op: str, request: Any, timeout: float | None = None, peer: int | None = None
+    ) -> None:
         """Poll ``request`` until done (each test also moves it forward), or raise
-        CommTimeoutError at the deadline."""
+        CommTimeoutError at the deadline (naming ``peer``, the other end of a point-to-point
+        operation, when given)."""
         try:
             if request.Test():  # small operations are often done by now
                 return
@@ -477,12 +482,13 @@ class MpiCommunicator(Communicator):
                 polling=self._polling,
             )
         except CommTimeoutError as error:
-            raise self._timed_out(op, f"no answer from peers within {seconds:g} s") from error
+            who = "peers" if peer is None else f"rank {peer}"
+            raise self._timed_out(op, f"no answer from {who} within {seconds:g} s") from error
 
-    def _work(self, op: str, request: Any, result, keep_alive, after=None) -> Work:
+    def _work(self, op: str, request: Any, result, keep_alive, after=None, peer=None) -> Work:
         def native_wait(timeout: float | None) -> None:
             try:
-                self._complete(op, request, timeout)
+                self._complete(op, request, timeout, peer)
             except CommTimeoutError:
                 if op == "recv":  # a receive can be withdrawn; a send cannot
                     request.Cancel()
