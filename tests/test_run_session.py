@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.launch.launchers import launcher_environment, run_session
+from shardline.launch.launchers import RUN_MARKER, launcher_environment, run_session
 
 #: Starts a detached grandchild in a session of its own (as torchrun starts a rank), prints
 #: its pid and exits; the grandchild sleeps, with the run's output open unless told to close.
@@ -86,7 +86,7 @@ def test_another_process_with_a_similar_environment_is_not_the_runs():
     """The marker is the run's own: a process started outside the run is never touched."""
     outsider = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"],
-        env={**os.environ, "SHARDLINE_RUN_MARKER": "not-this-run"},
+        env={**os.environ, RUN_MARKER: "not-this-run"},
     )
     try:
         run = run_session([sys.executable, "-c", "pass"], launcher_environment(), 30)
