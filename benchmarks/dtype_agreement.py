@@ -1,5 +1,6 @@
-"""How closely a lower-precision mode (``model.dtype``) follows float32: top-1 agreement of
-greedy decoding on held-out prompts (prompts no test or tuning uses), in one run.
+"""How closely a lower-precision mode (``model.dtype``, or float32 with ``model.weight_dtype``
+bfloat16: linear weights rounded to bfloat16, computed in float32) follows float32: top-1
+agreement of greedy decoding on held-out prompts (prompts no test or tuning uses), in one run.
 
 float32 is the reference (its greedy tokens equal transformers'; tests/test_smollm2.py). For
 each prompt it generates ``--tokens`` tokens; then each mode is asked for the next token after
@@ -37,7 +38,12 @@ PROMPTS = (
     "The capital of Australia is",
     "Water boils at a lower temperature at high altitude because",
 )
-DTYPES = ("float32", "bfloat16")
+#: (model.dtype, model.weight_dtype) of each mode measured.
+MODES = (("float32", None), ("bfloat16", None), ("float32", "bfloat16"))
+
+
+def mode_name(dtype: str, weight_dtype: str | None) -> str:
+    return dtype if weight_dtype is None else f"{dtype}, weights {weight_dtype}"
 
 
 def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -45,10 +51,21 @@ def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     return [list(out.token_ids) for out in llm.generate(prompts, params)]
 
 
-def measure(model: str, dtype: str, prompts: list[list[int]], reference: list[list[int]]) -> dict:
+def measure(
+    model: str,
+    mode: tuple[str, str | None],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> dict:
     tokens = len(reference[0])
-    overrides = [f"model.path={model}", "parallel.distributed_executor_backend=uni"]
-    with LLM(overrides=[*overrides, f"model.dtype={dtype}"]) as llm:
+    dtype, weight_dtype = mode
+    overrides = [
+        f"model.path={model}",
+        "parallel.distributed_executor_backend=uni",
+        f"model.dtype={dtype}",
+        *([f"model.weight_dtype={weight_dtype}"] if weight_dtype else []),
+    ]
+    with LLM(overrides=overrides) as llm:
         prefixes = [
             p + ref[:k] for p, ref in zip(prompts, reference, strict=True) for k in range(tokens)
         ]
@@ -62,7 +79,7 @@ def measure(model: str, dtype: str, prompts: list[list[int]], reference: list[li
         if run != ref
     ]
     return {
-        "dtype": dtype,
+        "dtype": mode_name(dtype, weight_dtype),
         "positions": len(expected),
         "top1_agreement": agree / len(expected),
         "continuations_equal": len(prompts) - len(first_differences),
@@ -83,7 +100,7 @@ def main() -> int:
     with LLM(overrides=[f"model.path={model}", "parallel.distributed_executor_backend=uni"]) as llm:
         prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
         reference = greedy(llm, prompts, args.tokens)
-    results = [measure(model, dtype, prompts, reference) for dtype in DTYPES]
+    results = [measure(model, mode, prompts, reference) for mode in MODES]
     print(
         f"{len(PROMPTS)} held-out prompts x {args.tokens} tokens; reference: float32 greedy "
         "(decode steps)"
@@ -95,7 +112,7 @@ def main() -> int:
         for r in results
     ]  # fmt: skip
     headers = [
-        "dtype",
+        "mode",
         "top-1 agreement, teacher-forced",
         "greedy runs equal",
         "first diff (median)",

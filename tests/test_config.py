@@ -95,6 +95,23 @@ def test_bad_value_names_what_is_allowed():
         load_config(overrides=["parallel.device=tpu"], environ={})
 
 
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype", "allowed"),
+    [("bfloat16", "float32", "null, 'bfloat16'"),
+     ("float32", "float16", "null, 'float32', 'bfloat16'")],
+)  # fmt: skip
+def test_a_weight_dtype_the_model_dtype_cannot_take_names_what_it_can(dtype, weight_dtype, allowed):
+    with pytest.raises(ConfigError) as error:
+        load_config(
+            overrides=[f"model.dtype={dtype}", f"model.weight_dtype={weight_dtype}"], environ={}
+        )
+    assert f"weight_dtype = '{weight_dtype}' with dtype = '{dtype}': allowed: {allowed}" in str(
+        error.value
+    )
+    config = load_config(overrides=["model.weight_dtype=bfloat16"], environ={}).config
+    assert config.model.held_weight_dtype == "bfloat16"
+
+
 def test_floats_in_exponent_form_are_numbers_everywhere(tmp_path):
     # YAML 1.1 reads 1e3 (no dot, unsigned exponent) as text; JSON, TOML and users do not.
     path = tmp_path / "c.yaml"

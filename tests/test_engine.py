@@ -106,6 +106,34 @@ def test_a_tied_lm_head_is_planned_as_held_and_gives_transformers_tokens(tmp_pat
             assert parameters == planned[rank].memory.weights
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_bfloat16_weights_are_planned_as_held_and_give_rounded_transformers_tokens(
+    tiny_llama_dir, tp, pp
+):
+    """model.weight_dtype bfloat16 with float32: greedy tokens are transformers' with every
+    linear weight rounded to bfloat16, and the memory plan is what the ranks hold (linear
+    weights in bfloat16 where the C kernel holds them)."""
+    from transformers import LlamaForCausalLM
+
+    reference = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.bfloat16())
+    expected = [
+        reference.generate(
+            torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )[0, len(prompt) :].tolist()
+        for prompt in PROMPTS[:2]
+    ]
+    with _llm(tiny_llama_dir, tp, pp, "model.weight_dtype=bfloat16") as llm:
+        outputs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert [out.token_ids for out in outputs] == expected
+        planned = {r: share for share in llm.engine.capacity.shares for r in share.ranks}
+        for rank, (parameters, _) in enumerate(llm.engine.executor.collective_rpc(bytes_held)):
+            assert parameters == planned[rank].memory.weights
+
+
 def _rank(worker):
     return worker.rank
 

@@ -17,6 +17,7 @@ from shardline.layers.kernels import (
     TORCH_KERNELS,
     KVHeadIndex,
     NativeKernels,
+    TorchKernels,
     layer_kernels,
     per_query_head,
 )
@@ -30,6 +31,8 @@ native_module = pytest.importorskip(
 NATIVE = NativeKernels(native_module)
 #: The same C path with each linear shared out among three threads (two helpers).
 TEAM = NativeKernels(native_module, threads=3)
+#: The C path holding blocked linear weights in bfloat16 (model.weight_dtype bfloat16).
+HALF_WEIGHTS = NativeKernels(native_module, weight_dtype=torch.bfloat16)
 #: Four query heads reading two KV heads, two each (GQA).
 GROUPED_4_OVER_2 = KVHeadIndex.of(torch.tensor([0, 0, 1, 1]))
 
@@ -41,8 +44,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 4e-6) -> None:
 
 def test_the_c_path_is_chosen_on_the_cpu_unless_switched_off():
     assert isinstance(layer_kernels(torch.device("cpu"), {}), NativeKernels)
-    assert layer_kernels(torch.device("cpu"), {"SHARDLINE_NATIVE": "0"}) is TORCH_KERNELS
-    assert layer_kernels(torch.device("cuda", 0), {}) is TORCH_KERNELS
+    assert type(layer_kernels(torch.device("cpu"), {"SHARDLINE_NATIVE": "0"})) is TorchKernels
+    assert type(layer_kernels(torch.device("cuda", 0), {})) is TorchKernels
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 100), (16, 7)])
@@ -422,6 +425,48 @@ def test_packing_a_model_gives_each_kernels_object_one_packer_in_module_order():
     assert last.data_ptr() - first.data_ptr() == 4 * 64 * 16
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 65])
+@pytest.mark.parametrize("out_features,in_features", [(100, 37), (130, 576), (320, 40), (6, 9)])
+def test_bfloat16_weights_give_the_sums_of_float32_weights_rounded_to_bfloat16(
+    rows, out_features, in_features
+):
+    """A weight held in bfloat16 (half the bytes; every path: pairs of blocks a piece at a
+    time, one row, a partial last block of any width, tiles past 64 rows; alone and on a team
+    of three) multiplies to the very bits of its float32 copy rounded to bfloat16, and the
+    torch path with weight_dtype bfloat16 rounds its weight the same way."""
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    rounded = weight.bfloat16().float()
+    held = HALF_WEIGHTS.pack_linear(weight.clone())
+    assert held.dtype is torch.bfloat16 and held.shape == (out_features * in_features,)
+    assert held.blocked_shape == (out_features, in_features)
+    team = NativeKernels(native_module, threads=3, weight_dtype=torch.bfloat16)
+    x = torch.randn(rows, in_features)
+    expected = NATIVE.linear(x, NATIVE.pack_linear(rounded), bias)
+    assert torch.equal(HALF_WEIGHTS.linear(x, held, bias), expected)
+    assert torch.equal(team.linear(x, held, bias), expected)
+    torch_path = TorchKernels(torch.bfloat16)
+    torch.testing.assert_close(
+        torch_path.linear(x, torch_path.pack_linear(weight.clone()), bias),
+        torch.nn.functional.linear(x, rounded, bias),
+        rtol=1e-5,
+        atol=5e-4,
+    )  # fmt: skip  (sums of up to 576 products in another order)
+
+
+def test_bfloat16_weights_lie_back_to_back_on_cache_lines():
+    """A bfloat16 packer's weights share one bfloat16 buffer, each on a cache line (32
+    elements) after the one before."""
+    if not native_module.blocked_linear_available():
+        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+    weights = [torch.randn(70, 3), torch.randn(130, 9)]
+    pack = HALF_WEIGHTS.weight_packer(weights)
+    first, last = (pack(weight) for weight in weights)
+    assert first.dtype is last.dtype is torch.bfloat16
+    assert last.data_ptr() - first.data_ptr() == 2 * 224  # 210 elements, to 7 cache lines
+
+
 def test_another_dtype_keeps_onednn():
     weight = torch.randn(64, 32)
     assert NATIVE.pack_linear(weight.to(torch.bfloat16)).dim() == 2
@@ -432,8 +477,9 @@ def test_another_dtype_keeps_onednn():
     )
 
 
-def _layer_blocks(hidden: int, heads: tuple[int, int, int], size: int, bias: bool):
-    """A decoder layer's weights (random, blocked for the C linear kernel) and their blocks."""
+def _layer_blocks(hidden: int, heads: tuple[int, int, int], size: int, bias: bool, kernels=NATIVE):
+    """A decoder layer's weights (random, blocked for ``kernels``' C linear kernel) and their
+    blocks."""
     if not native_module.blocked_linear_available():
         pytest.skip("the fused layer calls need the C linear kernel: AVX-512, which this CPU lacks")
     q_heads, kv_heads, d = heads
@@ -450,9 +496,9 @@ def _layer_blocks(hidden: int, heads: tuple[int, int, int], size: int, bias: boo
         "down_bias": torch.randn(hidden) if bias else None,
     }
     for name in ("qkv", "o", "gate_up", "down"):
-        weights[name] = NATIVE.pack_linear(weights[name])
+        weights[name] = kernels.pack_linear(weights[name])
     kv_index = KVHeadIndex.of(torch.tensor([0, 1, 1])[:q_heads])  # uneven, as SmolLM2's TP rank
-    blocks = NATIVE.layer_blocks(
+    blocks = kernels.layer_blocks(
         input_norm=(weights["input_norm"], 1e-5), qkv=(weights["qkv"], weights["qkv_bias"]),
         heads=heads, kv_index=kv_index, scale=0.3, o_proj=(weights["o"], weights["o_bias"]),
         post_norm=(weights["post_norm"], 1e-6),
@@ -549,6 +595,44 @@ def test_every_layer_in_one_call_is_the_layers_one_by_one(bias, threads):
         assert torch.equal(got, expected) and torch.equal(got_residual, stream)
         for cache, copy in zip(caches, copies, strict=True):
             assert torch.equal(cache.key, copy.key) and torch.equal(cache.value, copy.value)
+
+
+def test_layers_with_bfloat16_weights_run_as_with_float32_weights_rounded_to_them():
+    """decode_layers and the fused halves of layers whose weights are held in bfloat16: the
+    bits of the same layers with float32 weights rounded to bfloat16 (three layers, with
+    biases, one rank)."""
+    heads, hidden, size = (3, 2, 32), 72, 40
+    rounded, held = [], []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        held.append(_layer_blocks(hidden, heads, size, True, HALF_WEIGHTS)[2])
+        torch.manual_seed(seed)
+        rounded.append(_layer_blocks(hidden, heads, size, True, _Rounding())[2])
+    assert all(b.weights_bf16 for b in held) and not any(b.weights_bf16 for b in rounded)
+    metadata, decode, rope = _three_decodes()
+    x = torch.randn(3, hidden)
+    results = []
+    for layers, kernels in ((held, HALF_WEIGHTS), (rounded, NATIVE)):
+        torch.manual_seed(3)  # the same cached keys and values for both
+        caches = [_filled_cache(2, 32) for _ in layers]
+        stack = kernels.layer_stack(layers, caches)
+        out = kernels.decode_layers(stack, x, None, rope, metadata.slot_mapping, decode, _OneRank())
+        half = kernels.mlp_block(layers[0], x, x)
+        results.append((out, half, [c.key for c in caches]))
+    (out, half, keys), (expected, expected_half, expected_keys) = results
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+    assert torch.equal(half[0], expected_half[0])
+    assert all(torch.equal(a, b) for a, b in zip(keys, expected_keys, strict=True))
+
+
+class _Rounding(NativeKernels):
+    """The C path with float32 weights whose values are rounded to bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__(native_module)
+
+    def pack_linear(self, weight):
+        return super().pack_linear(weight.bfloat16().float())
 
 
 @pytest.mark.parametrize("d", [32, 24])

@@ -1,9 +1,11 @@
 """The parallel Llama against HF transformers on the same safetensors files: a ragged
 prefill of two prompts, then a decode step through the paged KV cache, under TP=1, TP=2,
 PP=2 and TP=2 x PP=2 (real gloo worlds, through the executors that ship), on the C layer
-kernels (what a CPU rank runs) and on the torch ones; bfloat16 within its precision. The
-decode step (decodes only) runs each half of a layer in one C call where the ranks' weights
-are the C linear kernel's, bit-identical to the same step run module by module."""
+kernels (what a CPU rank runs) and on the torch ones; bfloat16 within its precision, and
+float32 with linear weights rounded to bfloat16 (``model.weight_dtype``) as transformers with
+its linear weights so rounded. The decode step (decodes only) runs each half of a layer in one
+C call where the ranks' weights are the C linear kernel's, bit-identical to the same step run
+module by module."""
 
 import pytest
 import torch
@@ -49,10 +51,12 @@ def _step(model, state, caches, input_ids, positions, metadata):
     return model.compute_logits(out)
 
 
-def _prefill_then_decode(worker, directory: str, environ: dict, dtype: str) -> dict | None:
+def _prefill_then_decode(
+    worker, directory: str, environ: dict, dtype: str, weight_dtype: str | None
+) -> dict | None:
     state = worker.state
     checkpoint = HFCheckpoint(directory)
-    kernels = layer_kernels(torch.device("cpu"), environ)
+    kernels = layer_kernels(torch.device("cpu"), environ, getattr(torch, weight_dtype or dtype))
     model = LlamaForCausalLM(checkpoint.architecture, state, getattr(torch, dtype), kernels)
     model.load_weights(checkpoint.tensor)
     caches = model.make_kv_caches(num_blocks=16, block_size=BLOCK_SIZE)
@@ -72,6 +76,7 @@ def _prefill_then_decode(worker, directory: str, environ: dict, dtype: str) -> d
     # the same step again (same cache writes) with the layers' modules one by one.
     fused = [layer.blocks is not None for layer in model.layers.values()]
     blocked = [layer.mlp.down_proj.weight.dim() == 1 for layer in model.layers.values()]
+    held = {str(layer.mlp.down_proj.weight.dtype) for layer in model.layers.values()}
     for layer in model.layers.values():
         layer.blocks = None
     one_by_one = decode_step()
@@ -83,6 +88,7 @@ def _prefill_then_decode(worker, directory: str, environ: dict, dtype: str) -> d
         "decode_one_by_one": one_by_one.float(),
         "fused": fused,
         "blocked": blocked,
+        "held": held,
         "kernels": type(kernels).__name__,
     }
 
@@ -92,17 +98,20 @@ SHAPES = {
     "gqa": {},
     "uneven": {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3},
 }
-#: (shape, tp, pp, kernels, dtype)
+#: (shape, tp, pp, kernels, dtype, weight_dtype)
 CASES = [
-    ("gqa", 1, 1, "C", "float32"),
-    ("gqa", 2, 1, "C", "float32"),
-    ("gqa", 1, 2, "C", "float32"),
-    ("gqa", 2, 2, "C", "float32"),
-    ("uneven", 2, 1, "C", "float32"),
-    ("uneven", 4, 1, "C", "float32"),
-    ("gqa", 1, 1, "torch", "float32"),
-    ("uneven", 2, 1, "torch", "float32"),
-    ("uneven", 2, 1, "C", "bfloat16"),
+    ("gqa", 1, 1, "C", "float32", None),
+    ("gqa", 2, 1, "C", "float32", None),
+    ("gqa", 1, 2, "C", "float32", None),
+    ("gqa", 2, 2, "C", "float32", None),
+    ("uneven", 2, 1, "C", "float32", None),
+    ("uneven", 4, 1, "C", "float32", None),
+    ("gqa", 1, 1, "torch", "float32", None),
+    ("uneven", 2, 1, "torch", "float32", None),
+    ("uneven", 2, 1, "C", "bfloat16", None),
+    ("gqa", 2, 1, "C", "float32", "bfloat16"),
+    ("uneven", 2, 1, "C", "float32", "bfloat16"),
+    ("uneven", 2, 1, "torch", "float32", "bfloat16"),
 ]
 #: How close each dtype's logits come to transformers' float32 ones.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 6e-2}
@@ -117,11 +126,11 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("shape", "tp", "pp", "kernels", "dtype"),
+    ("shape", "tp", "pp", "kernels", "dtype", "weight_dtype"),
     CASES,
-    ids=[f"{s}-tp{t}-pp{p}-{k}-{d}" for s, t, p, k, d in CASES],
+    ids=[f"{s}-tp{t}-pp{p}-{k}-{d}" + (f"-weights-{w}" if w else "") for s, t, p, k, d, w in CASES],
 )
-def test_matches_transformers(checkpoints, shape, tp, pp, kernels, dtype):
+def test_matches_transformers(checkpoints, shape, tp, pp, kernels, dtype, weight_dtype):
     if kernels == "C" and not isinstance(layer_kernels(torch.device("cpu"), {}), NativeKernels):
         pytest.skip("the C layer kernels were not built (pip install found no compiler)")
     environ = {} if kernels == "C" else {"SHARDLINE_NATIVE": "0"}
@@ -138,19 +147,21 @@ def test_matches_transformers(checkpoints, shape, tp, pp, kernels, dtype):
     executor = Registry.load().get("executor", executor_name).load_available()(config)
     try:
         results = executor.collective_rpc(
-            _prefill_then_decode, (str(checkpoint_dir), environ, dtype)
+            _prefill_then_decode, (str(checkpoint_dir), environ, dtype, weight_dtype)
         )
     finally:
         executor.shutdown()
     extended = [PROMPTS[0] + [11], PROMPTS[1] + [42]]
-    reference = reference_logits(checkpoint_dir, extended)
+    rounded = getattr(torch, weight_dtype) if weight_dtype else None
+    reference = reference_logits(checkpoint_dir, extended, linear_weights=rounded)
     expected_prefill = torch.cat([reference[0][:-1], reference[1][:-1]])
     expected_decode = torch.stack([reference[0][-1], reference[1][-1]])
     last_stage = results[(pp - 1) * tp :]
     assert all(r is None for r in results[: (pp - 1) * tp])
     close = TOLERANCE[dtype]
-    # A layer is fused where its weights are the C linear kernel's (float32, AVX-512), under
-    # uni (its threads sharing each linear) as in each mp rank.
+    # A layer is fused where its weights are the C linear kernel's (float32, AVX-512; held in
+    # bfloat16 with weight_dtype bfloat16), under uni (its threads sharing each linear) as in
+    # each mp rank.
     blocks_here = (
         kernels == "C" and dtype == "float32"
         and layer_kernels(torch.device("cpu"), {}).native.blocked_linear_available()
@@ -159,6 +170,8 @@ def test_matches_transformers(checkpoints, shape, tp, pp, kernels, dtype):
         assert result["kernels"] == ("NativeKernels" if kernels == "C" else "TorchKernels")
         assert result["fused"] == result["blocked"]
         assert all(result["blocked"]) or not blocks_here
+        held = weight_dtype if blocks_here and weight_dtype else dtype
+        assert result["held"] == {f"torch.{held}"}
         assert torch.equal(result["decode"], result["decode_one_by_one"])
         torch.testing.assert_close(result["prefill"], expected_prefill, atol=close, rtol=close)
         torch.testing.assert_close(result["decode"], expected_decode, atol=close, rtol=close)

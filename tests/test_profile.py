@@ -133,6 +133,10 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
         ),
         (["--prompt-tokens", "-1"], "--prompt-tokens = -1: allowed: 1..192"),
         (
+            ["--weight-dtype", "float16"],
+            "--weight-dtype: 'float16' with --dtype float32: allowed: float32, bfloat16",
+        ),
+        (
             ["--prompt-tokens", "10", "--tokens", "256"],
             "--tokens = 256: allowed: 2..255 (the model's 256-token context)",
         ),

@@ -11,10 +11,11 @@ before each of them, since the memory bandwidth a run gets moves too (by half wi
 minute here): "of floor" is the median of the requests' own ratios.
 Concurrent: ``--concurrent`` requests submitted at once; all generated tokens over the wall
 time, prefill included. transformers: ``generate`` with a streamer timing each token, at
-1 and 2 torch threads. Both engines hold the weights in ``--dtype`` (float32 by default) and
-get the same prompt ids: a short chat question, or with ``--prompt-tokens N`` its ids
-repeated to N tokens (decode over a long context; the bench's engine then gets the cache
-blocks every concurrent request needs at once).
+1 and 2 torch threads. Both engines hold the weights in ``--dtype`` (float32 by default; with
+``--weight-dtype bfloat16`` Shardline's linear weights are rounded to bfloat16, computed in
+float32: ``model.weight_dtype``) and get the same prompt ids: a short chat question, or with
+``--prompt-tokens N`` its ids repeated to N tokens (decode over a long context; the bench's
+engine then gets the cache blocks every concurrent request needs at once).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class Case:
     profile: bool = False
     #: The weights' dtype (``model.dtype``; transformers loads the same).
     dtype: str = "float32"
+    #: Shardline's ``model.weight_dtype`` (None: ``dtype``); transformers keeps ``dtype``.
+    weight_dtype: str | None = None
     #: Tokens of each request's prompt (0: the chat question's, see :func:`prompt_ids`).
     prompt_tokens: int = 0
 
@@ -75,11 +78,17 @@ def plan(
     profile: bool = False,
     dtype: str = "float32",
     prompt_tokens: int = 0,
+    weight_dtype: str | None = None,
 ) -> list[Case]:
     """The cases of one run (``communicators``: name -> the launcher its ranks need); TP=1
     has nothing to communicate and is one row."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
+    if weight_dtype not in (None, dtype, *(["bfloat16"] if dtype == "float32" else [])):
+        raise ConfigError(
+            f"--weight-dtype: {weight_dtype!r} with --dtype {dtype}: allowed: {dtype}"
+            + (", bfloat16" if dtype == "float32" else "")
+        )
     for name in layouts:
         if name not in LAYOUTS:
             raise ConfigError(f"--layouts: {name!r} is not a layout; allowed: {', '.join(LAYOUTS)}")
@@ -101,6 +110,7 @@ def plan(
                     launcher,
                     profile,
                     dtype,
+                    None if weight_dtype == dtype else weight_dtype,
                     prompt_tokens,
                 )
             )
@@ -255,7 +265,9 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
     print(_table(rows))
     long_prompts = bool(rows and rows[0].get("prompt_tokens"))
     if rows:
-        print(f"weights in {rows[0]['dtype']}")
+        held = rows[0].get("weight_dtype")
+        rounded = f" (Shardline's linear weights in {held}, computed in float32)" if held else ""
+        print(f"weights in {rows[0]['dtype']}{rounded}")
     if long_prompts:
         # The targets are set on the chat question's prompt, decode over a short context.
         print(f"prompts of {rows[0]['prompt_tokens']} tokens (no targets at this length)")
@@ -437,6 +449,8 @@ def _measure_shardline(case: Case) -> dict | None:
     ]
     if case.dtype != "float32":
         overrides.append(f"model.dtype={case.dtype}")
+    if case.weight_dtype is not None:
+        overrides.append(f"model.weight_dtype={case.weight_dtype}")
     if case.communicator != "-":
         overrides.append(f"parallel.communicator={case.communicator}")
     if tp * pp * dp > 1 and case.launcher is None:

@@ -230,6 +230,11 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
         "--dtype", default="float32", help="the weights' dtype in both engines (float32, bfloat16)"
     )
     decode.add_argument(
+        "--weight-dtype",
+        help="Shardline's model.weight_dtype (bfloat16 with --dtype float32: linear weights "
+        "rounded to bfloat16, computed in float32); transformers keeps --dtype",
+    )
+    decode.add_argument(
         "--profile",
         action="store_true",
         help="also show where a batch-1 and a concurrent decode step's time goes, per rank "
@@ -543,6 +548,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         profile=args.profile,
         dtype=args.dtype,
         prompt_tokens=args.prompt_tokens,
+        weight_dtype=args.weight_dtype,
     )
     if args.across_hosts is not None:
         from shardline.cli import bench_hosts

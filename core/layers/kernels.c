@@ -289,7 +289,10 @@ static Team *team_of(PyObject *argument, int *failed) {
 /* ---- linear: y = x W^T + b, W blocked for the kernel ------------------------------------
  * W [out, in] is stored block after block: block k holds outputs 64k..64k+63 input by input
  * ([in][64]); the last holds the rest ([in][out % 64] when out is not a multiple of 64), so the
- * layout takes exactly out x in floats. A tile of rows of x keeps its sums in registers, 4
+ * layout takes exactly out x in elements. The elements are float32, or bfloat16 (weights held
+ * in half the memory): each is widened exactly to float32 as it is read and multiplied in
+ * float32, so a bfloat16 weight gives the very sums its float32 copy would (the same terms in
+ * the same order). A tile of rows of x keeps its sums in registers, 4
  * vectors of 16 per row and block, broadcasting x[r, i] against the block's row i: no
  * horizontal sums. Up to LINEAR_PAIR_MAX_ROWS rows (decodes) go through two full blocks at a
  * time: two streams through memory, which one core reads faster than one. One row takes them
@@ -300,7 +303,7 @@ static Team *team_of(PyObject *argument, int *failed) {
  * one run; at one row the prefetches cost 5-7%). More rows (a prefill) are compute-bound:
  * tiles of 6 rows against one block, in one pass. Every output's sum is the same on every
  * path (the same terms in the same order; the sums kept between pieces are stored whole).
- * AVX-512 only (checked at run time); float32. */
+ * AVX-512 (F, BW, VL) only, checked at run time. */
 
 #define LINEAR_BLOCK 64
 #define LINEAR_TILE_ROWS 6
@@ -312,14 +315,47 @@ static Team *team_of(PyObject *argument, int *failed) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_BLOCKED_LINEAR 1
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+/* Whether this CPU runs the AVX512 functions. */
+static int cpu_has_avx512(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+
+/* Which element type the kernels instantiated for TYPE read: 1 for bfloat16. */
+#define IS_BF16_f32 0
+#define IS_BF16_bf16 1
+
+/* The address of element `at` of a weight of float32 or bfloat16 (bf16) elements. */
+static inline const void *weight_at(const void *weight, long at, int bf16) {
+    return (const char *)weight + at * (bf16 ? (long)sizeof(uint16_t) : (long)sizeof(float));
+}
+
+/* 16 weights from element at of w as float32: float32 as they are, bfloat16 widened exactly
+ * (its bits are a float32's upper half). */
+AVX512 static inline __m512 weights_16(const void *w, long at, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)w + at);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* weights_16 of the lanes in mask only (the others 0; memory past them is never touched). */
+AVX512 static inline __m512 masked_weights_16(const void *w, long at, __mmask16 mask,
+                                              const int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)w + at);
+    __m256i half = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + at);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
 
 /* R rows against one block: full (64 outputs, rows of 64) or the last (width < 64 outputs,
- * rows of width: masked loads and stores, which never touch memory past the mask). */
-#define DEFINE_LINEAR_TILE(R)                                                                \
-    AVX512 static void linear_tile_##R(const float *block, long in, const float *x,         \
-                                       float *y, long y_stride, long width,                 \
-                                       const float *bias) {                                  \
+ * rows of width: masked loads and stores, which never touch memory past the mask); weights
+ * of TYPE (f32, bf16). */
+#define DEFINE_LINEAR_TILE(R, TYPE)                                                          \
+    AVX512 static void linear_tile_##R##_##TYPE(const void *block, long in, const float *x, \
+                                                float *y, long y_stride, long width,        \
+                                                const float *bias) {                         \
+        const int bf16 = IS_BF16_##TYPE;                                                     \
         __m512 acc[R][4];                                                                    \
         __mmask16 m0 = tail_mask(width, 0), m1 = tail_mask(width, 1);                       \
         __mmask16 m2 = tail_mask(width, 2), m3 = tail_mask(width, 3);                       \
@@ -327,18 +363,20 @@ static Team *team_of(PyObject *argument, int *failed) {
             for (int k = 0; k < 4; k++) acc[r][k] = _mm512_setzero_ps();                     \
         if (width == LINEAR_BLOCK) {                                                         \
             for (long i = 0; i < in; i++) {                                                  \
-                const float *row = block + i * LINEAR_BLOCK;                                 \
-                __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);            \
-                __m512 w2 = _mm512_loadu_ps(row + 32), w3 = _mm512_loadu_ps(row + 48);       \
+                long row = i * LINEAR_BLOCK;                                                 \
+                __m512 w0 = weights_16(block, row, bf16);                                    \
+                __m512 w1 = weights_16(block, row + 16, bf16);                               \
+                __m512 w2 = weights_16(block, row + 32, bf16);                               \
+                __m512 w3 = weights_16(block, row + 48, bf16);                               \
                 LINEAR_TILE_STEP(R)                                                          \
             }                                                                                \
         } else {                                                                             \
             for (long i = 0; i < in; i++) {                                                  \
-                const float *row = block + i * width;                                        \
-                __m512 w0 = _mm512_maskz_loadu_ps(m0, row);                                  \
-                __m512 w1 = _mm512_maskz_loadu_ps(m1, row + 16);                             \
-                __m512 w2 = _mm512_maskz_loadu_ps(m2, row + 32);                             \
-                __m512 w3 = _mm512_maskz_loadu_ps(m3, row + 48);                             \
+                long row = i * width;                                                        \
+                __m512 w0 = masked_weights_16(block, row, m0, bf16);                         \
+                __m512 w1 = masked_weights_16(block, row + 16, m1, bf16);                    \
+                __m512 w2 = masked_weights_16(block, row + 32, m2, bf16);                    \
+                __m512 w3 = masked_weights_16(block, row + 48, m3, bf16);                    \
                 LINEAR_TILE_STEP(R)                                                          \
             }                                                                                \
         }                                                                                    \
@@ -373,65 +411,64 @@ static inline __mmask16 tail_mask(long width, int k) {
     return left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
 }
 
-DEFINE_LINEAR_TILE(1)
-DEFINE_LINEAR_TILE(2)
-DEFINE_LINEAR_TILE(3)
-DEFINE_LINEAR_TILE(4)
-DEFINE_LINEAR_TILE(5)
-DEFINE_LINEAR_TILE(6)
-
 /* One row against the two full blocks at block (outputs 0..127 of y and bias): the same
  * sums, in the same order, as linear_tile_1 on each block. */
-AVX512 static void linear_row_two_blocks(const float *block, long in, const float *x, float *y,
-                                         const float *bias) {
-    const float *second = block + in * LINEAR_BLOCK;
-    __m512 acc[2][4];
-    for (int b = 0; b < 2; b++)
-        for (int k = 0; k < 4; k++) acc[b][k] = _mm512_setzero_ps();
-    for (long i = 0; i < in; i++) {
-        __m512 value = _mm512_set1_ps(x[i]);
-        const float *rows[2] = {block + i * LINEAR_BLOCK, second + i * LINEAR_BLOCK};
-        for (int b = 0; b < 2; b++)
-            for (int k = 0; k < 4; k++)
-                acc[b][k] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[b] + 16 * k), value, acc[b][k]);
+#define DEFINE_LINEAR_ROW_TWO_BLOCKS(TYPE)                                                   \
+    AVX512 static void linear_row_two_blocks_##TYPE(const void *block, long in,             \
+                                                    const float *x, float *y,               \
+                                                    const float *bias) {                     \
+        const int bf16 = IS_BF16_##TYPE;                                                     \
+        __m512 acc[2][4];                                                                    \
+        for (int b = 0; b < 2; b++)                                                          \
+            for (int k = 0; k < 4; k++) acc[b][k] = _mm512_setzero_ps();                     \
+        for (long i = 0; i < in; i++) {                                                      \
+            __m512 value = _mm512_set1_ps(x[i]);                                             \
+            for (int b = 0; b < 2; b++)                                                      \
+                for (int k = 0; k < 4; k++) {                                                \
+                    long at = (b * in + i) * LINEAR_BLOCK + 16 * k;                          \
+                    acc[b][k] = _mm512_fmadd_ps(weights_16(block, at, bf16), value,          \
+                                                acc[b][k]);                                  \
+                }                                                                            \
+        }                                                                                    \
+        for (int b = 0; b < 2; b++)                                                          \
+            for (int k = 0; k < 4; k++) {                                                    \
+                long at = b * LINEAR_BLOCK + 16 * k;                                         \
+                __m512 sum = bias ? _mm512_add_ps(acc[b][k], _mm512_loadu_ps(bias + at))     \
+                                  : acc[b][k];                                               \
+                _mm512_storeu_ps(y + at, sum);                                               \
+            }                                                                                \
     }
-    for (int b = 0; b < 2; b++)
-        for (int k = 0; k < 4; k++) {
-            long at = b * LINEAR_BLOCK + 16 * k;
-            __m512 sum = bias ? _mm512_add_ps(acc[b][k], _mm512_loadu_ps(bias + at)) : acc[b][k];
-            _mm512_storeu_ps(y + at, sum);
-        }
-}
 
 /* R rows against rows [first, first + steps) of the two full blocks from block (the second
- * in * 64 floats after the first): linear_tile_R's sums for each. sums (R x 128: a row's 64 of
- * the first block, then the second's) holds them between pieces: they start at 0 where first
- * is 0, else from there; at the blocks' end (last) they go to y's rows (y_stride apart; 128
- * outputs, plus the bias when there is one), else back to sums. On the way, fetch rows from
- * ahead in both blocks are prefetched, spread over the steps. */
-#define DEFINE_LINEAR_PAIR_TILE(R)                                                           \
-    AVX512 static void linear_pair_tile_##R(                                                 \
-        const float *block, long in, long first, long steps, int last, const float *x,      \
-        float *sums, float *y, long y_stride, const float *bias, const float *ahead,        \
+ * in * 64 elements after the first): linear_tile_R's sums for each. sums (R x 128: a row's 64
+ * of the first block, then the second's) holds them between pieces: they start at 0 where
+ * first is 0, else from there; at the blocks' end (last) they go to y's rows (y_stride apart;
+ * 128 outputs, plus the bias when there is one), else back to sums. On the way, fetch rows
+ * from ahead in both blocks are prefetched, spread over the steps. */
+#define DEFINE_LINEAR_PAIR_TILE(R, TYPE)                                                     \
+    AVX512 static void linear_pair_tile_##R##_##TYPE(                                        \
+        const void *block, long in, long first, long steps, int last, const float *x,       \
+        float *sums, float *y, long y_stride, const float *bias, const void *ahead,         \
         long fetch) {                                                                        \
+        const int bf16 = IS_BF16_##TYPE;                                                     \
         __m512 acc[R][8];                                                                    \
         for (int r = 0; r < R; r++)                                                          \
             for (int k = 0; k < 8; k++)                                                      \
                 acc[r][k] = first ? _mm512_loadu_ps(sums + r * 2 * LINEAR_BLOCK + 16 * k)   \
                                   : _mm512_setzero_ps();                                     \
-        const float *one = block + first * LINEAR_BLOCK, *two = one + in * LINEAR_BLOCK;     \
+        long one = first * LINEAR_BLOCK, two = one + in * LINEAR_BLOCK;                      \
         long spacing = fetch > 0 && steps > fetch ? steps / fetch : 1, fetched = 0;          \
         for (long i = 0; i < steps; i++) {                                                   \
             if (fetched < fetch && i % spacing == 0) {                                       \
-                prefetch_block_row(ahead + fetched * LINEAR_BLOCK);                          \
-                prefetch_block_row(ahead + (fetched + in) * LINEAR_BLOCK);                   \
+                prefetch_block_row(ahead, fetched * LINEAR_BLOCK, bf16);                     \
+                prefetch_block_row(ahead, (fetched + in) * LINEAR_BLOCK, bf16);              \
                 fetched++;                                                                   \
             }                                                                                \
             __m512 value[R];                                                                 \
             for (int r = 0; r < R; r++) value[r] = _mm512_set1_ps(x[r * in + first + i]);   \
             for (int k = 0; k < 8; k++) {                                                    \
-                const float *row = (k < 4 ? one : two) + i * LINEAR_BLOCK;                   \
-                __m512 w = _mm512_loadu_ps(row + 16 * (k & 3));                              \
+                long row = (k < 4 ? one : two) + i * LINEAR_BLOCK;                           \
+                __m512 w = weights_16(block, row + 16 * (k & 3), bf16);                      \
                 if (R > 1) __asm__("" : "+v"(w)); /* one load for every row, not R */       \
                 for (int r = 0; r < R; r++)                                                  \
                     acc[r][k] = _mm512_fmadd_ps(w, value[r], acc[r][k]);                     \
@@ -448,21 +485,36 @@ AVX512 static void linear_row_two_blocks(const float *block, long in, const floa
             }                                                                                \
     }
 
-/* The four cache lines of one block row (64 floats) into the L1 cache. */
-static inline void prefetch_block_row(const float *row) {
-    for (int line = 0; line < 4; line++)
-        _mm_prefetch((const char *)(row + 16 * line), _MM_HINT_T0);
+/* The cache lines of one block row (64 elements from element at of block) into the L1
+ * cache. */
+static inline void prefetch_block_row(const void *block, long at, int bf16) {
+    const char *row = weight_at(block, at, bf16);
+    for (int line = 0; line < (bf16 ? 2 : 4); line++)
+        _mm_prefetch(row + 64 * line, _MM_HINT_T0);
 }
 
-DEFINE_LINEAR_PAIR_TILE(1)
-DEFINE_LINEAR_PAIR_TILE(2)
-DEFINE_LINEAR_PAIR_TILE(3)
+#define DEFINE_LINEAR_KERNELS(TYPE)                                                          \
+    DEFINE_LINEAR_TILE(1, TYPE)                                                              \
+    DEFINE_LINEAR_TILE(2, TYPE)                                                              \
+    DEFINE_LINEAR_TILE(3, TYPE)                                                              \
+    DEFINE_LINEAR_TILE(4, TYPE)                                                              \
+    DEFINE_LINEAR_TILE(5, TYPE)                                                              \
+    DEFINE_LINEAR_TILE(6, TYPE)                                                              \
+    DEFINE_LINEAR_ROW_TWO_BLOCKS(TYPE)                                                       \
+    DEFINE_LINEAR_PAIR_TILE(1, TYPE)                                                         \
+    DEFINE_LINEAR_PAIR_TILE(2, TYPE)                                                         \
+    DEFINE_LINEAR_PAIR_TILE(3, TYPE)
+DEFINE_LINEAR_KERNELS(f32)
+DEFINE_LINEAR_KERNELS(bf16)
+
+/* The kernel called name, of weights of bfloat16 (bf16) or float32, on args. */
+#define OF_TYPE(name, args) (bf16 ? name##_bf16 args : name##_f32 args)
 
 /* 2 to LINEAR_PAIR_MAX_ROWS rows against the two full blocks from block (outputs 0..127 of y
  * and bias), a piece at a time, in tiles of up to 3 rows; the tiles share out the prefetch of
  * the next piece. */
-static void linear_rows_two_blocks(const float *block, long in, const float *x, float *y,
-                                   long y_stride, long rows, const float *bias) {
+static void linear_rows_two_blocks(const void *block, int bf16, long in, const float *x,
+                                   float *y, long y_stride, long rows, const float *bias) {
     float sums[LINEAR_PAIR_MAX_ROWS * 2 * LINEAR_BLOCK];
     long tiles = (rows + LINEAR_PAIR_TILE_ROWS - 1) / LINEAR_PAIR_TILE_ROWS;
     for (long at = 0; at == 0 || at < in; at += LINEAR_PIECE) { /* in = 0: y = bias */
@@ -473,10 +525,12 @@ static void linear_rows_two_blocks(const float *block, long in, const float *x, 
             long r = tile * LINEAR_PAIR_TILE_ROWS;
             long count = rows - r < LINEAR_PAIR_TILE_ROWS ? rows - r : LINEAR_PAIR_TILE_ROWS;
             long from = tile * fetch / tiles, to = (tile + 1) * fetch / tiles;
-            const float *xr = x + r * in, *ahead = block + (next + from) * LINEAR_BLOCK;
+            const float *xr = x + r * in;
+            const void *ahead = weight_at(block, (next + from) * LINEAR_BLOCK, bf16);
             float *sr = sums + r * 2 * LINEAR_BLOCK, *yr = y + r * y_stride;
 #define PAIR_TILE(R)                                                                         \
-    linear_pair_tile_##R(block, in, at, steps, last, xr, sr, yr, y_stride, bias, ahead, to - from)
+    OF_TYPE(linear_pair_tile_##R,                                                            \
+            (block, in, at, steps, last, xr, sr, yr, y_stride, bias, ahead, to - from))
             switch (count) {
             case 3: PAIR_TILE(3); break;
             case 2: PAIR_TILE(2); break;
@@ -487,45 +541,52 @@ static void linear_rows_two_blocks(const float *block, long in, const float *x, 
     }
 }
 
-/* y's outputs in blocks [first, end) of the weight (the last block may be narrower): up to
- * LINEAR_PAIR_MAX_ROWS rows through two full blocks at a time, else (and a block left over)
- * tiles of up to 6 rows against one block. */
-static void linear_blocks(const float *weight, const float *x, float *y, const float *bias,
-                          long rows, long out, long in, long first, long end) {
+/* y's outputs in blocks [first, end) of the weight (float32, or bfloat16: bf16; the last
+ * block may be narrower): up to LINEAR_PAIR_MAX_ROWS rows through two full blocks at a time,
+ * else (and a block left over) tiles of up to 6 rows against one block. */
+static void linear_blocks(const void *weight, int bf16, const float *x, float *y,
+                          const float *bias, long rows, long out, long in, long first,
+                          long end) {
     long full = out / LINEAR_BLOCK;
     if (rows == 1)
         for (; first + 2 <= end && first + 2 <= full; first += 2)
-            linear_row_two_blocks(weight + first * in * LINEAR_BLOCK, in, x,
-                                  y + first * LINEAR_BLOCK,
-                                  bias ? bias + first * LINEAR_BLOCK : NULL);
+            OF_TYPE(linear_row_two_blocks,
+                    (weight_at(weight, first * in * LINEAR_BLOCK, bf16), in, x,
+                     y + first * LINEAR_BLOCK, bias ? bias + first * LINEAR_BLOCK : NULL));
     if (rows <= LINEAR_PAIR_MAX_ROWS)
         for (; first + 2 <= end && first + 2 <= full; first += 2)
-            linear_rows_two_blocks(weight + first * in * LINEAR_BLOCK, in, x,
-                                   y + first * LINEAR_BLOCK, out, rows,
+            linear_rows_two_blocks(weight_at(weight, first * in * LINEAR_BLOCK, bf16), bf16, in,
+                                   x, y + first * LINEAR_BLOCK, out, rows,
                                    bias ? bias + first * LINEAR_BLOCK : NULL);
     for (long k = first; k < end; k++) {
-        const float *block = weight + k * in * LINEAR_BLOCK;  /* the last may be narrower */
+        /* the last may be narrower */
+        const void *block = weight_at(weight, k * in * LINEAR_BLOCK, bf16);
         long width = out - k * LINEAR_BLOCK < LINEAR_BLOCK ? out - k * LINEAR_BLOCK : LINEAR_BLOCK;
         const float *block_bias = bias ? bias + k * LINEAR_BLOCK : NULL;
         for (long r = 0; r < rows; r += LINEAR_TILE_ROWS) {
             long tile = rows - r < LINEAR_TILE_ROWS ? rows - r : LINEAR_TILE_ROWS;
             const float *xr = x + r * in;
             float *yr = y + r * out + k * LINEAR_BLOCK;
+#define TILE(R) OF_TYPE(linear_tile_##R, (block, in, xr, yr, out, width, block_bias))
             switch (tile) {
-            case 6: linear_tile_6(block, in, xr, yr, out, width, block_bias); break;
-            case 5: linear_tile_5(block, in, xr, yr, out, width, block_bias); break;
-            case 4: linear_tile_4(block, in, xr, yr, out, width, block_bias); break;
-            case 3: linear_tile_3(block, in, xr, yr, out, width, block_bias); break;
-            case 2: linear_tile_2(block, in, xr, yr, out, width, block_bias); break;
-            default: linear_tile_1(block, in, xr, yr, out, width, block_bias); break;
+            case 6: TILE(6); break;
+            case 5: TILE(5); break;
+            case 4: TILE(4); break;
+            case 3: TILE(3); break;
+            case 2: TILE(2); break;
+            default: TILE(1); break;
             }
+#undef TILE
         }
     }
 }
+#undef OF_TYPE
 
 typedef struct {
-    const float *weight, *x, *bias;
+    const void *weight;
+    const float *x, *bias;
     float *y;
+    int bf16;
     long rows, out, in, blocks_per_chunk;
 } LinearJob;
 
@@ -534,19 +595,20 @@ static void linear_chunk(const void *context, long chunk, int worker) {
     long blocks = (job->out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long first = chunk * job->blocks_per_chunk;
     long end = first + job->blocks_per_chunk < blocks ? first + job->blocks_per_chunk : blocks;
-    linear_blocks(job->weight, job->x, job->y, job->bias, job->rows, job->out, job->in, first,
-                  end);
+    linear_blocks(job->weight, job->bf16, job->x, job->y, job->bias, job->rows, job->out,
+                  job->in, first, end);
 }
 
-/* y = x W^T + b, W blocked, shared out by team (NULL: this thread alone) in chunks of blocks:
- * two up to LINEAR_PAIR_MAX_ROWS rows (a pair), one otherwise. */
-static void blocked_linear_rows(Team *team, const float *weight, const float *x, float *y,
-                                const float *bias, long rows, long out, long in) {
+/* y = x W^T + b, W blocked (float32, or bfloat16: bf16), shared out by team (NULL: this
+ * thread alone) in chunks of blocks: two up to LINEAR_PAIR_MAX_ROWS rows (a pair), one
+ * otherwise. */
+static void blocked_linear_rows(Team *team, const void *weight, int bf16, const float *x,
+                                float *y, const float *bias, long rows, long out, long in) {
     long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long per_chunk = rows <= LINEAR_PAIR_MAX_ROWS ? 2 : 1;
     while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
-    LinearJob job = {.weight = weight, .x = x, .bias = bias, .y = y, .rows = rows, .out = out,
-                     .in = in, .blocks_per_chunk = per_chunk};
+    LinearJob job = {.weight = weight, .bf16 = bf16, .x = x, .bias = bias, .y = y,
+                     .rows = rows, .out = out, .in = in, .blocks_per_chunk = per_chunk};
     team_run(team, (blocks + per_chunk - 1) / per_chunk, linear_chunk, &job);
 }
 
@@ -802,7 +864,7 @@ static void attend(int bf16, const void *q, const void *key_cache, const void *v
                    long heads, const int64_t *kv_index, long kv_heads, long d, long block_size,
                    float scale, void *out, float *scores, long longest) {
 #ifdef HAVE_BLOCKED_LINEAR
-    if (d % 16 == 0 && __builtin_cpu_supports("avx512f")) {
+    if (d % 16 == 0 && cpu_has_avx512()) {
         decode_attention_rows_avx512(bf16, q, key_cache, value_cache, blocks, per_seq, lengths,
                                      batch, heads, kv_index, kv_heads, d, block_size, scale, out,
                                      scores);
@@ -925,19 +987,22 @@ enum { LAP_MATMUL = 0, LAP_ATTENTION = 1, LAP_COMM = 2, LAP_OTHER = -1 };
 /* 0 where this CPU runs the blocked linear kernel (AVX-512), else RuntimeError (-1). */
 static int blocked_linear_or_error(void) {
 #ifdef HAVE_BLOCKED_LINEAR
-    if (__builtin_cpu_supports("avx512f")) return 0;
+    if (cpu_has_avx512()) return 0;
 #endif
-    PyErr_SetString(PyExc_RuntimeError, "the blocked linear kernel needs a CPU with AVX-512");
+    PyErr_SetString(PyExc_RuntimeError,
+                    "the blocked linear kernel needs a CPU with AVX-512 (F, BW and VL)");
     return -1;
 }
 
-/* One layer's weights and cache (blocked linears; biases may be NULL). */
+/* One layer's weights and cache (blocked linears, all of float32 or all of bfloat16:
+ * weights_bf16; biases may be NULL). */
 typedef struct {
-    const float *input_norm, *qkv_weight, *qkv_bias, *o_weight, *o_bias;
-    const float *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    const void *qkv_weight, *o_weight, *gate_up_weight, *down_weight;
+    const float *input_norm, *qkv_bias, *o_bias, *post_norm, *gate_up_bias, *down_bias;
     const int64_t *kv_index;
     float *key_cache, *value_cache;
     float input_eps, post_eps;
+    int weights_bf16;
 } Layer;
 
 /* The sizes every layer of a rank shares, and one step's decode batch. */
@@ -1078,8 +1143,8 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     rms_norm_rows_f32(x, residual, layer->input_norm, normed, residual_out, rows, hidden,
                       layer->input_eps, row);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(team, layer->qkv_weight, normed, qkv, layer->qkv_bias, rows, qkv_width,
-                        hidden);
+    blocked_linear_rows(team, layer->qkv_weight, layer->weights_bf16, normed, qkv,
+                        layer->qkv_bias, rows, qkv_width, hidden);
     lap(times, LAP_MATMUL, &since);
     rope_store_rows_f32(qkv, rows, step->q_heads, step->kv_heads, d, step->cos, step->sin, q,
                         layer->key_cache, layer->value_cache, step->slots);
@@ -1092,7 +1157,8 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     team_run(team, rows * attention.parts * pieces, attention_chunk, &attention);
     if (pieces > 1) merge_pieces(&attention);
     lap(times, LAP_ATTENTION, &since);
-    blocked_linear_rows(team, layer->o_weight, attended, partial, NULL, rows, hidden, width);
+    blocked_linear_rows(team, layer->o_weight, layer->weights_bf16, attended, partial, NULL, rows,
+                        hidden, width);
     lap(times, LAP_MATMUL, &since);
 }
 
@@ -1107,12 +1173,13 @@ static void mlp_half(Team *team, const Layer *layer, const Step *step, const flo
     rms_norm_rows_f32(x, residual, layer->post_norm, normed, residual_out, rows, hidden,
                       layer->post_eps, row);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(team, layer->gate_up_weight, normed, gate_up, layer->gate_up_bias, rows,
-                        2 * size, hidden);
+    blocked_linear_rows(team, layer->gate_up_weight, layer->weights_bf16, normed, gate_up,
+                        layer->gate_up_bias, rows, 2 * size, hidden);
     lap(times, LAP_MATMUL, &since);
     silu_mul_rows_f32(gate_up, activated, rows, size);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(team, layer->down_weight, activated, partial, NULL, rows, hidden, size);
+    blocked_linear_rows(team, layer->down_weight, layer->weights_bf16, activated, partial, NULL,
+                        rows, hidden, size);
     lap(times, LAP_MATMUL, &since);
 }
 
@@ -1146,12 +1213,12 @@ static int check_step(Step *step, const int64_t *kv_index) {
 }
 
 static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 28, "attention_block") < 0) return NULL;
+    if (take_args(args, nargs, 29, "attention_block") < 0) return NULL;
     const float *x = ADDRESS(0), *residual = ADDRESS(1);
     Layer layer = {.input_norm = ADDRESS(2), .input_eps = REAL(3), .qkv_weight = ADDRESS(6),
                    .qkv_bias = ADDRESS(7), .key_cache = ADDRESS(14),
                    .value_cache = ADDRESS(15), .kv_index = ADDRESS(21),
-                   .o_weight = ADDRESS(23)};
+                   .o_weight = ADDRESS(23), .weights_bf16 = SIZE(28) != 0};
     Step step = {.rows = SIZE(4), .hidden = SIZE(5), .q_heads = SIZE(8), .kv_heads = SIZE(9),
                  .d = SIZE(10), .cos = ADDRESS(11), .sin = ADDRESS(12), .slots = ADDRESS(13),
                  .num_blocks = SIZE(16), .block_size = SIZE(17), .blocks = ADDRESS(18),
@@ -1173,10 +1240,11 @@ static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize
 }
 
 static PyObject *mlp_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 14, "mlp_block") < 0) return NULL;
+    if (take_args(args, nargs, 15, "mlp_block") < 0) return NULL;
     const float *x = ADDRESS(0), *residual = ADDRESS(1);
     Layer layer = {.post_norm = ADDRESS(2), .post_eps = REAL(3), .gate_up_weight = ADDRESS(6),
-                   .gate_up_bias = ADDRESS(7), .down_weight = ADDRESS(9)};
+                   .gate_up_bias = ADDRESS(7), .down_weight = ADDRESS(9),
+                   .weights_bf16 = SIZE(14) != 0};
     Step step = {.rows = SIZE(4), .hidden = SIZE(5), .size = SIZE(8)};
     float *partial = ADDRESS(10), *residual_out = ADDRESS(11);
     double *times = ADDRESS(12);
@@ -1201,7 +1269,8 @@ static PyObject *native_failure(int status, const char *error) {
 enum {
     TABLE_INPUT_NORM, TABLE_QKV_WEIGHT, TABLE_QKV_BIAS, TABLE_O_WEIGHT, TABLE_O_BIAS,
     TABLE_POST_NORM, TABLE_GATE_UP_WEIGHT, TABLE_GATE_UP_BIAS, TABLE_DOWN_WEIGHT,
-    TABLE_DOWN_BIAS, TABLE_KV_INDEX, TABLE_KEY_CACHE, TABLE_VALUE_CACHE, TABLE_FIELDS
+    TABLE_DOWN_BIAS, TABLE_KV_INDEX, TABLE_KEY_CACHE, TABLE_VALUE_CACHE, TABLE_WEIGHTS_BF16,
+    TABLE_FIELDS
 };
 
 static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1246,7 +1315,8 @@ static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t
                        .gate_up_bias = FIELD(GATE_UP_BIAS), .down_weight = FIELD(DOWN_WEIGHT),
                        .down_bias = FIELD(DOWN_BIAS), .kv_index = FIELD(KV_INDEX),
                        .key_cache = FIELD(KEY_CACHE), .value_cache = FIELD(VALUE_CACHE),
-                       .input_eps = (float)eps[2 * l], .post_eps = (float)eps[2 * l + 1]};
+                       .input_eps = (float)eps[2 * l], .post_eps = (float)eps[2 * l + 1],
+                       .weights_bf16 = fields[TABLE_WEIGHTS_BF16] != 0};
 #undef FIELD
         if (l > 0) /* the previous layer's output and residual stream */
             attention_half(team, &layer, &step, hidden_out, residual_out, residual_out,
@@ -1290,16 +1360,18 @@ static PyObject *native_all_reduce_call(PyObject *self, PyObject *const *args,
 }
 
 static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 8, "blocked_linear") < 0) return NULL;
-    const float *weight = ADDRESS(0), *x = ADDRESS(1), *bias = ADDRESS(3);
+    if (take_args(args, nargs, 9, "blocked_linear") < 0) return NULL;
+    const void *weight = ADDRESS(0);
+    const float *x = ADDRESS(1), *bias = ADDRESS(3);
     float *y = ADDRESS(2);
     long rows = SIZE(4), out = SIZE(5), in = SIZE(6);
+    int weights_bf16 = SIZE(8) != 0;
     int failed;
     Team *team = team_of(args[7], &failed);
     if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
     Py_BEGIN_ALLOW_THREADS
-    blocked_linear_rows(team, weight, x, y, bias, rows, out, in);
+    blocked_linear_rows(team, weight, weights_bf16, x, y, bias, rows, out, in);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -1328,7 +1400,7 @@ static PyObject *team_threads(PyObject *self, PyObject *argument) {
 
 static PyObject *blocked_linear_available(PyObject *self, PyObject *unused) {
 #ifdef HAVE_BLOCKED_LINEAR
-    return PyBool_FromLong(__builtin_cpu_supports("avx512f"));
+    return PyBool_FromLong(cpu_has_avx512());
 #else
     Py_RETURN_FALSE;
 #endif
@@ -1346,8 +1418,9 @@ static PyMethodDef methods[] = {
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(bf16, gate_up, out, rows, size)"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
-     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None): float32, weight "
-     "blocked by LINEAR_BLOCK outputs; without the GIL"},
+     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, weights_bf16): "
+     "float32 rows, the weight (float32, or bfloat16 where weights_bf16) blocked by "
+     "LINEAR_BLOCK outputs; without the GIL"},
     {"team", team, METH_O,
      "team(threads): a team of threads (this one and threads - 1 helpers) that the linear calls "
      "share each multiply with; its helpers end when it is freed"},
@@ -1358,7 +1431,8 @@ static PyMethodDef methods[] = {
      "attention_block(x, residual or 0, norm_weight, eps, rows, hidden, qkv_weight, qkv_bias "
      "or 0, q_heads, kv_heads, d, cos, sin, slots, key_cache, value_cache, num_blocks, "
      "block_size, blocks, per_seq, lengths, kv_index, scale, o_weight, partial, residual_out "
-     "or 0, times or 0, team or None): float32, blocked weights"},
+     "or 0, times or 0, team or None, weights_bf16): float32, blocked weights (bfloat16 "
+     "where weights_bf16)"},
     {"decode_layers", (PyCFunction)(void (*)(void))decode_layers, METH_FASTCALL,
      "decode_layers(table, eps, layers, x, residual or 0, rows, hidden, q_heads, kv_heads, d, "
      "size, scale, cos, sin, slots, num_blocks, block_size, blocks, per_seq, lengths, "
@@ -1366,15 +1440,15 @@ static PyMethodDef methods[] = {
      "layer of a decode step; None, or the all-reduce's failure (message, timed_out)"},
     {"mlp_block", (PyCFunction)(void (*)(void))mlp_block, METH_FASTCALL,
      "mlp_block(x, residual or 0, norm_weight, eps, rows, hidden, gate_up_weight, gate_up_bias "
-     "or 0, size, down_weight, partial, residual_out or 0, times or 0, team or None): "
-     "float32, blocked weights"},
+     "or 0, size, down_weight, partial, residual_out or 0, times or 0, team or None, "
+     "weights_bf16): float32, blocked weights (bfloat16 where weights_bf16)"},
     {"native_all_reduce_call", (PyCFunction)(void (*)(void))native_all_reduce_call,
      METH_FASTCALL,
      "native_all_reduce_call(capsule, data): one call of a communicator's native all-reduce "
      "(native_all_reduce.h) on the tensor at data, without the GIL; None, or its failure "
      "(message, timed_out)"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
-     "whether this CPU runs blocked_linear (AVX-512)"},
+     "whether this CPU runs blocked_linear (AVX-512 F, BW and VL)"},
     {NULL, NULL, 0, NULL},
 };
 

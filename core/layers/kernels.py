@@ -67,11 +67,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 class TorchKernels:
     """The per-layer operations in torch; linear weights packed for oneDNN
-    (:func:`~shardline.layers.linear.packed`)."""
+    (:func:`~shardline.layers.linear.packed`).
+
+    ``weight_dtype`` (None: the weights' own) is the precision linear weights keep: a float32
+    weight with ``weight_dtype`` bfloat16 is rounded to bfloat16 when packed and multiplied in
+    float32 (held in float32 here; :class:`NativeKernels` holds it in bfloat16)."""
+
+    def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
+        self.weight_dtype = weight_dtype
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` (``[out, in]``, loaded) in the layout :meth:`linear` reads fastest."""
-        return packed(weight)
+        """``weight`` (``[out, in]``, loaded) in the layout :meth:`linear` reads fastest,
+        rounded to ``weight_dtype``."""
+        return packed(self._rounded(weight))
+
+    def _rounded(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` with its values rounded to ``weight_dtype`` (in its own dtype)."""
+        if self.weight_dtype is None or self.weight_dtype is weight.dtype:
+            return weight
+        with torch.no_grad():
+            weight.copy_(weight.to(self.weight_dtype))
+        return weight
 
     def weight_packer(self, weights: Sequence[torch.Tensor]) -> WeightPacker:
         """A :meth:`pack_linear` for a model's weights, ``weights`` (loaded), to be called on
@@ -247,6 +263,7 @@ class LayerBlocks:
     attention_args: tuple  # norm weight, eps, qkv weight, qkv bias, kv_index, o weight
     mlp_args: tuple  # norm weight, eps, gate_up weight, gate_up bias, down weight
     reduced_biases: tuple[int, int]  # o_proj's and down's, added after the all-reduce (or 0)
+    weights_bf16: bool  # the linear weights are held in bfloat16 (else float32)
     tensors: tuple[torch.Tensor, ...]
 
     @property
@@ -276,10 +293,15 @@ class NativeKernels(TorchKernels):
     the C path, any other input the torch path. The C path checks slots and blocks against the
     cache; shapes and dtypes are checked here."""
 
-    def __init__(self, native: ModuleType, threads: int = 1) -> None:
+    def __init__(
+        self, native: ModuleType, threads: int = 1, weight_dtype: torch.dtype | None = None
+    ) -> None:
         """``threads``: how many threads share each C linear and a fused step's decode
         attention (the rank's torch threads); with more than one, a team of helper threads
-        lives as long as this object."""
+        lives as long as this object. ``weight_dtype`` bfloat16: float32 weights blocked for
+        the C kernel are held in bfloat16 (half the bytes a step reads; the C kernel widens
+        them exactly, so results are those of float32 weights rounded to bfloat16)."""
+        super().__init__(weight_dtype)
         self.native = native
         self.team = (
             native.team(threads) if threads > 1 and native.blocked_linear_available() else None
@@ -287,10 +309,15 @@ class NativeKernels(TorchKernels):
 
     def pack_linear(self, weight):
         """A float32 CPU weight, on a CPU with AVX-512, blocked for the C kernel
-        (:func:`blocked`); else oneDNN's packing."""
+        (:func:`blocked`, in ``weight_dtype``); else oneDNN's packing."""
         if self._blocks(weight):
-            return blocked(weight, self.native.LINEAR_BLOCK)
+            return blocked(weight, self.native.LINEAR_BLOCK, dtype=self._blocked_dtype)
         return super().pack_linear(weight)
+
+    @property
+    def _blocked_dtype(self) -> torch.dtype:
+        """The dtype blocked weights are held in: bfloat16 where ``weight_dtype`` says so."""
+        return torch.bfloat16 if self.weight_dtype is torch.bfloat16 else torch.float32
 
     def weight_packer(self, weights):
         """:meth:`pack_linear`, with the blocked weights back to back in one buffer in the
@@ -301,12 +328,15 @@ class NativeKernels(TorchKernels):
         sizes = [weight.numel() for weight in weights if self._blocks(weight)]
         if not sizes:
             return super().weight_packer(weights)
-        arena = WeightArena(sum(_aligned(size) for size in sizes))
+        dtype = self._blocked_dtype
+        arena = WeightArena(sum(_aligned(size, dtype) for size in sizes), dtype)
 
         def pack(weight: torch.Tensor) -> torch.Tensor:
             if not self._blocks(weight):
                 return super(NativeKernels, self).pack_linear(weight)
-            return blocked(weight, self.native.LINEAR_BLOCK, arena.take(weight.numel()))
+            return blocked(
+                weight, self.native.LINEAR_BLOCK, arena.take(weight.numel()), dtype=dtype
+            )
 
         return pack
 
@@ -340,7 +370,7 @@ class NativeKernels(TorchKernels):
         self.native.blocked_linear(
             weight.data_ptr(), rows.data_ptr(), y.data_ptr(),
             0 if bias is None else bias.data_ptr(), rows.shape[0], out_features, in_features,
-            self.team,
+            self.team, weight.dtype is torch.bfloat16,
         )  # fmt: skip
         return y if flat else y.view(*x.shape[:-1], out_features)
 
@@ -429,8 +459,8 @@ class NativeKernels(TorchKernels):
     def layer_blocks(
         self, *, input_norm, qkv, heads, kv_index, scale, o_proj, post_norm, gate_up, down,
     ):  # fmt: skip
-        """Where every linear weight is blocked for the C kernel (float32, :meth:`pack_linear`)
-        and the rest is float32 and contiguous."""
+        """Where every linear weight is blocked for the C kernel (:meth:`pack_linear`; all
+        four in one dtype) and the rest is float32 and contiguous."""
         q_heads, kv_heads, d = heads
         kv_heads_read = kv_index.index
         (input_weight, input_eps), (post_weight, post_eps) = input_norm, post_norm
@@ -439,8 +469,9 @@ class NativeKernels(TorchKernels):
         width = input_weight.numel()
         size = down_weight.blocked_shape[1] if down_weight.dim() == 1 else 0
         biases = (qkv_bias, gate_up_bias, o_bias, down_bias)
+        weights = (qkv_weight, o_weight, gate_up_weight, down_weight)
         if not (
-            all(w.dim() == 1 for w in (qkv_weight, o_weight, gate_up_weight, down_weight))
+            all(w.dim() == 1 and w.dtype is qkv_weight.dtype for w in weights)
             and all(
                 _fits(t, torch.float32)
                 for t in (input_weight, post_weight, *biases) if t is not None
@@ -462,6 +493,7 @@ class NativeKernels(TorchKernels):
             (post_weight.data_ptr(), float(post_eps), gate_up_weight.data_ptr(),
              _address(gate_up_bias), down_weight.data_ptr()),
             (_address(o_bias), _address(down_bias)),
+            qkv_weight.dtype is torch.bfloat16,
             tuple(t for t in (input_weight, post_weight, qkv_weight, kv_heads_read, o_weight,
                               gate_up_weight, down_weight, *biases)
                   if t is not None),
@@ -488,7 +520,7 @@ class NativeKernels(TorchKernels):
             o_bias, down_bias = b.reduced_biases
             rows.append([
                 norm, qkv, qkv_bias, o_weight, o_bias, post, gate_up, gate_up_bias, down,
-                down_bias, kv_index, c.key.data_ptr(), c.value.data_ptr(),
+                down_bias, kv_index, c.key.data_ptr(), c.value.data_ptr(), int(b.weights_bf16),
             ])  # fmt: skip
             eps.append([input_eps, post_eps])
         table = torch.tensor(rows, dtype=torch.int64, device="cpu")
@@ -542,6 +574,7 @@ class NativeKernels(TorchKernels):
             cache.key.shape[0], cache.block_size, decode.blocks.data_ptr(),
             decode.blocks_per_seq, decode.lengths.data_ptr(), kv_index, blocks.scale, o_weight,
             partial.data_ptr(), _address(summed), _address(times), self.team,
+            blocks.weights_bf16,
         )  # fmt: skip
         _record(timer, times)
         return partial, hidden if summed is None else summed
@@ -570,7 +603,7 @@ class NativeKernels(TorchKernels):
         self.native.mlp_block(
             hidden.data_ptr(), residual.data_ptr(), norm, eps, rows, blocks.hidden_size, gate_up,
             gate_up_bias, blocks.intermediate_size, down, partial.data_ptr(), summed.data_ptr(),
-            _address(times), self.team,
+            _address(times), self.team, blocks.weights_bf16,
         )  # fmt: skip
         _record(timer, times)
         return partial, summed
@@ -635,16 +668,24 @@ def _decode_step_fits(
     )  # fmt: skip
 
 
-def blocked(weight: torch.Tensor, block: int, out: torch.Tensor | None = None) -> nn.Parameter:
+def blocked(
+    weight: torch.Tensor,
+    block: int,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Parameter:
     """``weight`` (``[out, in]``) as the C kernel reads it, one dimension of ``out * in``: block
     after block of ``block`` outputs, each input by input (``[in, block]``), the last holding
-    the rest (``[in, out % block]``); written into ``out`` (that many float32 elements) where
-    given. Its ``blocked_shape`` is ``(out, in)``."""
+    the rest (``[in, out % block]``), in ``dtype`` (None: the weight's; rounded to nearest);
+    written into ``out`` (that many elements of ``dtype``) where given. Its ``blocked_shape``
+    is ``(out, in)``."""
     out_features, in_features = weight.shape
     whole = out_features // block * block
     source = weight.detach()
     if out is None:
-        out = torch.empty(out_features * in_features, dtype=weight.dtype, device=weight.device)
+        out = torch.empty(
+            out_features * in_features, dtype=dtype or weight.dtype, device=weight.device
+        )
     out[: whole * in_features].view(-1, in_features, block).copy_(
         source[:whole].view(-1, block, in_features).transpose(1, 2)
     )
@@ -656,12 +697,12 @@ def blocked(weight: torch.Tensor, block: int, out: torch.Tensor | None = None) -
 
 
 class WeightArena:
-    """One float32 buffer of ``size`` elements in host memory, handed out front to back in
+    """One buffer of ``size`` elements of ``dtype`` in host memory, handed out front to back in
     pieces, each starting on a 64-byte boundary (a cache line). Made with ``torch.empty``:
     memory is committed only as pieces are written."""
 
-    def __init__(self, size: int) -> None:
-        self.buffer = torch.empty(size, dtype=torch.float32, device="cpu")
+    def __init__(self, size: int, dtype: torch.dtype = torch.float32) -> None:
+        self.buffer = torch.empty(size, dtype=dtype, device="cpu")
         self.used = 0
 
     def take(self, size: int) -> torch.Tensor:
@@ -672,7 +713,7 @@ class WeightArena:
                 f"{self.buffer.numel()} used); pack only the weights it was made for"
             )
         piece = self.buffer[self.used : self.used + size]
-        self.used += _aligned(size)
+        self.used += _aligned(size, self.buffer.dtype)
         return piece
 
 
@@ -682,9 +723,10 @@ def _times(parts: int) -> torch.Tensor:
     return torch.zeros(parts, dtype=torch.float64, device="cpu")
 
 
-def _aligned(size: int) -> int:
-    """``size`` float32 elements rounded up to whole 64-byte cache lines."""
-    return -(-size // 16) * 16
+def _aligned(size: int, dtype: torch.dtype) -> int:
+    """``size`` elements of ``dtype`` rounded up to whole 64-byte cache lines."""
+    per_line = 64 // dtype.itemsize
+    return -(-size // per_line) * per_line
 
 
 def _address(tensor: torch.Tensor | None) -> int:
@@ -770,10 +812,29 @@ def per_query_head(
 TORCH_KERNELS = TorchKernels()
 
 
-def layer_kernels(device: torch.device, environ: Mapping[str, str]) -> TorchKernels:
+def layer_kernels(
+    device: torch.device, environ: Mapping[str, str], weight_dtype: torch.dtype | None = None
+) -> TorchKernels:
     """The kernels of a model on ``device``: the C path on the CPU where its extension was
-    built (and ``SHARDLINE_NATIVE`` in ``environ`` is not ``0``), else the torch path."""
+    built (and ``SHARDLINE_NATIVE`` in ``environ`` is not ``0``), else the torch path; linear
+    weights keep the precision of ``weight_dtype`` (:class:`TorchKernels`)."""
     native = native_extension("shardline.layers._kernels", environ)
     if native is None or torch.device(device).type != "cpu":
-        return TORCH_KERNELS
-    return NativeKernels(native, torch.get_num_threads())
+        return TorchKernels(weight_dtype)
+    return NativeKernels(native, torch.get_num_threads(), weight_dtype)
+
+
+def held_weight_dtype(
+    device: str, dtype: str, weight_dtype: str, environ: Mapping[str, str]
+) -> str:
+    """The dtype (a name) :func:`layer_kernels` holds a model's linear weights in, for a model
+    of ``dtype`` whose weights keep ``weight_dtype``'s precision: bfloat16 float32 weights
+    are held in bfloat16 where the C linear kernel blocks them, else in ``dtype``."""
+    if weight_dtype == dtype:
+        return dtype
+    native = native_extension("shardline.layers._kernels", environ)
+    blocks = (
+        native is not None and device == "cpu" and dtype == "float32"
+        and packs(device, dtype) and native.blocked_linear_available()
+    )  # fmt: skip
+    return weight_dtype if blocks else dtype

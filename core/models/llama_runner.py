@@ -21,7 +21,7 @@ class LlamaModelRunner(CausalLMRunner):
     def plan(cls, config: EngineConfig) -> LlamaPlan:
         """The layout checked against the checkpoint's architecture (its metadata only), and
         what each rank will hold."""
-        return LlamaPlan.of(open_checkpoint(config.model.path).architecture, config)
+        return LlamaPlan.of(open_checkpoint(config.model.path).architecture, config, os.environ)
 
     def build_model(self) -> LlamaForCausalLM:
         checkpoint = open_checkpoint(self.config.model.path, os.environ)
@@ -29,7 +29,9 @@ class LlamaModelRunner(CausalLMRunner):
             checkpoint.architecture,
             self.state,
             torch_dtype(self.config.model.dtype),
-            layer_kernels(self.device, os.environ),
+            layer_kernels(
+                self.device, os.environ, torch_dtype(self.config.model.held_weight_dtype)
+            ),
         )
         model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
         return model

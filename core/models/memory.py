@@ -4,12 +4,13 @@ block, and an upper estimate of the activations of its largest step."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError
 from shardline.interfaces import ModelPlan, RankMemory
-from shardline.layers.kernels import packs
+from shardline.layers.kernels import held_weight_dtype, packs
 from shardline.layers.sharding import head_shard, vocab_shard
 from shardline.models.architecture import (
     LlamaArchitecture,
@@ -37,10 +38,16 @@ class LlamaPlan(ModelPlan):
     #: Whether linear weights are packed for oneDNN (:func:`~shardline.layers.kernels.packs`):
     #: a tied LM head then holds its own packed copy of the embedding table.
     packed: bool = False
+    #: The dtype the linear weights (and a packed LM head) are held in
+    #: (:func:`~shardline.layers.kernels.held_weight_dtype`); None: ``dtype``.
+    weight_dtype: str | None = None
 
     @classmethod
-    def of(cls, arch: LlamaArchitecture, config: EngineConfig) -> LlamaPlan:
-        """The plan, or a ConfigError listing every way the layout cannot hold the model."""
+    def of(
+        cls, arch: LlamaArchitecture, config: EngineConfig, environ: Mapping[str, str]
+    ) -> LlamaPlan:
+        """The plan, or a ConfigError listing every way the layout cannot hold the model;
+        ``environ`` decides which kernels hold the weights (:func:`held_weight_dtype`)."""
         parallel = config.parallel
         problems = [
             problem
@@ -63,6 +70,9 @@ class LlamaPlan(ModelPlan):
             config.scheduler.max_num_batched_tokens,
             config.cache.block_size,
             packs(parallel.device, config.model.dtype),
+            held_weight_dtype(
+                parallel.device, config.model.dtype, config.model.held_weight_dtype, environ
+            ),
         )
 
     @property
@@ -73,25 +83,35 @@ class LlamaPlan(ModelPlan):
         self, pp_rank: int, tp_rank: int, max_model_len: int, cache_tokens: int
     ) -> RankMemory:
         arch, size = self.arch, _BYTES[self.dtype]
+        held = _BYTES[self.weight_dtype or self.dtype]
         layers = len(partition_layers(arch.num_layers, self.pp_size, pp_rank))
         heads = head_shard(arch.num_heads, arch.num_kv_heads, self.tp_size, tp_rank)
         q, kv = heads.num_heads * arch.head_dim, heads.num_kv_heads * arch.head_dim
         mlp = arch.intermediate_size // self.tp_size
         hidden = arch.hidden_size
-        per_layer = (q + 2 * kv) * hidden + hidden * q + 3 * mlp * hidden + 2 * hidden
+        linear = (q + 2 * kv) * hidden + hidden * q + 3 * mlp * hidden
+        others = 2 * hidden  # the norms
         if arch.attention_bias:
-            per_layer += q + 2 * kv + hidden
+            others += q + 2 * kv + hidden
         if arch.mlp_bias:
-            per_layer += 2 * mlp + hidden
+            others += 2 * mlp + hidden
         vocab_rows = vocab_shard(arch.vocab_size, self.tp_size, tp_rank).padded_per_rank
         first, last = pp_rank == 0, pp_rank == self.pp_size - 1
         shares_table = arch.tie_word_embeddings and first and not self.packed
-        tables = int(first) + int(last and not shares_table)
-        parameters = layers * per_layer + tables * vocab_rows * hidden + int(last) * hidden
+        head_table = last and not shares_table
+        # A packed head is held as the linear weights are; the embedding table as loaded.
+        weight_bytes = (
+            layers * (linear * held + others * size)
+            + (int(first) * size + int(head_table) * (held if self.packed else size))
+            * vocab_rows
+            * hidden
+            + int(last) * hidden * size
+        )
         # Loading converts one tensor shard at a time (GGUF dequantizes to float32 first).
+        tables = int(first) + int(head_table)
         largest_shard = max(vocab_rows * hidden if tables else 0, mlp * hidden * 2, q * hidden)
         return RankMemory(
-            weights=parameters * size,
+            weights=weight_bytes,
             loading=largest_shard * _FLOAT32,
             activations=self._activations(
                 heads.num_heads, q, kv, mlp, vocab_rows, last, max_model_len, cache_tokens

@@ -30,10 +30,18 @@ def write_tiny_llama(directory: Path, **overrides) -> Path:
     return directory
 
 
-def reference_logits(directory: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Per sequence, transformers' logits ``[len, vocab]`` for the whole sequence."""
+def reference_logits(
+    directory: Path, sequences: list[list[int]], linear_weights: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Per sequence, transformers' logits ``[len, vocab]`` for the whole sequence, in float32;
+    with ``linear_weights``, every linear layer's weight (the LM head's too) first rounded to
+    that dtype."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
+        if linear_weights is not None:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(module.weight.to(linear_weights))
         return [model(torch.tensor([seq])).logits[0] for seq in sequences]
