@@ -8,7 +8,9 @@ share of this machine; ``--threads 2``: a TP=1 rank's), in one run:
   what a bfloat16 model, or a CPU without AVX-512, uses);
 - Shardline's C kernel on its own blocked layout (``shardline.layers.kernels.blocked``; what a
   float32 rank uses; with ``--threads N``, each call shared by a team of N threads, as a rank
-  with N torch threads shares it), where the extension is built and the CPU has AVX-512.
+  with N torch threads shares it), where the extension is built and the CPU has AVX-512;
+- the same with the weight held in bfloat16 (``model.weight_dtype: bfloat16``: half the bytes,
+  float32 rows and sums).
 
 Each weight set is larger than the caches (several copies, used in turn), so every call reads
 its weight from memory; GB/s is the weight's bytes over the median time.
@@ -16,7 +18,8 @@ its weight from memory; GB/s is the weight's bytes over the median time.
 Then a whole batch-1 step of one TP=2 rank's weights (30 layers' four, then the LM head, in a
 step's order) with the C kernel, the weights placed two ways: each in its own allocation, made
 between other allocations as a model's loading makes them, and back to back in one buffer
-(``NativeKernels.weight_packer``, what a model now uses); each round also sums a 256 MiB
+(``NativeKernels.weight_packer``, what a model now uses), and in one buffer held in bfloat16;
+each round also sums a 256 MiB
 tensor, the decode floor's bandwidth probe (``Worker.read_bandwidth``), so each placement's
 GB/s is also a fraction of the probe's.
 
@@ -52,6 +55,8 @@ SHAPES = {
         ("lm_head", 24576, 576)],
 }  # fmt: skip
 ROWS = (1, 4, 16)
+#: The C kernel on the weight held in bfloat16.
+C_HALF = "C blocked, bf16 weight"
 SET_BYTES = 128 << 20  # per kernel and shape: past the last-level cache
 
 
@@ -85,16 +90,19 @@ def measure(out_features: int, in_features: int, rows: int, dtype: torch.dtype) 
     }
     native = c_kernels(dtype)
     if native is not None:
-        layouts["C blocked"] = [blocked(w, native.native.LINEAR_BLOCK) for w in plain]
+        block = native.native.LINEAR_BLOCK
+        layouts["C blocked"] = [blocked(w, block) for w in plain]
+        layouts[C_HALF] = [blocked(w, block, dtype=torch.bfloat16) for w in plain]
     x = torch.randn(rows, in_features).to(dtype)
     result = {}
     for name, weights in layouts.items():
         turn = iter(range(1 << 60))
-        multiply = native.linear if name == "C blocked" else linear
+        multiply = native.linear if name.startswith("C blocked") else linear
         seconds = median_s(
             lambda ws=weights, t=turn, f=multiply: f(x, ws[next(t) % len(ws)], None), 200
         )
-        result[name] = {"us": seconds * 1e6, "gb_s": size / seconds / 1e9}
+        held = size // 2 if name == C_HALF else size
+        result[name] = {"us": seconds * 1e6, "gb_s": held / seconds / 1e9}
     reference = F.linear(x, plain[0])
     result["oneDNN max abs difference"] = float(
         (linear(x, layouts["oneDNN packed"][0], None) - reference).abs().max()
@@ -109,7 +117,8 @@ STEP_ROUNDS = 30
 
 def measure_step(native: NativeKernels) -> dict:
     """GB/s (median of :data:`STEP_ROUNDS`) of one row through :data:`STEP_WEIGHTS`, weights
-    in their own allocations and in one buffer, and of the floor's probe, in turn."""
+    in their own allocations, in one buffer and in one buffer in bfloat16, and of the floor's
+    probe, in turn."""
     block = native.native.LINEAR_BLOCK
     apart, loaded = [], []
     for out_features, in_features in STEP_WEIGHTS:
@@ -117,18 +126,22 @@ def measure_step(native: NativeKernels) -> dict:
         apart.append(blocked(loaded[-1], block))
     packer = native.weight_packer(loaded)
     together = [packer(weight) for weight in loaded]
+    halves = NativeKernels(native.native, torch.get_num_threads(), torch.bfloat16)
+    half_packer = halves.weight_packer(loaded)
+    in_bfloat16 = [half_packer(weight) for weight in loaded]
     del loaded
     rows = {size: torch.randn(1, size) for _, size in STEP_WEIGHTS}
     weight_bytes = sum(o * i * 4 for o, i in STEP_WEIGHTS)
     probe = torch.ones(BANDWIDTH_PROBE_BYTES // 4)
 
-    def step(weights: list[torch.Tensor]) -> None:
+    def step(weights: list[torch.Tensor], kernels: NativeKernels = native) -> None:
         for weight, (_, in_features) in zip(weights, STEP_WEIGHTS, strict=True):
-            native.linear(rows[in_features], weight, None)
+            kernels.linear(rows[in_features], weight, None)
 
     runs = {
         "own allocations": (lambda: step(apart), weight_bytes),
         "one buffer": (lambda: step(together), weight_bytes),
+        "one buffer, bfloat16": (lambda: step(in_bfloat16, halves), weight_bytes // 2),
         "probe (torch.sum)": (probe.sum, BANDWIDTH_PROBE_BYTES),
     }
     rates: dict[str, list[float]] = {name: [] for name in runs}
@@ -161,6 +174,8 @@ def main() -> int:
                      *(f"{found[k]['us']:.0f} ({found[k]['gb_s']:.1f})" for k in
                        ("[out, in]", "[in, out]", "oneDNN packed")),
                      f"{c['us']:.0f} ({c['gb_s']:.1f})" if c else "-",
+                     *([f"{found[C_HALF]['us']:.0f} ({found[C_HALF]['gb_s']:.1f})"] if c else
+                       ["-"]),
                      f"{plain['us'] / packed_['us']:.2f}",
                      f"{packed_['us'] / c['us']:.2f}" if c else "-"]
                 )  # fmt: skip
@@ -168,7 +183,7 @@ def main() -> int:
         f"{args.dtype}, {args.threads} thread(s), oneDNN packed for {PACKED_FOR_ROWS} rows: "
         "us per call (GB/s of weights); a speed-up is the other time over this one"
     )
-    headers = ["weight", "rows", "[out, in]", "[in, out]", "oneDNN packed", "C blocked"]
+    headers = ["weight", "rows", "[out, in]", "[in, out]", "oneDNN packed", "C blocked", C_HALF]
     headers += ["oneDNN speed-up", "C speed-up over oneDNN"]
     print(render(headers, table))
     native = c_kernels(dtype)

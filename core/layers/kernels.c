@@ -311,6 +311,8 @@ static Team *team_of(PyObject *argument, int *failed) {
 #define LINEAR_PAIR_TILE_ROWS 3
 /* Rows of a block pair in a piece: 32 x 128 floats, 16 KiB (L1 holds it and the next). */
 #define LINEAR_PIECE 32
+/* Rows ahead a bfloat16 weight's one-row pass prefetches in both blocks (below). */
+#define LINEAR_ROW_AHEAD 16
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -412,7 +414,11 @@ static inline __mmask16 tail_mask(long width, int k) {
 }
 
 /* One row against the two full blocks at block (outputs 0..127 of y and bias): the same
- * sums, in the same order, as linear_tile_1 on each block. */
+ * sums, in the same order, as linear_tile_1 on each block. A bfloat16 weight's rows are
+ * prefetched LINEAR_ROW_AHEAD rows ahead in both blocks: its widening puts more instructions
+ * between loads, so fewer reads are in flight without (a TP=2 rank's weights in one bfloat16
+ * buffer, one thread, alternating in one run: 9.7 GB/s without, 12.1 / 12.6 / 12.0 with 8 /
+ * 16 / 32 rows ahead; float32's loads keep enough in flight alone). */
 #define DEFINE_LINEAR_ROW_TWO_BLOCKS(TYPE)                                                   \
     AVX512 static void linear_row_two_blocks_##TYPE(const void *block, long in,             \
                                                     const float *x, float *y,               \
@@ -423,6 +429,10 @@ static inline __mmask16 tail_mask(long width, int k) {
             for (int k = 0; k < 4; k++) acc[b][k] = _mm512_setzero_ps();                     \
         for (long i = 0; i < in; i++) {                                                      \
             __m512 value = _mm512_set1_ps(x[i]);                                             \
+            if (bf16) { /* prefetches never fault: past the blocks' end is harmless */      \
+                prefetch_block_row(block, (i + LINEAR_ROW_AHEAD) * LINEAR_BLOCK, bf16);     \
+                prefetch_block_row(block, (in + i + LINEAR_ROW_AHEAD) * LINEAR_BLOCK, bf16);\
+            }                                                                                \
             for (int b = 0; b < 2; b++)                                                      \
                 for (int k = 0; k < 4; k++) {                                                \
                     long at = (b * in + i) * LINEAR_BLOCK + 16 * k;                          \

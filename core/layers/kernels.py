@@ -82,12 +82,13 @@ class TorchKernels:
         return packed(self._rounded(weight))
 
     def _rounded(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` with its values rounded to ``weight_dtype`` (in its own dtype)."""
+        """``weight``'s values rounded to ``weight_dtype``, in its own dtype and layout: a new
+        parameter (``weight`` itself where there is nothing to round; it is left as it is, as
+        an embedding table that the head shares is)."""
         if self.weight_dtype is None or self.weight_dtype is weight.dtype:
             return weight
-        with torch.no_grad():
-            weight.copy_(weight.to(self.weight_dtype))
-        return weight
+        values = weight.detach().to(self.weight_dtype).to(weight.dtype)
+        return nn.Parameter(values, requires_grad=False)
 
     def weight_packer(self, weights: Sequence[torch.Tensor]) -> WeightPacker:
         """A :meth:`pack_linear` for a model's weights, ``weights`` (loaded), to be called on
