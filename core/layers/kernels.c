@@ -292,7 +292,9 @@ static Team *team_of(PyObject *argument, int *failed) {
  * layout takes exactly out x in elements. The elements are float32, or bfloat16 (weights held
  * in half the memory): each is widened exactly to float32 as it is read and multiplied in
  * float32, so a bfloat16 weight gives the very sums its float32 copy would (the same terms in
- * the same order). A tile of rows of x keeps its sums in registers, 4
+ * the same order). A full bfloat16 block row holds its outputs in pairs, m and 16 + m of each
+ * 32 side by side (weights_32), so that one load widens into two vectors with a shift and a
+ * mask, no shuffle. A tile of rows of x keeps its sums in registers, 4
  * vectors of 16 per row and block, broadcasting x[r, i] against the block's row i: no
  * horizontal sums. Up to LINEAR_PAIR_MAX_ROWS rows (decodes) go through two full blocks at a
  * time: two streams through memory, which one core reads faster than one. One row takes them
@@ -342,6 +344,27 @@ AVX512 static inline __m512 weights_16(const void *w, long at, const int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+/* 32 weights from element at of a full bfloat16 block row (outputs o..o+31 of it stored in
+ * pairs: o + m at 2m, o + 16 + m at 2m + 1) as two float32 vectors, outputs o..o+15 (the
+ * low halves of the pairs, shifted up) and o+16..o+31 (the high halves, masked). */
+AVX512 static inline void weights_32(const void *w, long at, __m512 *low, __m512 *high) {
+    __m512i pairs = _mm512_loadu_si512((const uint16_t *)w + at);
+    *low = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    *high = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* Vectors k and k + 1 (k even: outputs 16k..16k+31) of a full block row from element at:
+ * float32 (two loads) or bfloat16 in pairs (weights_32). */
+AVX512 static inline void weights_2x16(const void *w, long at, const int bf16, __m512 *first,
+                                       __m512 *second) {
+    if (bf16) {
+        weights_32(w, at, first, second);
+        return;
+    }
+    *first = _mm512_loadu_ps((const float *)w + at);
+    *second = _mm512_loadu_ps((const float *)w + at + 16);
+}
+
 /* weights_16 of the lanes in mask only (the others 0; memory past them is never touched). */
 AVX512 static inline __m512 masked_weights_16(const void *w, long at, __mmask16 mask,
                                               const int bf16) {
@@ -366,10 +389,9 @@ AVX512 static inline __m512 masked_weights_16(const void *w, long at, __mmask16 
         if (width == LINEAR_BLOCK) {                                                         \
             for (long i = 0; i < in; i++) {                                                  \
                 long row = i * LINEAR_BLOCK;                                                 \
-                __m512 w0 = weights_16(block, row, bf16);                                    \
-                __m512 w1 = weights_16(block, row + 16, bf16);                               \
-                __m512 w2 = weights_16(block, row + 32, bf16);                               \
-                __m512 w3 = weights_16(block, row + 48, bf16);                               \
+                __m512 w0, w1, w2, w3;                                                       \
+                weights_2x16(block, row, bf16, &w0, &w1);                                    \
+                weights_2x16(block, row + 32, bf16, &w2, &w3);                               \
                 LINEAR_TILE_STEP(R)                                                          \
             }                                                                                \
         } else {                                                                             \
@@ -434,10 +456,12 @@ static inline __mmask16 tail_mask(long width, int k) {
                 prefetch_block_row(block, (in + i + LINEAR_ROW_AHEAD) * LINEAR_BLOCK, bf16);\
             }                                                                                \
             for (int b = 0; b < 2; b++)                                                      \
-                for (int k = 0; k < 4; k++) {                                                \
-                    long at = (b * in + i) * LINEAR_BLOCK + 16 * k;                          \
-                    acc[b][k] = _mm512_fmadd_ps(weights_16(block, at, bf16), value,          \
-                                                acc[b][k]);                                  \
+                for (int k = 0; k < 4; k += 2) {                                             \
+                    __m512 w[2];                                                             \
+                    weights_2x16(block, (b * in + i) * LINEAR_BLOCK + 16 * k, bf16, &w[0],   \
+                                 &w[1]);                                                     \
+                    for (int j = 0; j < 2; j++)                                              \
+                        acc[b][k + j] = _mm512_fmadd_ps(w[j], value, acc[b][k + j]);         \
                 }                                                                            \
         }                                                                                    \
         for (int b = 0; b < 2; b++)                                                          \
@@ -476,12 +500,15 @@ static inline __mmask16 tail_mask(long width, int k) {
             }                                                                                \
             __m512 value[R];                                                                 \
             for (int r = 0; r < R; r++) value[r] = _mm512_set1_ps(x[r * in + first + i]);   \
-            for (int k = 0; k < 8; k++) {                                                    \
+            for (int k = 0; k < 8; k += 2) {                                                 \
                 long row = (k < 4 ? one : two) + i * LINEAR_BLOCK;                           \
-                __m512 w = weights_16(block, row + 16 * (k & 3), bf16);                      \
-                if (R > 1) __asm__("" : "+v"(w)); /* one load for every row, not R */       \
-                for (int r = 0; r < R; r++)                                                  \
-                    acc[r][k] = _mm512_fmadd_ps(w, value[r], acc[r][k]);                     \
+                __m512 w[2];                                                                 \
+                weights_2x16(block, row + 16 * (k & 3), bf16, &w[0], &w[1]);                 \
+                for (int j = 0; j < 2; j++) {                                                \
+                    if (R > 1) __asm__("" : "+v"(w[j])); /* one load for every row, not R */\
+                    for (int r = 0; r < R; r++)                                              \
+                        acc[r][k + j] = _mm512_fmadd_ps(w[j], value[r], acc[r][k + j]);      \
+                }                                                                            \
             }                                                                                \
         }                                                                                    \
         for (int r = 0; r < R; r++)                                                          \

@@ -678,23 +678,31 @@ def blocked(
     """``weight`` (``[out, in]``) as the C kernel reads it, one dimension of ``out * in``: block
     after block of ``block`` outputs, each input by input (``[in, block]``), the last holding
     the rest (``[in, out % block]``), in ``dtype`` (None: the weight's; rounded to nearest);
-    written into ``out`` (that many elements of ``dtype``) where given. Its ``blocked_shape``
-    is ``(out, in)``."""
+    written into ``out`` (that many elements of ``dtype``) where given. A full bfloat16 block
+    holds each 32 outputs of an input in pairs (:func:`_paired`). Its ``blocked_shape`` is
+    ``(out, in)``."""
     out_features, in_features = weight.shape
     whole = out_features // block * block
     source = weight.detach()
+    dtype = dtype or weight.dtype
     if out is None:
-        out = torch.empty(
-            out_features * in_features, dtype=dtype or weight.dtype, device=weight.device
-        )
-    out[: whole * in_features].view(-1, in_features, block).copy_(
-        source[:whole].view(-1, block, in_features).transpose(1, 2)
-    )
+        out = torch.empty(out_features * in_features, dtype=dtype, device=weight.device)
+    blocks = source[:whole].view(-1, block, in_features)
+    if dtype is torch.bfloat16:
+        blocks = blocks[:, _paired(block)]
+    out[: whole * in_features].view(-1, in_features, block).copy_(blocks.transpose(1, 2))
     if whole < out_features:
         out[whole * in_features :].view(in_features, -1).copy_(source[whole:].t())
     parameter = nn.Parameter(out, requires_grad=False)
     parameter.blocked_shape = (out_features, in_features)
     return parameter
+
+
+def _paired(block: int) -> list[int]:
+    """The outputs of a full bfloat16 block in the order the C kernel stores them: in each 32,
+    output ``m`` then ``16 + m`` for m = 0..15 (one load then widens into two vectors of 16
+    outputs with a shift and a mask)."""
+    return [32 * (p // 32) + 16 * (p % 2) + p % 32 // 2 for p in range(block)]
 
 
 class WeightArena:
