@@ -109,7 +109,7 @@ def test_a_weight_dtype_the_model_dtype_cannot_take_names_what_it_can(dtype, wei
         error.value
     )
     config = load_config(overrides=["model.weight_dtype=bfloat16"], environ={}).config
-    assert config.model.held_weight_dtype == "bfloat16"
+    assert config.model.weight_precision == "bfloat16"
 
 
 def test_floats_in_exponent_form_are_numbers_everywhere(tmp_path):

@@ -64,8 +64,9 @@ class ModelConfig(Section):
         return self
 
     @property
-    def held_weight_dtype(self) -> str:
-        """The dtype the linear weights' values have: ``weight_dtype``, else ``dtype``."""
+    def weight_precision(self) -> str:
+        """The dtype whose values the linear weights have: ``weight_dtype``, else ``dtype``
+        (what they are held in is the kernels' choice: ``held_weight_dtype``)."""
         return self.weight_dtype or self.dtype
 
 

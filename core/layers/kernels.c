@@ -293,7 +293,7 @@ static Team *team_of(PyObject *argument, int *failed) {
  * in half the memory): each is widened exactly to float32 as it is read and multiplied in
  * float32, so a bfloat16 weight gives the very sums its float32 copy would (the same terms in
  * the same order). A full bfloat16 block row holds its outputs in pairs, m and 16 + m of each
- * 32 side by side (weights_32), so that one load widens into two vectors with a shift and a
+ * 32 side by side (weights_2x16), so that one load widens into two vectors with a shift and a
  * mask, no shuffle. A tile of rows of x keeps its sums in registers, 4
  * vectors of 16 per row and block, broadcasting x[r, i] against the block's row i: no
  * horizontal sums. Up to LINEAR_PAIR_MAX_ROWS rows (decodes) go through two full blocks at a
@@ -336,36 +336,25 @@ static inline const void *weight_at(const void *weight, long at, int bf16) {
     return (const char *)weight + at * (bf16 ? (long)sizeof(uint16_t) : (long)sizeof(float));
 }
 
-/* 16 weights from element at of w as float32: float32 as they are, bfloat16 widened exactly
- * (its bits are a float32's upper half). */
-AVX512 static inline __m512 weights_16(const void *w, long at, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)w + at);
-    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-/* 32 weights from element at of a full bfloat16 block row (outputs o..o+31 of it stored in
- * pairs: o + m at 2m, o + 16 + m at 2m + 1) as two float32 vectors, outputs o..o+15 (the
- * low halves of the pairs, shifted up) and o+16..o+31 (the high halves, masked). */
-AVX512 static inline void weights_32(const void *w, long at, __m512 *low, __m512 *high) {
-    __m512i pairs = _mm512_loadu_si512((const uint16_t *)w + at);
-    *low = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    *high = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
-/* Vectors k and k + 1 (k even: outputs 16k..16k+31) of a full block row from element at:
- * float32 (two loads) or bfloat16 in pairs (weights_32). */
+/* Vectors k and k + 1 (k even: outputs 16k..16k+31) of a full block's row from its element
+ * at, as float32: float32 (two loads), or bfloat16 stored in pairs (output 16k + m at 2m,
+ * 16k + 16 + m at 2m + 1) widened exactly (a bfloat16's bits are a float32's upper half): one
+ * load, the pairs' low halves shifted up and their high halves masked. */
 AVX512 static inline void weights_2x16(const void *w, long at, const int bf16, __m512 *first,
                                        __m512 *second) {
-    if (bf16) {
-        weights_32(w, at, first, second);
+    if (!bf16) {
+        *first = _mm512_loadu_ps((const float *)w + at);
+        *second = _mm512_loadu_ps((const float *)w + at + 16);
         return;
     }
-    *first = _mm512_loadu_ps((const float *)w + at);
-    *second = _mm512_loadu_ps((const float *)w + at + 16);
+    __m512i pairs = _mm512_loadu_si512((const uint16_t *)w + at);
+    *first = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    *second = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
-/* weights_16 of the lanes in mask only (the others 0; memory past them is never touched). */
+/* 16 weights of the last (narrower) block's row from its element at, stored in order, as
+ * float32 (bfloat16 widened exactly); only the lanes in mask (the others 0; memory past them
+ * is never touched). */
 AVX512 static inline __m512 masked_weights_16(const void *w, long at, __mmask16 mask,
                                               const int bf16) {
     if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)w + at);

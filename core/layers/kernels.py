@@ -342,9 +342,11 @@ class NativeKernels(TorchKernels):
         return pack
 
     def _blocks(self, weight: torch.Tensor) -> bool:
-        """Whether :meth:`pack_linear` blocks ``weight`` for the C kernel."""
+        """Whether :meth:`pack_linear` blocks ``weight`` for the C kernel (float32, kept in
+        float32 or bfloat16 precision)."""
         return (
             weight.dtype is torch.float32 and weight.dim() == 2
+            and self.weight_dtype in (None, torch.float32, torch.bfloat16)
             and packs(weight.device.type, "float32")
             and self.native.blocked_linear_available()
         )  # fmt: skip
@@ -837,13 +839,13 @@ def held_weight_dtype(
     device: str, dtype: str, weight_dtype: str, environ: Mapping[str, str]
 ) -> str:
     """The dtype (a name) :func:`layer_kernels` holds a model's linear weights in, for a model
-    of ``dtype`` whose weights keep ``weight_dtype``'s precision: bfloat16 float32 weights
-    are held in bfloat16 where the C linear kernel blocks them, else in ``dtype``."""
-    if weight_dtype == dtype:
+    of ``dtype`` whose weights keep ``weight_dtype``'s precision: float32 weights of bfloat16
+    precision are held in bfloat16 where the C linear kernel blocks them, else in ``dtype``."""
+    if (dtype, weight_dtype) != ("float32", "bfloat16"):
         return dtype
     native = native_extension("shardline.layers._kernels", environ)
     blocks = (
-        native is not None and device == "cpu" and dtype == "float32"
-        and packs(device, dtype) and native.blocked_linear_available()
+        native is not None and device == "cpu" and packs(device, dtype)
+        and native.blocked_linear_available()
     )  # fmt: skip
     return weight_dtype if blocks else dtype

@@ -29,9 +29,7 @@ class LlamaModelRunner(CausalLMRunner):
             checkpoint.architecture,
             self.state,
             torch_dtype(self.config.model.dtype),
-            layer_kernels(
-                self.device, os.environ, torch_dtype(self.config.model.held_weight_dtype)
-            ),
+            layer_kernels(self.device, os.environ, torch_dtype(self.config.model.weight_precision)),
         )
         model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
         return model

@@ -71,7 +71,7 @@ class LlamaPlan(ModelPlan):
             config.cache.block_size,
             packs(parallel.device, config.model.dtype),
             held_weight_dtype(
-                parallel.device, config.model.dtype, config.model.held_weight_dtype, environ
+                parallel.device, config.model.dtype, config.model.weight_precision, environ
             ),
         )
 
