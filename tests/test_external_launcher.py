@@ -183,3 +183,28 @@ def test_a_hung_last_stage_ends_the_world_in_time(tmp_path, own_shm, launcher, c
     assert run.returncode != 0  # the launcher ended the hung rank when rank 0 failed
     assert run.leftovers == []
     assert own_shm.entries() == []
+
+
+def test_a_last_pipeline_send_that_fails_at_shutdown_raises_after_the_meeting_is_left():
+    """shutdown in a healthy world closes the Worker (which waits for its last pipeline
+    send); when that send fails, the error comes out only after this rank has counted itself
+    closing and closed its meeting (before, the meeting stayed open and the store-serving
+    rank waited its full closing time for this one)."""
+    from unittest import mock
+
+    from shardline.errors import CommTimeoutError
+
+    executor = object.__new__(ExternalLauncherExecutor)
+    store = mock.Mock()
+    store.add.return_value = 1
+    meeting = mock.Mock(served_store=None)
+    context = mock.Mock()
+    context.close.side_effect = CommTimeoutError("send to rank 1: no answer within 3 s")
+    executor.world_size, executor._failure, executor._result_send = 2, None, None
+    executor._meeting, executor._context, executor._store = meeting, context, store
+    with pytest.raises(CommTimeoutError, match="no answer"):
+        executor.shutdown()
+    context.close.assert_called_once_with(finish_sends=True)
+    store.add.assert_any_call("closing", 1)
+    meeting.close.assert_called_once_with()
+    assert executor._meeting is None and executor._context is None

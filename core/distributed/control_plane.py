@@ -14,7 +14,7 @@ asynchronously, so a receive posted before later ones keeps its place in the pai
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -94,9 +94,17 @@ class ControlPlane:
 
     def isend_object(self, obj: Any, dst: int) -> Work:
         """Start sending a picklable object to rank ``dst`` (ordered with tensor messages)."""
+        return self.isend_object_to_each(obj, [dst])
+
+    def isend_object_to_each(self, obj: Any, destinations: Sequence[int]) -> Work:
+        """Start sending one picklable object to every rank of ``destinations``, serialized
+        once (each receives it with :meth:`recv_object`)."""
         payload = objects.to_tensor(obj, self._secret, self.device)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        return CompositeWork([self.comm.isend(size, dst), self.comm.isend(payload, dst)])
+        return CompositeWork(
+            [work for dst in destinations
+             for work in (self.comm.isend(size, dst), self.comm.isend(payload, dst))]
+        )  # fmt: skip
 
     def send_object(self, obj: Any, dst: int) -> None:
         self.isend_object(obj, dst).wait()

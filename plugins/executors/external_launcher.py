@@ -36,7 +36,7 @@ from shardline.errors import (
     RemoteFailure,
     ShardlineError,
 )
-from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput
+from shardline.interfaces import Executor, ModelRunnerOutput, SchedulerOutput, Work
 from shardline.sdk import (
     EngineConfig,
     HostDirectory,
@@ -93,7 +93,7 @@ class ExternalLauncherExecutor(Executor):
         self._output_rank = layout.output_rank
         #: Results travel as sends that the other ranks receive when asked (see the module).
         self._results_sent = layout.pipeline_parallel_size > 1 and layout.data_parallel_size == 1
-        self._result_sends: list = []
+        self._result_send: Work | None = None
         self._call_timeout_s = config.parallel.timeout_s
         self._next_call = 0
         self._failure: ShardlineError | None = None
@@ -247,17 +247,18 @@ class ExternalLauncherExecutor(Executor):
         return future
 
     def _send_result(self, world, output: ModelRunnerOutput | None) -> None:
-        """Start sending the output rank's ``output`` to every other rank; the sends of the
-        step before are complete first (they went out while this step ran)."""
+        """Start sending the output rank's ``output`` to every other rank (serialized once);
+        the sends of the step before are complete first (they went out while this step
+        ran)."""
         self._finish_result_sends()
         others = [rank for rank in range(self.world_size) if rank != self.rank]
-        self._result_sends = [world.control_plane.isend_object(output, rank) for rank in others]
+        self._result_send = world.control_plane.isend_object_to_each(output, others)
 
     def _finish_result_sends(self) -> None:
         """Wait until the last step's result sends have gone out."""
-        for work in self._result_sends:
-            work.wait()
-        self._result_sends = []
+        if self._result_send is not None:
+            self._result_send.wait()
+            self._result_send = None
 
     def _receive_result(self, world) -> ModelRunnerOutput | None:
         """The output rank's next step result (steps are asked for in the order they ran)."""
@@ -274,18 +275,27 @@ class ExternalLauncherExecutor(Executor):
             raise self._failure
 
     def shutdown(self) -> None:
-        """Close this rank's Worker; the process serving the store waits (at most
-        ``_CLOSING_S``, also after a failure) until every rank has reached shutdown, so no
-        rank loses the store mid-call."""
+        """Close this rank's Worker, then leave the meeting: the process serving the store
+        waits (at most ``_CLOSING_S``, also after a failure) until every rank has reached
+        shutdown, so no rank loses the store mid-call. A last pipeline send that fails in a
+        healthy world raises, after the meeting is left; a last result send that fails does
+        not (a rank's engine need not ask for every result)."""
         if self._meeting is None:
             return
         context, self._context = self._context, None
-        if context is not None:
-            healthy = self._failure is None
-            if healthy:  # the last results reach their ranks before it closes
-                with contextlib.suppress(ShardlineError):
-                    self._finish_result_sends()
-            context.close(finish_sends=healthy)
+        try:
+            if context is not None:
+                healthy = self._failure is None
+                if healthy:  # the last results reach their ranks before it closes
+                    with contextlib.suppress(ShardlineError):
+                        self._finish_result_sends()
+                context.close(finish_sends=healthy)
+        finally:
+            self._leave_meeting()
+
+    def _leave_meeting(self) -> None:
+        """Count this rank as closing in the store (the serving process waits for all), then
+        close the meeting."""
         store = getattr(self, "_store", None)
         if store is not None:
             with contextlib.suppress(RuntimeError, dist.DistError):
