@@ -1,8 +1,8 @@
 """The operations of a decoder layer, as one object the layers are given: :class:`TorchKernels`
 (torch operations, linear weights packed for oneDNN; any device and dtype) or
 :class:`NativeKernels` (the same operations in C for float32 and bfloat16 on the CPU, and a
-float32 linear kernel of its own, from the optional extension ``shardline.layers._kernels``;
-anything else goes to the torch path).
+linear kernel of its own for float32 rows, its weights held in float32 or bfloat16, from the
+optional extension ``shardline.layers._kernels``; anything else goes to the torch path).
 
 At decode batch sizes these operations are cheap arithmetic and costly dispatch: each torch
 operation costs microseconds of Python and dispatcher, and a layer ran about twenty of them.
