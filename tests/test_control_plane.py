@@ -2,7 +2,6 @@
 one object sent to several ranks is serialized once and each receives it, in order with the
 messages around it."""
 
-import threading
 from unittest import mock
 
 import pytest
@@ -11,6 +10,7 @@ from shardline.comm import objects
 from shardline.comm.store import serve_store
 from shardline.distributed.control_plane import ControlPlane
 from shardline_gloo.communicator import GlooBackend
+from support.thread_ranks import run_thread_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,26 +20,11 @@ SECRET = b"s" * 32
 def _run_ranks(body, world_size=3):
     """``body(control_plane)`` on every rank of a gloo world; each rank's result or error."""
     _store, rendezvous = serve_store()
-    results: dict[int, object] = {}
-    all_done = threading.Barrier(world_size)
 
-    def rank_main(rank):
-        comm = GlooBackend().init_world(rank, world_size, rendezvous, 10.0)
-        try:
-            results[rank] = body(ControlPlane(comm, SECRET))
-        except Exception as error:
-            results[rank] = error
-        finally:
-            all_done.wait(timeout=20)  # a rank closing first would fail the others' receives
-            comm.close()
+    def open_rank(rank):
+        return GlooBackend().init_world(rank, world_size, rendezvous, 10.0)
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results
+    return run_thread_ranks(world_size, open_rank, lambda comm: body(ControlPlane(comm, SECRET)))
 
 
 def test_one_object_sent_to_each_rank_is_serialized_once_and_received_by_each():

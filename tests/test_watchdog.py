@@ -2,8 +2,6 @@
 planted mismatch and a missing rank end in an error that says which rank is where; the debug
 mode stops a mismatch before it runs; wrapped communicators behave as the bare ones."""
 
-import contextlib
-import threading
 import time
 
 import pytest
@@ -21,6 +19,7 @@ from shardline.errors import (
 )
 from shardline.interfaces import NativeAllReduce
 from shardline_gloo.communicator import GlooBackend
+from support.thread_ranks import run_thread_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,34 +45,16 @@ def _run_ranks(body, timeout_s=2.0, check_every=0, native=False):
     """Run ``body(comm)`` on two watched gloo ranks (with a native entry point where
     ``native``); returns each rank's result or error."""
     _store, rendezvous = serve_store()
-    results: dict[int, object] = {}
-    # A rank closes its communicator only once both are done: a rank that closed first would
-    # end the other's wait with "a peer went away" before that rank's own deadline.
-    both_done = threading.Barrier(2)
 
-    def rank_main(rank):
+    def open_rank(rank):
         comm = GlooBackend().init_world(rank, 2, rendezvous.with_prefix("data"), timeout_s)
         if native:
             comm = _WithNativeEntry(comm)
-        watched = WatchedCommunicator(
+        return WatchedCommunicator(
             comm, SideChannel(rendezvous.with_prefix("watchdog")), check_every
         )
-        try:
-            results[rank] = body(watched)
-        except Exception as error:
-            results[rank] = error
-        finally:
-            with contextlib.suppress(threading.BrokenBarrierError):
-                both_done.wait(timeout=20)
-            watched.close()
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results
+    return run_thread_ranks(2, open_rank, body)
 
 
 def test_wrapped_operations_behave_as_the_bare_communicator():
