@@ -84,10 +84,13 @@ def plan(
     has nothing to communicate and is one row."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
-    if weight_dtype not in (None, dtype, *(["bfloat16"] if dtype == "float32" else [])):
+    from shardline.config.schema import allowed_weight_dtypes
+
+    allowed = allowed_weight_dtypes(dtype)
+    if weight_dtype not in allowed:
+        named = ", ".join(name for name in allowed if name is not None)
         raise ConfigError(
-            f"--weight-dtype: {weight_dtype!r} with --dtype {dtype}: allowed: {dtype}"
-            + (", bfloat16" if dtype == "float32" else "")
+            f"--weight-dtype: {weight_dtype!r} with --dtype {dtype}: allowed: {named}"
         )
     for name in layouts:
         if name not in LAYOUTS:

@@ -26,6 +26,12 @@ Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 Name = Annotated[str, Field(min_length=1, max_length=512)]
 
 
+def allowed_weight_dtypes(dtype: str) -> list[str | None]:
+    """The ``model.weight_dtype`` values a model of ``dtype`` takes: null, ``dtype``, and
+    bfloat16 for float32."""
+    return [None, dtype] + (["bfloat16"] if dtype == "float32" else [])
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -55,7 +61,7 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _weight_dtype_allowed(self) -> ModelConfig:
-        allowed = [None, self.dtype] + (["bfloat16"] if self.dtype == "float32" else [])
+        allowed = allowed_weight_dtypes(self.dtype)
         if self.weight_dtype not in allowed:
             raise ValueError(
                 f"weight_dtype = {self.weight_dtype!r} with dtype = {self.dtype!r}: allowed: "

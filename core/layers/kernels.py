@@ -347,8 +347,7 @@ class NativeKernels(TorchKernels):
         return (
             weight.dtype is torch.float32 and weight.dim() == 2
             and self.weight_dtype in (None, torch.float32, torch.bfloat16)
-            and packs(weight.device.type, "float32")
-            and self.native.blocked_linear_available()
+            and _c_linear_runs(self.native, weight.device.type)
         )  # fmt: skip
 
     def linear(self, x, weight, bias):
@@ -844,8 +843,10 @@ def held_weight_dtype(
     if (dtype, weight_dtype) != ("float32", "bfloat16"):
         return dtype
     native = native_extension("shardline.layers._kernels", environ)
-    blocks = (
-        native is not None and device == "cpu" and packs(device, dtype)
-        and native.blocked_linear_available()
-    )  # fmt: skip
-    return weight_dtype if blocks else dtype
+    return weight_dtype if native is not None and _c_linear_runs(native, device) else dtype
+
+
+def _c_linear_runs(native: ModuleType, device: str) -> bool:
+    """Whether ``native``'s linear kernel multiplies float32 weights on ``device`` (a kind):
+    the CPU, with oneDNN's packing there to fall back on, and AVX-512."""
+    return packs(device, "float32") and native.blocked_linear_available()
