@@ -12,7 +12,7 @@ from shardline.comm.waiting import host_cores
 from shardline.engine import LLM, SamplingParams
 from shardline.errors import RequestError
 from support.memory_probe import bytes_held
-from support.tiny_llama import write_tiny_llama
+from support.tiny_llama import round_linear_weights, write_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,10 +116,7 @@ def test_bfloat16_weights_are_planned_as_held_and_give_rounded_transformers_toke
     from transformers import LlamaForCausalLM
 
     reference = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for module in reference.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(module.weight.bfloat16())
+    round_linear_weights(reference, torch.bfloat16)
     expected = [
         reference.generate(
             torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False

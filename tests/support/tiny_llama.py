@@ -39,9 +39,16 @@ def reference_logits(
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if linear_weights is not None:
+        round_linear_weights(model, linear_weights)
     with torch.no_grad():
-        if linear_weights is not None:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.weight.copy_(module.weight.to(linear_weights))
         return [model(torch.tensor([seq])).logits[0] for seq in sequences]
+
+
+def round_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round every linear layer's weight of ``model`` (the LM head's too) to ``dtype``, in
+    place, keeping its own dtype."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.to(dtype))
