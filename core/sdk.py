@@ -30,7 +30,8 @@ Executors
     torch threads);
     ``LaunchedRank``, ``detect_launcher``, ``local_rank`` (a rank's place under torchrun or
     mpiexec; its rank on its host);
-    ``abort_job_at_exit`` (end an mpiexec job instead of hanging in MPI_Finalize);
+    ``abort_job_at_exit`` (end a launched job at exit after a failure: no rank left stuck,
+    no hang in MPI_Finalize);
     ``StartupGuard`` (end a rank no driver watches when a start-up phase hangs);
     ``WATCHDOG_REPORT_S`` (how long a rank's collective-timeout diagnosis takes after its
     deadline: a driver's call deadline adds it, so that the rank at fault is named).
@@ -84,7 +85,7 @@ _WHERE = {
     "LaunchedRank": "shardline.launch.launcher_env",
     "detect_launcher": "shardline.launch.launcher_env",
     "local_rank": "shardline.launch.launcher_env",
-    "abort_job_at_exit": "shardline.launch.mpi_job",
+    "abort_job_at_exit": "shardline.launch.job_end",
     "StartupGuard": "shardline.launch.startup_guard",
     "CausalLMRunner": "shardline.worker.model_runner",
     "ParallelState": "shardline.distributed.parallel_state",

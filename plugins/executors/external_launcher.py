@@ -11,9 +11,10 @@ each step's result to every other rank as soon as it has it, and they receive it
 engine first asks for it: the first stage starts its next step while the last computes this
 one, as under ``mp``. Only rank 0 reports results (:attr:`reports_results`).
 
-A process that meets a missed deadline or a lost peer may share an MPI job with a stuck rank:
-its exit then ends the job (:func:`~shardline.launch.mpi_job.abort_job_at_exit`) instead of
-hanging in ``MPI_Finalize``; under torchrun, exiting non-zero makes torchrun end the rest.
+A process that meets a missed deadline or a lost peer may share its job with a stuck rank:
+its exit then ends the job (:func:`~shardline.launch.job_end.abort_job_at_exit`) even where its
+script catches the error and returns normally: ``MPI_Abort`` in an MPI job (rather than
+hanging in ``MPI_Finalize``), else exit status 1, on which torchrun or mpiexec ends the rest.
 """
 
 from __future__ import annotations
@@ -217,8 +218,8 @@ class ExternalLauncherExecutor(Executor):
         return envelopes
 
     def _fail(self, failure: ShardlineError) -> ShardlineError:
-        """Remember ``failure`` (later calls raise it) and make this process's exit end an
-        MPI job rather than hang; returns it, to be raised."""
+        """Remember ``failure`` (later calls raise it) and make this process's exit end the
+        launched job (a stuck rank may be in it); returns it, to be raised."""
         self._failure = failure
         abort_job_at_exit()
         return failure

@@ -13,7 +13,7 @@ MPI, and an OpenMPI singleton would leave a shared-memory segment behind. Joinin
 is a barrier with a deadline (a rank that never arrives is named through the rendezvous store
 when there is one). After a missed deadline or a lost peer, interpreter exit ends the whole
 job with ``MPI_Abort`` rather than hanging in ``MPI_Finalize``
-(:func:`shardline.launch.mpi_job.abort_job_at_exit`).
+(:func:`shardline.launch.job_end.abort_job_at_exit`).
 """
 
 from __future__ import annotations
