@@ -277,10 +277,11 @@ class ExternalLauncherExecutor(Executor):
 
     def shutdown(self) -> None:
         """Close this rank's Worker, then leave the meeting: the process serving the store
-        waits (at most ``_CLOSING_S``, also after a failure) until every rank has reached
-        shutdown, so no rank loses the store mid-call. A last pipeline send that fails in a
-        healthy world raises, after the meeting is left; a last result send that fails does
-        not (a rank's engine need not ask for every result)."""
+        waits (at most ``_CLOSING_S``) until every rank has reached shutdown, so no rank
+        loses the store mid-call; also after a failure, since a rank that was only slow (past
+        a call's deadline) still finishes its call through the store. A last pipeline send
+        that fails in a healthy world raises, after the meeting is left; a last result send
+        that fails does not (a rank's engine need not ask for every result)."""
         if self._meeting is None:
             return
         context, self._context = self._context, None
