@@ -8,10 +8,13 @@ added to messages when the world spans more than one host.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
+
+import torch.distributed as dist
 
 from shardline.comm.store import connect_store
 from shardline.interfaces.communicator_backend import Rendezvous
@@ -20,21 +23,20 @@ _PREFIX = "hosts"
 
 
 def announce_host(rendezvous: Rendezvous, rank: int, timeout_s: float) -> None:
-    """Record this process's host name as ``rank``'s."""
+    """Record this process's host name as ``rank``'s (which also says the rank started)."""
     store = connect_store(rendezvous.with_prefix(_PREFIX), timeout_s)
     store.set(str(rank), socket.gethostname())
 
 
-def wait_for_announcements(rendezvous: Rendezvous, world_size: int, timeout_s: float) -> bool:
-    """Wait until every rank of the world has announced its host, at most ``timeout_s``;
-    whether they all have (a failed join then names the hosts, and the watchdog reads them
-    once the worlds are joined)."""
-    try:
-        store = connect_store(rendezvous.with_prefix(_PREFIX), timeout_s)
+def wait_for_announcements(rendezvous: Rendezvous, world_size: int, timeout_s: float) -> list[int]:
+    """Wait until every rank of the world has announced its host, at most ``timeout_s``
+    (a failed join then names the hosts, and the watchdog reads them once the worlds are
+    joined); the ranks that have not (none: all did). :class:`CommTimeoutError` when the
+    store cannot be reached within ``timeout_s``."""
+    store = connect_store(rendezvous.with_prefix(_PREFIX), timeout_s)
+    with contextlib.suppress(RuntimeError, dist.DistError):  # a timeout: see who is missing
         store.wait([str(rank) for rank in range(world_size)], timedelta(seconds=timeout_s))
-    except Exception:  # the join that follows fails with its own diagnosis
-        return False
-    return True
+    return [rank for rank in range(world_size) if not store.check([str(rank)])]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from shardline.comm.host_directory import HostDirectory, announce_host, wait_for_announcements
 from shardline.config.schema import EngineConfig, ParallelConfig
-from shardline.errors import CommunicationError
+from shardline.errors import CommTimeoutError, CommunicationError
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.comm_world import ParallelRankContext, join_parallel_worlds
 from shardline.registry import Registry
@@ -28,6 +28,14 @@ def join_timeout(parallel: ParallelConfig, phase_began: float) -> float:
     different times while they start, on a loaded host seconds apart."""
     left = parallel.startup_timeout_s - (time.monotonic() - phase_began) - REPORT_S
     return round(max(left, parallel.timeout_s), 1)
+
+
+def announcement_timeout(parallel: ParallelConfig, phase_began: float) -> float:
+    """How long a rank waits for every rank to announce its host (to have started): what is
+    left of its start-up phase less :data:`REPORT_S`, and never less than half the phase, so
+    that the error naming the ranks that never started comes before the phase's deadline."""
+    left = parallel.startup_timeout_s - (time.monotonic() - phase_began) - REPORT_S
+    return round(max(left, parallel.startup_timeout_s / 2), 1)
 
 
 @dataclass
@@ -65,19 +73,28 @@ class WorkerSetup:
         on_phase: Callable[[str], None] = lambda phase: None,
     ) -> WorkerContext:
         """Announce this rank's host, load the plugins and run their
-        ``shardline_rank_starting`` hooks, wait (up to ``parallel.startup_timeout_s``) for
-        every rank to announce its own, join the worlds (phase "distributed init"; a
-        failure to join names the hosts of the ranks when they are several), then build the
-        runner and load the model (phase "model load"); ``on_phase`` is called as each phase
-        completes. Joining waits for the other ranks as long as the phase allows
-        (:func:`join_timeout`)."""
+        ``shardline_rank_starting`` hooks, wait for every rank to announce its own
+        (:func:`announcement_timeout`; ``CommTimeoutError`` names those that do not), join the
+        worlds (phase "distributed init"; a failure to join names the hosts of the ranks when
+        they are several), then build the runner and load the model (phase "model load");
+        ``on_phase`` is called as each phase completes. Joining waits for the other ranks as
+        long as the phase allows (:func:`join_timeout`)."""
         began = time.monotonic()
         registry = Registry.for_plugins(self.config.plugins)
         startup_timeout_s = self.config.parallel.startup_timeout_s
         announce_host(rendezvous, rank, startup_timeout_s)
         registry.rank_starting(rank, world_size)
         # Every rank has announced its host before any joins a world (the joins read them).
-        wait_for_announcements(rendezvous, world_size, startup_timeout_s)
+        waited_s = announcement_timeout(self.config.parallel, began)
+        missing = wait_for_announcements(rendezvous, world_size, waited_s)
+        if missing:
+            raise CommTimeoutError(
+                f"start-up on rank {rank} of {world_size}: ranks {missing} did not start "
+                f"within {waited_s:g} s (announced no host; parallel.startup_timeout_s = "
+                f"{startup_timeout_s:g} s)",
+                op="init_world",
+                rank=rank,
+            )
         try:
             parallel = join_parallel_worlds(
                 self.config,
