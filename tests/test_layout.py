@@ -3,7 +3,7 @@
 import itertools
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardline.distributed.layout import ParallelLayout, RankCoordinates
@@ -46,6 +46,7 @@ def test_rejects_ranks_outside_the_world():
 sizes = st.integers(min_value=1, max_value=4)
 
 
+@settings(deadline=None)  # pure functions: a loaded host only makes an example slower
 @given(tp=sizes, pp=sizes, dp=sizes, edp=st.integers(min_value=1, max_value=2))
 def test_layout_properties(tp, pp, dp, edp):
     layout = ParallelLayout(tp, pp, dp, edp)
