@@ -101,6 +101,43 @@ def _run_matrix(tmp_path):
             assert "all_reduce [8, 16] float32" in messages, messages
 
 
+@pytest.mark.timeout(600)
+def test_pipeline_stage_faults_end_typed_in_time(tmp_path):
+    """The pp layout (two pipeline stages; the victim is the last, the output rank): killed
+    or hung mid-step, under mp and torchrun (mpiexec's hung stage: test_external_launcher).
+    A scenario whose fault is in the tensor-parallel group is not run there, and the report
+    says why."""
+    report_path = tmp_path / "faults-pp.json"
+    result = shardline(
+        "faults",
+        "--layout=pp",
+        "--executors=mp,external_launcher",
+        "--communicators=gloo",
+        "--scenarios=killed mid-step,hangs in a collective,ill-formed object",
+        "--timeout=2",
+        "--jobs=2",
+        f"--json={report_path}",
+        timeout=540,
+    )
+    assert result.returncode == 0, result.stdout[-6000:]
+    report = json.loads(report_path.read_text())
+    passed = {label: row.get("passed", 0) for label, row in report["counts"].items()}
+    assert {label: count for label, count in passed.items() if count} == {
+        "mp x gloo": 2,
+        "external_launcher (torchrun) x gloo": 2,
+    }
+    for entry in report["results"]:
+        if entry["scenario"] == "ill-formed object":
+            assert entry["outcome"] == "unsupported", entry
+            assert "in the tensor-parallel group" in entry["reason"], entry
+        launched = entry["combination"].startswith("external_launcher")
+        if launched and entry["scenario"] == "hangs in a collective":
+            # The first stage sent its part and waits to receive the step's result (in the
+            # tp layout it would wait in the all-reduce).
+            (first,) = [p for p in entry["processes"] if p["role"] == "rank-0"]
+            assert "recv" in first["message"] and "all_reduce" not in first["message"], first
+
+
 @pytest.mark.timeout(300)
 def test_a_backend_that_would_unpickle_anything_never_gets_the_chance(tmp_path):
     """Objects are the control plane's, over any backend's tensor operations: a backend whose
@@ -153,9 +190,11 @@ def test_unknown_names_are_one_clear_error():
         (["--jobs=0"], "--jobs = 0: allowed 1 to"),
         ([f"--jobs={host_cores() + 1}"], "(this host's cores)"),
         (["--jobs=2", "--across-hosts"], "--across-hosts runs one scenario at a time"),
+        (["--layout=dp"], "--layout = 'dp': allowed: tp (the ranks tensor-parallel), pp"),
+        (["--layout=pp", "--across-hosts"], "--across-hosts runs tensor-parallel ranks only"),
     ],
 )
-def test_jobs_beyond_the_host_are_one_clear_error(options, words):
+def test_jobs_and_layouts_beyond_what_runs_are_one_clear_error(options, words):
     result = shardline("faults", "--executors=mp", *options, timeout=60)
     assert result.returncode == 2
     assert words in result.stderr and "Traceback" not in result.stderr

@@ -13,7 +13,7 @@ from shardline.cli.flags import check_seconds
 from shardline.cli.table import render
 from shardline.comm.waiting import host_cores
 from shardline.conformance.faults import across_hosts, matrix
-from shardline.conformance.faults.scenarios import HOST_SCENARIOS, SCENARIOS, Scenario
+from shardline.conformance.faults.scenarios import HOST_SCENARIOS, LAYOUTS, SCENARIOS, Scenario
 from shardline.errors import ConfigError
 from shardline.registry import Registry
 
@@ -50,7 +50,19 @@ def run(args: argparse.Namespace) -> int:
             f"--jobs = {args.jobs}: --across-hosts runs one scenario at a time (allowed: 1)",
             field="--jobs",
         )
-    settings = matrix.Settings(timeout_s=args.timeout)
+    if args.layout not in LAYOUTS:
+        raise ConfigError(
+            f"--layout = {args.layout!r}: allowed: tp (the ranks tensor-parallel), pp (one "
+            "pipeline stage each)",
+            field="--layout",
+        )
+    if args.layout != "tp" and args.across_hosts:
+        raise ConfigError(
+            f"--layout = {args.layout!r}: --across-hosts runs tensor-parallel ranks only "
+            "(allowed: tp)",
+            field="--layout",
+        )
+    settings = matrix.Settings(timeout_s=args.timeout, layout=args.layout)
     if args.across_hosts:
         results, labels, scenarios = _across_hosts(args, registry, settings)
     else:

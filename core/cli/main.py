@@ -121,6 +121,12 @@ def _add_faults_command(commands: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=3.0, help="parallel.timeout_s of the worlds (default 3)"
     )
     faults.add_argument(
+        "--layout",
+        default="tp",
+        help="the worlds' 2 ranks: tp (tensor-parallel, the default) or pp (two pipeline "
+        "stages; the scenarios whose fault is in the tensor-parallel group do not run)",
+    )
+    faults.add_argument(
         "--across-hosts",
         action="store_true",
         help="the host scenarios instead (a host killed, cut off or stopped mid-step) on "

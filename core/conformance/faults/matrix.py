@@ -36,11 +36,13 @@ from shardline.registry import Registry
 
 @dataclass(frozen=True)
 class Settings:
-    """Deadlines of the scenario worlds, and how many ranks a multi-rank world has."""
+    """Deadlines of the scenario worlds, how many ranks a multi-rank world has and their
+    layout (:data:`~.scenarios.LAYOUTS`: tensor-parallel, or pipeline stages)."""
 
     ranks: int = 2
     timeout_s: float = 3.0
     startup_timeout_s: float = 20.0
+    layout: str = "tp"
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,11 @@ def run_scenario(
             f"{combination.max_ranks}"
         )
         return result
+    if scenario.in_tp_group and settings.layout != "tp":
+        result.reason = (
+            f"its fault is in the tensor-parallel group; the {settings.layout} layout has none"
+        )
+        return result
     startup = settings.startup_timeout_s
     deadline = startup if scenario.deadline == "startup" else settings.timeout_s
     began = time.monotonic()
@@ -150,6 +157,7 @@ def run_scenario(
             f"--executor={combination.executor}",
             f"--communicator={combination.communicator}",
             f"--ranks={ranks}",
+            f"--layout={settings.layout}",
             f"--timeout={settings.timeout_s}",
             f"--startup-timeout={startup}",
             f"--reports={reports}",

@@ -2,7 +2,7 @@
 launched world (the suite starts it; see :mod:`.matrix`)::
 
     python -m shardline.conformance.faults.rank_main SCENARIO --executor E --communicator C
-        --ranks N [--nnodes H] --timeout T --startup-timeout S --reports DIR
+        --ranks N [--layout tp|pp] [--nnodes H] --timeout T --startup-timeout S --reports DIR
 
 It builds the world, arms the fault, runs one step, and writes what happened to
 ``DIR/ROLE.json`` (ROLE: ``driver`` or ``rank-R``): the outcome, the error's kind and
@@ -28,6 +28,7 @@ from shardline.conformance.faults.runner import FAULT_RUNNER, Plan, arm
 from shardline.conformance.faults.scenarios import (
     HOST_SCENARIOS,
     INJECTION_ENTRY_POINT,
+    LAYOUTS,
     PLAN_VARIABLE,
     SCENARIOS,
     UNFINISHED,
@@ -47,12 +48,15 @@ def fault_config(
     timeout_s: float,
     startup_timeout_s: float,
     nnodes: int = 1,
+    layout: str = "tp",
 ) -> EngineConfig:
-    """The scenario world's config: ``ranks`` tensor-parallel ranks over ``nnodes`` hosts,
-    ``communicator`` on both planes, the fault runner."""
+    """The scenario world's config: ``ranks`` ranks over ``nnodes`` hosts, tensor-parallel
+    or (``layout`` "pp") pipeline stages, ``communicator`` on both planes, the fault
+    runner."""
+    size = "pipeline_parallel_size" if layout == "pp" else "tensor_parallel_size"
     overrides = [
         f"model.runner={FAULT_RUNNER}",
-        f"parallel.tensor_parallel_size={ranks}",
+        f"parallel.{size}={ranks}",
         f"parallel.nnodes={nnodes}",
         f"parallel.distributed_executor_backend={executor}",
         f"parallel.communicator={communicator}",
@@ -101,6 +105,7 @@ def run(
             args.timeout,
             args.startup_timeout,
             args.nnodes,
+            args.layout,
         )
         registry = Registry.for_plugins(config.plugins)
         executor_class = registry.get("executor", args.executor).load_available()
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor", required=True)
     parser.add_argument("--communicator", required=True)
     parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--layout", choices=LAYOUTS, default="tp")
     parser.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span")
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--startup-timeout", type=float, required=True)

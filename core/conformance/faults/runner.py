@@ -1,6 +1,6 @@
 """What the fault suite runs on the ranks: a model runner whose step is one tensor-parallel
-all-reduce, with a fault armed through ``collective_rpc`` (:func:`arm`) planted on the
-victim rank."""
+all-reduce in each pipeline stage, its result passed on to the next, with a fault armed
+through ``collective_rpc`` (:func:`arm`) planted on the victim rank."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ HOLD_S = 1.0
 
 @dataclass(frozen=True)
 class Plan:
-    """Fault ``fault`` (a scenario's step fault, or None) planted on rank ``victim``;
+    """Fault ``fault`` (a scenario's step fault, or None) planted on rank ``victim`` (of the
+    world; a fault in the tensor-parallel group takes it as a rank of that group);
     ``markers``: the folder where the victim of a host scenario marks that it is in the step."""
 
     fault: str | None
@@ -40,9 +41,10 @@ class Plan:
 
 
 class FaultModelRunner(ModelRunner):
-    """Loads nothing. A step all-reduces a ``PROBE_SHAPE`` tensor of ones over the TP group
-    and the output rank returns the sum; an armed plan replaces that on the victim (and, for
-    control-plane faults, the receiving side on the others)."""
+    """Loads nothing. A step all-reduces a ``PROBE_SHAPE`` tensor over the TP group (ones in
+    the first pipeline stage, what the previous stage sent in a later one) and sends the sum
+    to the next stage; the output rank returns it. An armed plan replaces that on the victim
+    (and, for control-plane faults, the receiving side on the others)."""
 
     def __init__(self, config: Any, state: Any) -> None:
         self.state = state
@@ -56,10 +58,9 @@ class FaultModelRunner(ModelRunner):
     ) -> Any:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return None
-        tp = self.state.tp
-        victim = self.plan.victim
-        fault = self.plan.fault if victim < tp.world_size else None
-        on_victim = tp.rank_in_group == victim
+        tp, pp = self.state.tp, self.state.pp
+        victim, fault = self.plan.victim, self.plan.fault
+        on_victim = self.state.rank == victim
         if fault == "killed mid-step" and on_victim:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault == "hangs in a collective" and on_victim:
@@ -84,7 +85,10 @@ class FaultModelRunner(ModelRunner):
             else:
                 tp.recv_tensor_dict(src=victim)
         else:
-            total = tp.all_reduce(torch.ones(PROBE_SHAPE))
+            probe = torch.ones(PROBE_SHAPE) if pp.is_first_rank else intermediate_tensors["probe"]
+            total = tp.all_reduce(probe)
+            if not pp.is_last_rank:
+                return IntermediateTensors({"probe": total})
             if self.state.is_output_rank:
                 return {"sum": float(total[0, 0]), "ranks": tp.world_size}
         return None

@@ -1,8 +1,10 @@
 """The fault scenarios and what passing each means.
 
-Every scenario runs in a fresh world of ``ranks`` ranks (tensor parallel; the victim is the
-last rank, so never the output rank), with the communicator under test on both the data and
-the control plane. Pass: every surviving process (the driver of a driver-owned executor;
+Every scenario runs in a fresh world of ``ranks`` ranks, tensor-parallel (the victim is the
+last rank, so never the output rank) or, in the ``pp`` layout, one pipeline stage each (the
+victim is the last stage, the output rank; only the scenarios whose fault is not in the
+tensor-parallel group run there), with the communicator under test on both the data and the
+control plane. Pass: every surviving process (the driver of a driver-owned executor;
 every rank of a launched world but a killed or hung victim) raises a typed error (a
 :class:`~shardline.errors.ShardlineError`) of an expected kind within the deadline + 1 s,
 naming the victim where it can; its executor shuts down without error within
@@ -38,7 +40,8 @@ class Scenario:
     ``host_action`` (host scenarios): what is done to the victim's host while its rank
     pauses in the step: "kill" its every process, "take down" the host (processes,
     namespaces, cable), cut its "link", or "stop" its processes
-    past the deadline.
+    past the deadline. ``in_tp_group``: the fault is an exchange in the tensor-parallel
+    group (the ``pp`` layout has none to plant it in).
     """
 
     name: str
@@ -53,8 +56,11 @@ class Scenario:
     completes: bool = False
     overrides: tuple[str, ...] = ()
     host_action: str = ""
+    in_tp_group: bool = False
 
 
+#: The layouts a scenario world can have: its ranks tensor-parallel, or pipeline stages.
+LAYOUTS = ("tp", "pp")
 #: A process report's "shutdown" while its executor shuts down (the final report replaces it).
 UNFINISHED = "unfinished"
 
@@ -91,6 +97,7 @@ SCENARIOS: dict[str, Scenario] = {
             errors=("CommTimeoutError", "PeerLostError"),
             words=("all_reduce", "recv"),
             victim_survives=True,
+            in_tp_group=True,
         ),
         Scenario(
             "different shapes",
@@ -101,6 +108,7 @@ SCENARIOS: dict[str, Scenario] = {
             words=("[8, 16]", "[8, 32]"),
             victim_survives=True,
             overrides=("parallel.watchdog_check_every=1",),
+            in_tp_group=True,
         ),
         Scenario(
             "ill-formed object",
@@ -109,6 +117,7 @@ SCENARIOS: dict[str, Scenario] = {
             errors=("ProtocolError", "CommTimeoutError", "PeerLostError"),
             words=("job-secret check",),
             victim_survives=True,
+            in_tp_group=True,
         ),
         Scenario(
             "ill-formed tensor dict",
@@ -117,6 +126,7 @@ SCENARIOS: dict[str, Scenario] = {
             errors=("ProtocolError", "CommTimeoutError", "PeerLostError"),
             words=("unknown dtype 'float99'",),
             victim_survives=True,
+            in_tp_group=True,
         ),
         Scenario(
             "plugin raises on import",
