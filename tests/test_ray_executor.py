@@ -183,12 +183,16 @@ def _parent(pid: int) -> int:
 @needs_ray
 @pytest.mark.timeout(240)
 def test_without_a_cluster_the_executor_starts_a_ray_instance_and_stops_it(
-    tiny_llama_dir, tiny_llama_greedy
+    tiny_llama_dir, tiny_llama_greedy, tmp_path
 ):
-    """In a process of its own (no connection to share): the instance's processes and folder
-    are gone after shutdown."""
+    """In a process of its own (no connection to share), under a TMPDIR too long for Ray's
+    socket paths (the instance's folder goes under /tmp instead): the instance's processes
+    and folder are gone after shutdown."""
     environ = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     environ["PYTHONPATH"] = f"{TESTS}:{launcher_environment()['PYTHONPATH']}"
+    long_tmpdir = tmp_path / ("a-temporary-folder-with-a-long-name-" * 2)
+    long_tmpdir.mkdir()
+    environ["TMPDIR"] = str(long_tmpdir)
     run = subprocess.run(
         [sys.executable, "-m", "support.ray_driver", str(tiny_llama_dir), "2", "1"],
         env=environ,
@@ -202,6 +206,7 @@ def test_without_a_cluster_the_executor_starts_a_ray_instance_and_stops_it(
     assert report["connection"].startswith("a Ray instance started on this host")
     assert report["left"] == []
     folder = report["connection"].split("(in ")[1].rstrip(")")
+    assert Path(folder).parent == Path("/tmp")
     assert not Path(folder).exists()
 
 

@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from shardline.errors import HostsError
 from shardline.interfaces import Host
+from shardline_ray.temp_folder import ray_temp_folder
 
 #: The head's port (in the head host's own network).
 HEAD_PORT = 6379
@@ -51,7 +51,7 @@ def cluster_on(hosts: Sequence[Host], environ: Mapping[str, str]) -> Iterator[di
     node_environ = {**environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     node_environ.pop("RAY_ADDRESS", None)
     address = f"{head.address}:{HEAD_PORT}"
-    folder = tempfile.mkdtemp(prefix="shardline-ray-cluster-")
+    folder = ray_temp_folder("shardline-ray-cluster-")
     try:
         with contextlib.ExitStack() as nodes:  # stopped last started first: the head last
             head_options = [

@@ -4,7 +4,8 @@ Ray keeps one connection per process (``ray.init``), so the executors of a proce
 and this module counts them (:func:`connect`, :meth:`Connection.release`). The first one
 connects: to the cluster ``RAY_ADDRESS`` names (``auto``: the one ``ray start`` began on this
 host), or, without it, to a Ray instance it starts on this host, in a folder of its own under
-the system's temporary directory, with a small object store and no dashboard (its ports take
+the system's temporary directory (``/tmp`` where that path is too long for Ray's sockets:
+:func:`ray_temp_folder`), with a small object store and no dashboard (its ports take
 Ray's token authentication, on by default for such instances; Ray keeps the token in
 ``~/.ray/auth_token``). The last one to leave ends what was begun: it disconnects, or stops
 that instance and removes its folder. A connection someone else made before (``ray.init``
@@ -17,7 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import ray
 
 from shardline.errors import CommunicationError, cut
+from shardline_ray.temp_folder import ray_temp_folder
 
 #: The local instance's object store (Ray's minimum is 75 MiB): calls' arguments and replies
 #: larger than 100 KiB pass through it.
@@ -88,7 +89,7 @@ def _open(environ: Mapping[str, str], cpus: int) -> _Shared:
     if ray.is_initialized():
         return _Shared(0, False, "the Ray connection this process made", None)
     address = environ.get("RAY_ADDRESS", "").strip()
-    folder = None if address else tempfile.mkdtemp(prefix="shardline-ray-")
+    folder = None if address else ray_temp_folder("shardline-ray-")
     options = {
         "log_to_driver": False,
         "logging_level": logging.ERROR,
