@@ -26,16 +26,19 @@ def join_timeout(parallel: ParallelConfig, phase_began: float) -> float:
     (``parallel.startup_timeout_s`` from ``phase_began``, a ``time.monotonic()``) less
     :data:`REPORT_S`, and never less than ``parallel.timeout_s``. Ranks reach a join at
     different times while they start, on a loaded host seconds apart."""
-    left = parallel.startup_timeout_s - (time.monotonic() - phase_began) - REPORT_S
-    return round(max(left, parallel.timeout_s), 1)
+    return round(max(_phase_left(parallel, phase_began), parallel.timeout_s), 1)
 
 
 def announcement_timeout(parallel: ParallelConfig, phase_began: float) -> float:
     """How long a rank waits for every rank to announce its host (to have started): what is
     left of its start-up phase less :data:`REPORT_S`, and never less than half the phase, so
     that the error naming the ranks that never started comes before the phase's deadline."""
-    left = parallel.startup_timeout_s - (time.monotonic() - phase_began) - REPORT_S
-    return round(max(left, parallel.startup_timeout_s / 2), 1)
+    return round(max(_phase_left(parallel, phase_began), parallel.startup_timeout_s / 2), 1)
+
+
+def _phase_left(parallel: ParallelConfig, phase_began: float) -> float:
+    """Seconds left of a start-up phase begun at ``phase_began`` less :data:`REPORT_S`."""
+    return parallel.startup_timeout_s - (time.monotonic() - phase_began) - REPORT_S
 
 
 @dataclass
