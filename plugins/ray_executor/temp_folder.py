@@ -15,11 +15,11 @@ _RAY_SOCKET_TAIL = len("/session_2026-12-03_16-58-50_101937_4194304/sockets/plas
 _SHORT_BASE = "/tmp"
 
 
-def ray_temp_folder(prefix: str, base: str | None = None) -> str:
-    """A new folder, named ``prefix`` and 8 random characters, under ``base`` (default: the
-    system's temporary directory, ``TMPDIR``), or under ``/tmp`` where ``base``'s path is so
-    long that Ray's sockets in the folder would not fit an AF_UNIX path."""
-    base = base or tempfile.gettempdir()
+def ray_temp_folder(prefix: str) -> str:
+    """A new folder, named ``prefix`` and 8 random characters, under the system's temporary
+    directory (``TMPDIR``), or under ``/tmp`` where that path is so long that Ray's sockets in
+    the folder would not fit an AF_UNIX path."""
+    base = tempfile.gettempdir()
     if len(base) + len(f"/{prefix}12345678") + _RAY_SOCKET_TAIL > _SOCKET_PATH_MAX:
         base = _SHORT_BASE
     return tempfile.mkdtemp(prefix=prefix, dir=base)
