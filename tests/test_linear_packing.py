@@ -24,7 +24,8 @@ def test_a_packed_weight_multiplies_as_f_linear(dtype, tolerance, rows):
     bias = torch.randn(96, generator=generator).to(dtype)
     x = torch.randn(rows, 64, generator=generator).to(dtype)
     blocked = packed(weight)
-    assert blocked.is_mkldnn and tuple(blocked.shape) == (96, 64)
+    assert blocked.is_mkldnn is packs("cpu", str(dtype).removeprefix("torch."))
+    assert tuple(blocked.shape) == (96, 64)
     expected = F.linear(x.float(), weight.float(), bias.float())
     got = linear(x, blocked, bias)
     assert got.dtype == dtype
@@ -40,3 +41,16 @@ def test_weights_that_cannot_be_packed_stay_as_they_are():
     if not packs("cpu", "float32"):
         assert packed(plain) is plain
     assert torch.equal(linear(x, plain, None), F.linear(x, plain))
+
+
+def test_bfloat16_weights_multiply_where_the_cpu_cannot_pack_them():
+    """Without oneDNN's bfloat16 instructions (an AVX2-only CPU) a bfloat16 weight stays
+    plain rather than failing to pack; with them it is packed. It multiplies either way."""
+    weight = torch.randn(32, 16).to(torch.bfloat16)
+    x = torch.randn(2, 16).to(torch.bfloat16)
+    laid_out = packed(weight)
+    assert laid_out.is_mkldnn is packs("cpu", "bfloat16")
+    assert (laid_out is weight) is not packs("cpu", "bfloat16")
+    torch.testing.assert_close(
+        linear(x, laid_out, None).float(), F.linear(x.float(), weight.float()), rtol=3e-2, atol=3e-2
+    )

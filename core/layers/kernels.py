@@ -39,13 +39,22 @@ WeightPacker = Callable[[torch.Tensor], torch.Tensor]
 
 def packs(device: str, dtype: str) -> bool:
     """Whether linear weights of ``dtype`` (a name: "float32") on ``device`` (a kind: "cpu")
-    are packed for oneDNN: float32 and bfloat16 on the CPU, where this torch has oneDNN."""
-    return (
-        device == "cpu"
-        and dtype in ("float32", "bfloat16")
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    are packed for oneDNN: float32 on the CPU, where this torch has oneDNN; bfloat16 too where
+    this CPU has oneDNN's bfloat16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: without
+    them oneDNN refuses to pack bfloat16, and the weights stay plain)."""
+    onednn = torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
     )
+    if device != "cpu" or not onednn:
+        return False
+    if dtype == "bfloat16":
+        return _cpu_packs_bfloat16()
+    return dtype == "float32"
+
+
+def _cpu_packs_bfloat16() -> bool:
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return supported is not None and bool(supported())
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
