@@ -453,11 +453,11 @@ def _warned(loaded: LoadedConfig) -> LoadedConfig:
 
 
 def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
+    """Run the command ``args`` names. Each command's module is imported in its branch: a
+    command that needs no torch (config, models, hosts) does not pay its import."""
     from shardline.cli import (
-        bench_cmd,
         config_cmd,
         conformance_cmd,
-        demo_cmd,
         explain_cmd,
         faults_cmd,
         hosts_cmd,
@@ -491,6 +491,8 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
 
         return bench_serve.run(bench_serve.settings_from(args), args.json)
     if args.command == "bench":
+        from shardline.cli import bench_cmd
+
         settings = bench_cmd.settings_from(args)
         if args.across_hosts is not None:
             from shardline.cli import bench_hosts
@@ -506,6 +508,8 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         loaded = _warned(serve_cmd.load_serve_config(args.config, args.overrides))
         return serve_cmd.run(loaded, args.host, args.port, args.api_key)
     if args.command == "demo":
+        from shardline.cli import demo_cmd
+
         return demo_cmd.run(_load(args), args.rounds, args.hidden)
     if args.command == "models":
         if args.models_command == "pull":
