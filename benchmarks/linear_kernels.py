@@ -5,10 +5,11 @@ share of this machine; ``--threads 2``: a TP=1 rank's), in one run:
 - ``F.linear``, weight ``[out, in]`` contiguous (as checkpoints store it; torch's GEMM);
 - ``F.linear``, weight stored column by column (``[in, out]`` contiguous);
 - oneDNN's linear on the weight packed in its blocked layout (``shardline.layers.kernels.packed``;
-  what a bfloat16 model, or a CPU without AVX-512, uses);
+  what a bfloat16 model, or a CPU without AVX-512 or AVX2, uses);
 - Shardline's C kernel on its own blocked layout (``shardline.layers.kernels.blocked``; what a
   float32 rank uses; with ``--threads N``, each call shared by a team of N threads, as a rank
-  with N torch threads shares it), where the extension is built and the CPU has AVX-512;
+  with N torch threads shares it), where the extension is built and the CPU has AVX-512 (or
+  AVX2 and FMA);
 - the same with the weight held in bfloat16 (``model.weight_dtype: bfloat16``: half the bytes,
   float32 rows and sums).
 
@@ -72,7 +73,8 @@ def median_s(call, repeats: int) -> float:
 
 
 def c_kernels(dtype: torch.dtype) -> NativeKernels | None:
-    """The kernels with the C linear, where it runs here (built, AVX-512, float32)."""
+    """The kernels with the C linear, where it runs here (built, AVX-512 or AVX2 and FMA,
+    float32)."""
     kernels = layer_kernels(torch.device("cpu"), {})
     if isinstance(kernels, NativeKernels) and dtype == torch.float32:
         return kernels if kernels.native.blocked_linear_available() else None

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,11 @@ native_module = pytest.importorskip(
 NATIVE = NativeKernels(native_module)
 #: The same C path with each linear shared out among three threads (two helpers).
 TEAM = NativeKernels(native_module, threads=3)
+#: Whether this CPU runs the C kernels' AVX-512 paths (F, BW and VL, as the extension checks);
+#: the linear kernel also runs on AVX2 with FMA, the pieced decode attention only on these.
+AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= set(
+    Path("/proc/cpuinfo").read_text().partition("\nflags")[2].partition("\n")[0].split()
+)
 #: The C path holding blocked linear weights in bfloat16 (model.weight_dtype bfloat16).
 HALF_WEIGHTS = NativeKernels(native_module, weight_dtype=torch.bfloat16)
 #: Four query heads reading two KV heads, two each (GQA).
@@ -272,7 +278,9 @@ def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features):
     rows, one block at a time past it), with and without a bias, and a 3-d input; the layout
     takes no more memory than the weight."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     blocked = NATIVE.pack_linear(weight)
     assert blocked.shape == (out_features * in_features,)
@@ -295,7 +303,9 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(out_features):
     same sum in the same order every way (pairs of blocks, an odd block left over, a partial
     last block, pieces of 32 of the 96 inputs; with a bias)."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
     weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
     x = torch.randn(70, 96)
     batch = NATIVE.linear(x, weight, bias)
@@ -312,7 +322,9 @@ def test_a_team_multiplies_to_the_same_bits_as_one_thread(rows, out_features):
     64 rows, a partial last block, many more chunks than threads; a bias): each output is computed
     as one thread computes it, call after call as the helpers wake and sleep."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
     assert native_module.team_threads(TEAM.team) == 3
     weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
     x = torch.randn(rows, 96)
@@ -327,7 +339,9 @@ def test_threads_calling_through_one_team_at_once_each_get_their_own_product():
     """The linear runs without the GIL: a call made while another thread's has the team runs
     alone in its thread, and neither sees the other's work."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
     weights = [NATIVE.pack_linear(torch.randn(640, 96)) for _ in range(3)]
     inputs = [torch.randn(rows, 96) for rows in (1, 3, 16)]
     expected = [NATIVE.linear(x, w, None) for x, w in zip(inputs, weights, strict=True)]
@@ -368,7 +382,9 @@ def test_a_forked_child_runs_a_teams_calls_alone():
     """A forked child has none of the helper threads: its copy of the team runs every chunk
     in the calling thread, with the same results."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
     weight, x = NATIVE.pack_linear(torch.randn(330, 96)), torch.randn(1, 96)
     expected = NATIVE.linear(x, weight, None)
     pid = os.fork()
@@ -391,7 +407,9 @@ def test_a_models_blocked_weights_lie_back_to_back_in_packing_order():
     not take (bfloat16) is packed as before and takes no room; more than the packer was
     made for is an error, not a write past the buffer."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
     weights = [torch.randn(70, 3), torch.randn(64, 8).bfloat16(), torch.randn(130, 9)]
     pack = NATIVE.weight_packer(weights)
     first, other, last = (pack(weight) for weight in weights)
@@ -408,7 +426,9 @@ def test_packing_a_model_gives_each_kernels_object_one_packer_in_module_order():
     """pack_linear_weights packs every module with a ``pack`` method in module order, with
     one packer per kernels object: the C kernels' weights end up back to back."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
 
     class Layer(torch.nn.Module):
         def __init__(self, out_features: int, kernels) -> None:
@@ -435,7 +455,9 @@ def test_bfloat16_weights_give_the_sums_of_float32_weights_rounded_to_bfloat16(
     of three) multiplies to the very bits of its float32 copy rounded to bfloat16, and the
     torch path with weight_dtype bfloat16 rounds its weight the same way."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     rounded = weight.bfloat16().float()
     held = HALF_WEIGHTS.pack_linear(weight.clone())
@@ -461,7 +483,9 @@ def test_bfloat16_weights_lie_back_to_back_on_cache_lines():
     """A bfloat16 packer's weights share one bfloat16 buffer, each on a cache line (32
     elements) after the one before."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the C linear kernel needs AVX-512; this CPU has none (oneDNN runs)")
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
     weights = [torch.randn(70, 3), torch.randn(130, 9)]
     pack = HALF_WEIGHTS.weight_packer(weights)
     first, last = (pack(weight) for weight in weights)
@@ -483,7 +507,10 @@ def _layer_blocks(hidden: int, heads: tuple[int, int, int], size: int, bias: boo
     """A decoder layer's weights (random, blocked for ``kernels``' C linear kernel) and their
     blocks."""
     if not native_module.blocked_linear_available():
-        pytest.skip("the fused layer calls need the C linear kernel: AVX-512, which this CPU lacks")
+        pytest.skip(
+            "the fused layer calls need the C linear kernel: AVX-512 or AVX2 with FMA, which "
+            "this CPU lacks"
+        )
     q_heads, kv_heads, d = heads
     weights = {
         "input_norm": torch.rand(hidden) + 0.5,
@@ -644,7 +671,7 @@ def test_long_sequences_are_attended_in_pieces_merged_as_one_softmax(d):
     20 and 290 tokens in blocks of 16: three, one and two pieces): within rounding of its
     operations one by one, which attend each sequence whole (as one thread does, bit for bit),
     and the same bits on a team of two as on one of three. A head size the AVX-512 kernel does
-    not take (24) is attended whole, a sequence a chunk."""
+    not take (24), or a CPU without AVX-512, attends each sequence whole, a sequence a chunk."""
     heads, hidden, size = (3, 2, d), 72, 40
     weights, kv_index, blocks = _layer_blocks(hidden, heads, size, bias=False)
     metadata = _metadata([1, 1, 1], [600, 20, 290], 16, num_blocks=64)
@@ -671,7 +698,7 @@ def test_long_sequences_are_attended_in_pieces_merged_as_one_softmax(d):
     expected = NATIVE.linear(attended.reshape(3, -1), weights["o"], None)
     assert torch.equal(fused(NATIVE), expected)
     team = fused(TEAM)
-    if d % 16:
+    if d % 16 or not AVX512:
         assert torch.equal(team, expected)
         return
     assert not torch.equal(team, expected)  # the pieces were merged, not one softmax

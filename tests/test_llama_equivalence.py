@@ -159,9 +159,9 @@ def test_matches_transformers(checkpoints, shape, tp, pp, kernels, dtype, weight
     last_stage = results[(pp - 1) * tp :]
     assert all(r is None for r in results[: (pp - 1) * tp])
     close = TOLERANCE[dtype]
-    # A layer is fused where its weights are the C linear kernel's (float32, AVX-512; held in
-    # bfloat16 with weight_dtype bfloat16), under uni (its threads sharing each linear) as in
-    # each mp rank.
+    # A layer is fused where its weights are the C linear kernel's (float32, AVX-512 or AVX2;
+    # held in bfloat16 with weight_dtype bfloat16), under uni (its threads sharing each linear)
+    # as in each mp rank.
     blocks_here = (
         kernels == "C" and dtype == "float32"
         and layer_kernels(torch.device("cpu"), {}).native.blocked_linear_available()

@@ -48,7 +48,8 @@ class ModelConfig(Section):
         default=None,
         description="dtype the linear layers' weights (the LM head's too) are held in; None: "
         "dtype. bfloat16 with dtype float32: each weight rounded to bfloat16, multiplied in "
-        "float32 (held in half the memory where the C linear kernel runs: a CPU with AVX-512)",
+        "float32 (held in half the memory where the C linear kernel runs: a CPU with AVX-512 "
+        "or AVX2 and FMA)",
     )
     runner: Name = Field(
         default="llama", description="model runner: a registered name or package.module:Class"

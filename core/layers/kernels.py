@@ -318,7 +318,7 @@ class NativeKernels(TorchKernels):
         )
 
     def pack_linear(self, weight):
-        """A float32 CPU weight, on a CPU with AVX-512, blocked for the C kernel
+        """A float32 CPU weight, on a CPU with AVX-512 or AVX2 and FMA, blocked for the C kernel
         (:func:`blocked`, in ``weight_dtype``); else oneDNN's packing."""
         if self._blocks(weight):
             return blocked(weight, self.native.LINEAR_BLOCK, dtype=self._blocked_dtype)
@@ -857,5 +857,5 @@ def held_weight_dtype(
 
 def _c_linear_runs(native: ModuleType, device: str) -> bool:
     """Whether ``native``'s linear kernel multiplies float32 weights on ``device`` (a kind):
-    the CPU, with oneDNN's packing there to fall back on, and AVX-512."""
+    the CPU, with oneDNN's packing there to fall back on, and AVX-512 or AVX2 with FMA."""
     return packs(device, "float32") and native.blocked_linear_available()

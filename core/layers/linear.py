@@ -6,7 +6,7 @@ Each layer holds only its rank's shard and loads it from the *full* checkpoint t
 
 Once loaded, :func:`pack_linear_weights` has each layer's kernels
 (:mod:`shardline.layers.kernels`) lay its weight out for their linear kernel: the C kernel's
-own for float32 on a CPU with AVX-512 (held in bfloat16 with ``model.weight_dtype:
+own for float32 on a CPU with AVX-512 or AVX2 and FMA (held in bfloat16 with ``model.weight_dtype:
 bfloat16``; shared among a rank's threads), all of a model's back
 to back in one buffer in the order a step reads them, else oneDNN's blocked layout (float32,
 bfloat16 on the CPU; faster than torch's default GEMM at every decode batch size,
