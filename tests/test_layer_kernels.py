@@ -19,6 +19,7 @@ from shardline.layers.kernels import (
     KVHeadIndex,
     NativeKernels,
     TorchKernels,
+    blocked,
     layer_kernels,
     per_query_head,
 )
@@ -313,6 +314,29 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(out_features):
         for first in range(0, 70 - rows + 1, rows):
             part = x[first : first + rows]
             assert torch.equal(NATIVE.linear(part, weight, bias), batch[first : first + rows])
+
+
+@pytest.mark.parametrize("held", [torch.float32, torch.bfloat16], ids=str)
+def test_the_avx2_kernels_give_the_widest_kernels_bits(held):
+    """The AVX2 kernels (what a CPU without AVX-512 runs) against the widest this CPU runs (the
+    AVX-512 ones where it has them: otherwise both are AVX2): the same sums in the same order,
+    bit for bit, at every row count and for full, paired and partial last blocks."""
+    if not native_module.blocked_linear_available():
+        pytest.skip(
+            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
+        )
+    for out_features in (64, 130, 330):
+        weight = blocked(torch.randn(out_features, 96), native_module.LINEAR_BLOCK, dtype=held)
+        bias = torch.randn(out_features)
+        for rows in (1, 2, 3, 4, 7, 16, 70):
+            x = torch.randn(rows, 96)
+            widest, avx2 = (torch.empty(rows, out_features) for _ in range(2))
+            for y, only_avx2 in ((widest, False), (avx2, True)):
+                native_module.blocked_linear(
+                    weight.data_ptr(), x.data_ptr(), y.data_ptr(), bias.data_ptr(), rows,
+                    out_features, 96, None, held is torch.bfloat16, only_avx2,
+                )  # fmt: skip
+            assert torch.equal(widest, avx2), (out_features, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 70])

@@ -776,7 +776,7 @@ typedef struct {
     const void *weight;
     const float *x, *bias;
     float *y;
-    int bf16;
+    int bf16, avx512; /* avx512: the AVX-512 kernels, else the AVX2 ones */
     long rows, out, in, blocks_per_chunk;
 } LinearJob;
 
@@ -785,7 +785,7 @@ static void linear_chunk(const void *context, long chunk, int worker) {
     long blocks = (job->out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long first = chunk * job->blocks_per_chunk;
     long end = first + job->blocks_per_chunk < blocks ? first + job->blocks_per_chunk : blocks;
-    (cpu_has_avx512() ? linear_blocks : linear_blocks_avx2)(
+    (job->avx512 ? linear_blocks : linear_blocks_avx2)(
         job->weight, job->bf16, job->x, job->y, job->bias, job->rows, job->out, job->in, first,
         end);
 }
@@ -793,14 +793,21 @@ static void linear_chunk(const void *context, long chunk, int worker) {
 /* y = x W^T + b, W blocked (float32, or bfloat16: bf16), shared out by team (NULL: this
  * thread alone) in chunks of blocks: two up to LINEAR_PAIR_MAX_ROWS rows (a pair), one
  * otherwise. */
-static void blocked_linear_rows(Team *team, const void *weight, int bf16, const float *x,
-                                float *y, const float *bias, long rows, long out, long in) {
+static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, int bf16,
+                                   const float *x, float *y, const float *bias, long rows,
+                                   long out, long in) {
     long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long per_chunk = rows <= LINEAR_PAIR_MAX_ROWS ? 2 : 1;
     while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
-    LinearJob job = {.weight = weight, .bf16 = bf16, .x = x, .bias = bias, .y = y,
-                     .rows = rows, .out = out, .in = in, .blocks_per_chunk = per_chunk};
+    LinearJob job = {.weight = weight, .bf16 = bf16, .avx512 = avx512, .x = x, .bias = bias,
+                     .y = y, .rows = rows, .out = out, .in = in, .blocks_per_chunk = per_chunk};
     team_run(team, (blocks + per_chunk - 1) / per_chunk, linear_chunk, &job);
+}
+
+/* blocked_linear_rows_on the widest kernels this CPU runs. */
+static void blocked_linear_rows(Team *team, const void *weight, int bf16, const float *x,
+                                float *y, const float *bias, long rows, long out, long in) {
+    blocked_linear_rows_on(team, cpu_has_avx512(), weight, bf16, x, y, bias, rows, out, in);
 }
 
 /* The 16 lanes' sums of p[0..15], as lanes 0..15 of one vector: pairs of vectors interleaved
@@ -1562,18 +1569,24 @@ static PyObject *native_all_reduce_call(PyObject *self, PyObject *const *args,
 }
 
 static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 9, "blocked_linear") < 0) return NULL;
+    if (take_args(args, nargs, 10, "blocked_linear") < 0) return NULL;
     const void *weight = ADDRESS(0);
     const float *x = ADDRESS(1), *bias = ADDRESS(3);
     float *y = ADDRESS(2);
     long rows = SIZE(4), out = SIZE(5), in = SIZE(6);
-    int weights_bf16 = SIZE(8) != 0;
+    int weights_bf16 = SIZE(8) != 0, avx2 = SIZE(9) != 0;
     int failed;
     Team *team = team_of(args[7], &failed);
     if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
+    if (avx2 && !cpu_has_avx2_fma()) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "blocked_linear: avx2 = 1; this CPU has no AVX2 and FMA");
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    blocked_linear_rows(team, weight, weights_bf16, x, y, bias, rows, out, in);
+    blocked_linear_rows_on(team, !avx2 && cpu_has_avx512(), weight, weights_bf16, x, y, bias,
+                           rows, out, in);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -1620,9 +1633,10 @@ static PyMethodDef methods[] = {
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(bf16, gate_up, out, rows, size)"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
-     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, weights_bf16): "
-     "float32 rows, the weight (float32, or bfloat16 where weights_bf16) blocked by "
-     "LINEAR_BLOCK outputs; without the GIL"},
+     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, weights_bf16, "
+     "avx2): float32 rows, the weight (float32, or bfloat16 where weights_bf16) blocked by "
+     "LINEAR_BLOCK outputs, on the widest kernels this CPU runs (avx2: the AVX2 ones, which "
+     "give the same bits); without the GIL"},
     {"team", team, METH_O,
      "team(threads): a team of threads (this one and threads - 1 helpers) that the linear calls "
      "share each multiply with; its helpers end when it is freed"},

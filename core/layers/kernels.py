@@ -381,7 +381,7 @@ class NativeKernels(TorchKernels):
         self.native.blocked_linear(
             weight.data_ptr(), rows.data_ptr(), y.data_ptr(),
             0 if bias is None else bias.data_ptr(), rows.shape[0], out_features, in_features,
-            self.team, weight.dtype is torch.bfloat16,
+            self.team, weight.dtype is torch.bfloat16, False,
         )  # fmt: skip
         return y if flat else y.view(*x.shape[:-1], out_features)
 
