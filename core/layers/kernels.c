@@ -611,8 +611,8 @@ static void linear_blocks(const void *weight, int bf16, const float *x, float *y
 /* The same blocked layouts on a CPU without AVX-512 but with AVX2 and FMA (8 lanes, 16
  * vector registers), each output's sum in the same order as the AVX-512 kernels (so the same
  * bits): one row streams a full block once (8 sums); more rows go through a block's two
- * halves (32 outputs) two rows at a time, the half reread from cache; a narrower last block
- * loads its lanes masked. */
+ * halves (32 outputs) a few rows at a time (AVX2_TILE_ROWS), each half reread from the cache
+ * by the next tile; a narrower last block loads its lanes masked, a row at a time. */
 #define AVX2_FMA __attribute__((target("avx2,fma")))
 
 static int cpu_has_avx2_fma(void) {
