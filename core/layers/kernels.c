@@ -611,8 +611,9 @@ static void linear_blocks(const void *weight, int bf16, const float *x, float *y
 /* The same blocked layouts on a CPU without AVX-512 but with AVX2 and FMA (8 lanes, 16
  * vector registers), each output's sum in the same order as the AVX-512 kernels (so the same
  * bits): one row streams a full block once (8 sums); more rows go through a block's two
- * halves (32 outputs) a few rows at a time (AVX2_TILE_ROWS), each half reread from the cache
- * by the next tile; a narrower last block loads its lanes masked, a row at a time. */
+ * halves (32 outputs) a few rows at a time (AVX2_TILE_ROWS), a piece of inputs at a time
+ * (AVX2_PIECE) that the later tiles read from the L1 cache; a narrower last block loads its
+ * lanes masked, a row at a time. */
 #define AVX2_FMA __attribute__((target("avx2,fma")))
 
 static int cpu_has_avx2_fma(void) {
@@ -671,15 +672,22 @@ AVX2_FMA static inline __attribute__((always_inline)) __m256 tail_weights_8(cons
  * registers too: 3 rows spill, 0.6x as fast at 16 rows). */
 #define AVX2_TILE_ROWS 3
 
-/* R rows of x (in apart) against half `half` (outputs 32 half..32 half + 31) of a full block,
- * into y's rows (out apart), plus the bias where given. */
+/* Inputs of a piece: up to LINEAR_PAIR_MAX_ROWS rows take a half block's rows a piece at a
+ * time (8 KiB of float32 weights: from the L1 cache for every tile after the first). */
+#define AVX2_PIECE 64
+
+/* R rows of x (in apart) against inputs [first, first + steps) of half `half` (outputs
+ * 32 half..32 half + 31) of a full block. sums (R rows of 32) holds the sums between pieces:
+ * they start at 0 where first is 0, else from there; at the last piece they go to y's rows
+ * (out apart), plus the bias where given, else back to sums. */
 AVX2_FMA static inline __attribute__((always_inline)) void half_tile_avx2(
-    const void *block, const int bf16, long in, int half, const float *x, float *y, long out,
-    const float *bias, const int R) {
+    const void *block, const int bf16, long in, int half, long first, long steps, int last,
+    const float *x, float *sums, float *y, long out, const float *bias, const int R) {
     __m256 acc[AVX2_TILE_ROWS][4];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
-    for (long i = 0; i < in; i++) {
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = first ? _mm256_loadu_ps(sums + 32 * r + 8 * j) : _mm256_setzero_ps();
+    for (long i = first; i < first + steps; i++) {
         __m256 w[4], value[AVX2_TILE_ROWS];
         for (int r = 0; r < R; r++) value[r] = _mm256_set1_ps(x[r * in + i]);
         half_row_8x4(block, i * LINEAR_BLOCK, half, bf16, w);
@@ -688,6 +696,10 @@ AVX2_FMA static inline __attribute__((always_inline)) void half_tile_avx2(
     }
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) {
+            if (!last) {
+                _mm256_storeu_ps(sums + 32 * r + 8 * j, acc[r][j]);
+                continue;
+            }
             long at = 32 * half + 8 * j;
             __m256 sum = bias ? _mm256_add_ps(acc[r][j], _mm256_loadu_ps(bias + at)) : acc[r][j];
             _mm256_storeu_ps(y + r * out + at, sum);
@@ -698,6 +710,7 @@ AVX2_FMA static inline __attribute__((always_inline)) void half_tile_avx2(
 AVX2_FMA static inline __attribute__((always_inline)) void linear_blocks_avx2_of(
     const void *weight, const int bf16, const float *x, float *y, const float *bias, long rows,
     long out, long in, long first, long end) {
+    float sums[LINEAR_PAIR_MAX_ROWS * 32];
     for (long k = first; k < end; k++) {
         const void *block = weight_at(weight, k * in * LINEAR_BLOCK, bf16);
         long width = out - k * LINEAR_BLOCK < LINEAR_BLOCK ? out - k * LINEAR_BLOCK : LINEAR_BLOCK;
@@ -744,18 +757,26 @@ AVX2_FMA static inline __attribute__((always_inline)) void linear_blocks_avx2_of
             }
             continue;
         }
+        /* More rows than the sums hold (a prefill, compute-bound): one pass each tile. */
+        long piece = rows <= LINEAR_PAIR_MAX_ROWS ? AVX2_PIECE : (in > 0 ? in : 1);
         for (int half = 0; half < 2; half++)
-            for (long r = 0; r < rows; r += bf16 ? 2 : 3) {
-                long left = rows - r;
-                if (left >= 3 && !bf16)
-                    half_tile_avx2(block, bf16, in, half, x + r * in, yk + r * out, out,
-                                   block_bias, 3);
-                else if (left >= 2)
-                    half_tile_avx2(block, bf16, in, half, x + r * in, yk + r * out, out,
-                                   block_bias, 2);
-                else
-                    half_tile_avx2(block, bf16, in, half, x + r * in, yk + r * out, out,
-                                   block_bias, 1);
+            for (long at = 0; at == 0 || at < in; at += piece) { /* in = 0: y = bias */
+                long steps = in - at < piece ? in - at : piece;
+                int last = at + steps >= in;
+                for (long r = 0; r < rows; r += bf16 ? 2 : 3) {
+                    long left = rows - r;
+                    const float *xr = x + r * in;
+                    float *sr = sums + 32 * (r < LINEAR_PAIR_MAX_ROWS ? r : 0), *yr = yk + r * out;
+#define HALF_TILE(R)                                                                         \
+    half_tile_avx2(block, bf16, in, half, at, steps, last, xr, sr, yr, out, block_bias, R)
+                    if (left >= 3 && !bf16)
+                        HALF_TILE(3);
+                    else if (left >= 2)
+                        HALF_TILE(2);
+                    else
+                        HALF_TILE(1);
+#undef HALF_TILE
+                }
             }
     }
 }
