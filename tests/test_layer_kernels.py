@@ -38,6 +38,11 @@ TEAM = NativeKernels(native_module, threads=3)
 AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= set(
     Path("/proc/cpuinfo").read_text().partition("\nflags")[2].partition("\n")[0].split()
 )
+#: Tests of the C linear kernel, which runs where the CPU has AVX-512 or AVX2 with FMA.
+needs_c_linear = pytest.mark.skipif(
+    not native_module.blocked_linear_available(),
+    reason="the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)",
+)
 #: The C path holding blocked linear weights in bfloat16 (model.weight_dtype bfloat16).
 HALF_WEIGHTS = NativeKernels(native_module, weight_dtype=torch.bfloat16)
 #: Four query heads reading two KV heads, two each (GQA).
@@ -273,15 +278,12 @@ def test_bfloat16_rounds_where_the_torch_path_rounds():
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 16, 40, 64, 65])
 @pytest.mark.parametrize("out_features,in_features", [(100, 37), (64, 16), (130, 576), (320, 40)])
+@needs_c_linear
 def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features):
     """Blocked by 64 outputs (a partial last block, inputs past the 16-wide lanes, one piece
     of 32 inputs and several), every row tile size of both paths (pairs of blocks up to 64
     rows, one block at a time past it), with and without a bias, and a 3-d input; the layout
     takes no more memory than the weight."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     blocked = NATIVE.pack_linear(weight)
     assert blocked.shape == (out_features * in_features,)
@@ -298,15 +300,12 @@ def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features):
 
 
 @pytest.mark.parametrize("out_features", [64, 128, 320, 330])
+@needs_c_linear
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(out_features):
     """Up to 64 rows go through pairs of blocks a piece at a time, in tiles of up to 3 rows;
     more rows through one block at a time in tiles of up to 6, in one pass: each output is the
     same sum in the same order every way (pairs of blocks, an odd block left over, a partial
     last block, pieces of 32 of the 96 inputs; with a bias)."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
     x = torch.randn(70, 96)
     batch = NATIVE.linear(x, weight, bias)
@@ -317,14 +316,11 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(out_features):
 
 
 @pytest.mark.parametrize("held", [torch.float32, torch.bfloat16], ids=str)
+@needs_c_linear
 def test_the_avx2_kernels_give_the_widest_kernels_bits(held):
     """The AVX2 kernels (what a CPU without AVX-512 runs) against the widest this CPU runs (the
     AVX-512 ones where it has them: otherwise both are AVX2): the same sums in the same order,
     bit for bit, at every row count and for full, paired and partial last blocks."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     for out_features in (64, 130, 330):
         weight = blocked(torch.randn(out_features, 96), native_module.LINEAR_BLOCK, dtype=held)
         bias = torch.randn(out_features)
@@ -341,14 +337,11 @@ def test_the_avx2_kernels_give_the_widest_kernels_bits(held):
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 70])
 @pytest.mark.parametrize("out_features", [64, 130, 330, 6144])
+@needs_c_linear
 def test_a_team_multiplies_to_the_same_bits_as_one_thread(rows, out_features):
     """Chunks of blocks shared out among three threads (one chunk only, pairs of blocks up to
     64 rows, a partial last block, many more chunks than threads; a bias): each output is computed
     as one thread computes it, call after call as the helpers wake and sleep."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     assert native_module.team_threads(TEAM.team) == 3
     weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
     x = torch.randn(rows, 96)
@@ -359,13 +352,10 @@ def test_a_team_multiplies_to_the_same_bits_as_one_thread(rows, out_features):
         assert torch.equal(TEAM.linear(x, weight, bias), alone)
 
 
+@needs_c_linear
 def test_threads_calling_through_one_team_at_once_each_get_their_own_product():
     """The linear runs without the GIL: a call made while another thread's has the team runs
     alone in its thread, and neither sees the other's work."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     weights = [NATIVE.pack_linear(torch.randn(640, 96)) for _ in range(3)]
     inputs = [torch.randn(rows, 96) for rows in (1, 3, 16)]
     expected = [NATIVE.linear(x, w, None) for x, w in zip(inputs, weights, strict=True)]
@@ -402,13 +392,10 @@ def test_a_teams_helpers_live_as_long_as_it():
             native_module.team(threads)
 
 
+@needs_c_linear
 def test_a_forked_child_runs_a_teams_calls_alone():
     """A forked child has none of the helper threads: its copy of the team runs every chunk
     in the calling thread, with the same results."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     weight, x = NATIVE.pack_linear(torch.randn(330, 96)), torch.randn(1, 96)
     expected = NATIVE.linear(x, weight, None)
     pid = os.fork()
@@ -425,15 +412,12 @@ def test_a_forked_child_runs_a_teams_calls_alone():
     assert os.waitstatus_to_exitcode(ended[1]) == 0
 
 
+@needs_c_linear
 def test_a_models_blocked_weights_lie_back_to_back_in_packing_order():
     """weight_packer puts the blocked weights in one buffer, each where the one before ended
     (rounded up to a cache line), in the order they are packed; a weight the C kernel does
     not take (bfloat16) is packed as before and takes no room; more than the packer was
     made for is an error, not a write past the buffer."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     weights = [torch.randn(70, 3), torch.randn(64, 8).bfloat16(), torch.randn(130, 9)]
     pack = NATIVE.weight_packer(weights)
     first, other, last = (pack(weight) for weight in weights)
@@ -446,13 +430,10 @@ def test_a_models_blocked_weights_lie_back_to_back_in_packing_order():
         pack(torch.randn(70, 3))
 
 
+@needs_c_linear
 def test_packing_a_model_gives_each_kernels_object_one_packer_in_module_order():
     """pack_linear_weights packs every module with a ``pack`` method in module order, with
     one packer per kernels object: the C kernels' weights end up back to back."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
 
     class Layer(torch.nn.Module):
         def __init__(self, out_features: int, kernels) -> None:
@@ -471,6 +452,7 @@ def test_packing_a_model_gives_each_kernels_object_one_packer_in_module_order():
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 65])
 @pytest.mark.parametrize("out_features,in_features", [(100, 37), (130, 576), (320, 40), (6, 9)])
+@needs_c_linear
 def test_bfloat16_weights_give_the_sums_of_float32_weights_rounded_to_bfloat16(
     rows, out_features, in_features
 ):
@@ -478,10 +460,6 @@ def test_bfloat16_weights_give_the_sums_of_float32_weights_rounded_to_bfloat16(
     time, one row, a partial last block of any width, tiles past 64 rows; alone and on a team
     of three) multiplies to the very bits of its float32 copy rounded to bfloat16, and the
     torch path with weight_dtype bfloat16 rounds its weight the same way."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     rounded = weight.bfloat16().float()
     held = HALF_WEIGHTS.pack_linear(weight.clone())
@@ -503,13 +481,10 @@ def test_bfloat16_weights_give_the_sums_of_float32_weights_rounded_to_bfloat16(
     assert torch.equal(weight, original)  # a table the head shares stays as it is
 
 
+@needs_c_linear
 def test_bfloat16_weights_lie_back_to_back_on_cache_lines():
     """A bfloat16 packer's weights share one bfloat16 buffer, each on a cache line (32
     elements) after the one before."""
-    if not native_module.blocked_linear_available():
-        pytest.skip(
-            "the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)"
-        )
     weights = [torch.randn(70, 3), torch.randn(130, 9)]
     pack = HALF_WEIGHTS.weight_packer(weights)
     first, last = (pack(weight) for weight in weights)
