@@ -106,12 +106,16 @@ def test_ranks_end_with_a_killed_driver_in_every_phase(tmp_path, kind, phase):
             # Both ranks exist and are still starting (slowly, see SLOW_START).
             _wait_for(lambda: len(_children(driver.pid, rank_name)) == 2, 60, "two ranks")
             time.sleep(0.5)
-        elif phase in ("join", "load"):
-            wanted = ["joining-1"] if phase == "join" else ["loading-0", "loading-1"]
-            _wait_for(lambda: all((markers / m).exists() for m in wanted), 60, str(wanted))
         else:
-            line = driver.stdout.readline()
-            assert json.loads(line)["phase"] == phase, (tmp_path / "driver.err").read_text()
+            if phase in ("idle", "step"):
+                line = driver.stdout.readline()
+                assert json.loads(line)["phase"] == phase, (tmp_path / "driver.err").read_text()
+            wanted = {
+                "join": ["joining-1"],
+                "load": ["loading-0", "loading-1"],
+                "step": ["stepping-0", "stepping-1"],
+            }.get(phase, [])
+            _wait_for(lambda: all((markers / m).exists() for m in wanted), 60, str(wanted))
         ranks = _children(driver.pid, rank_name)
         assert len(ranks) == 2
         segments = mapped_segments([driver.pid, *ranks])

@@ -8,6 +8,7 @@ import torch
 from shardline.comm.store import serve_store
 from shardline.config import load_config
 from shardline.distributed import GroupCoordinator, ParallelLayout, ParallelState
+from shardline.errors import WorkerError
 from shardline.launch.comm_world import ParallelSetup
 from shardline.launch.local_world import LocalWorld
 from shardline_gloo.communicator import GlooBackend
@@ -107,6 +108,28 @@ def test_tp_assisted_pipeline_transfer(tp2_pp2_world):
         assert received["residual"] == (torch.ones(4, 6) * 3).tolist()
         assert received["odd"] == list(range(5))
         assert received["step"] == 7
+
+
+def _refuse_to_load():
+    raise LookupError("this argument loads only in the parent")
+
+
+class _LoadsOnlyInTheParent:
+    """An argument a rank fails to unpickle (as it fails a function of the parent's
+    ``__main__``)."""
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+def test_a_call_a_rank_cannot_load_fails_and_the_world_goes_on(tp2_pp2_world):
+    """LocalWorld: a call the ranks cannot unpickle is answered with its error, as a call
+    that raises is; no rank dies, and the next call runs."""
+    with pytest.raises(WorkerError, match="loads only in the parent") as failed:
+        tp2_pp2_world.run(_positions, _LoadsOnlyInTheParent())
+    assert failed.value.exc_type == "LookupError"
+    assert tp2_pp2_world.broken is None
+    assert len(tp2_pp2_world.run(_positions)) == 4
 
 
 def test_group_coordinator_rejects_mismatched_communicators():

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from shardline.comm.store import serve_store
@@ -245,13 +246,17 @@ def serve_rank(
                     return
                 continue
             try:
-                message = connection.recv()
+                message = connection.recv_bytes()
             except (EOFError, OSError):
                 return
-            if message == _STOP:
-                return
-            fn, args, kwargs = message
             try:
+                # Loaded apart from the read: a call this rank cannot load (a function of
+                # the parent's __main__, say) is answered with its error, as a call that
+                # raises is.
+                call = ForkingPickler.loads(message)
+                if call == _STOP:
+                    return
+                fn, args, kwargs = call
                 reply = ("ok", fn(context, *args, **kwargs))
             except BaseException as error:
                 reply = _error_reply(error)

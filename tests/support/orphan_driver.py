@@ -2,7 +2,7 @@
 LocalWorld) that stops in the phase named on the command line, says so on stdout, then waits
 to be killed. Phases: spawn (ranks still importing), join (rank 1 stalls before joining:
 the ``stall`` test plugin), load (the model runner stalls in load_model), idle, step (a call
-in flight)."""
+in flight on every rank: each leaves ``stepping-RANK`` in $STALL_MARKERS)."""
 
 import json
 import os
@@ -26,8 +26,15 @@ class StallingRunner(probe.ProbeModelRunner):
         time.sleep(STALL_S)
 
 
-def nap(context, seconds: float) -> None:
+def step(worker, seconds: float) -> None:
+    """A call in flight on ``worker``'s rank."""
+    Path(os.environ["STALL_MARKERS"], f"stepping-{worker.rank}").touch()
     time.sleep(seconds)
+
+
+def step_in_context(context, seconds: float) -> None:
+    """:func:`step` as a LocalWorld call (given the rank's WorkerContext)."""
+    step(context.worker, seconds)
 
 
 def say(**fields) -> None:
@@ -35,6 +42,10 @@ def say(**fields) -> None:
 
 
 def main(kind: str, phase: str) -> None:
+    # The calls the ranks run, from this module under the name they import it by (a
+    # LocalWorld call is pickled by reference; this script's own functions are __main__'s).
+    from support import orphan_driver as calls
+
     say(phase="starting")
     runner = "support.orphan_driver:StallingRunner" if phase == "load" else probe.PROBE_RUNNER
     config = load_config(
@@ -53,12 +64,14 @@ def main(kind: str, phase: str) -> None:
         setup = WorkerSetup(config, load_model=phase == "load")
         world = LocalWorld(2, setup, start_timeout_s=STALL_S, call_timeout_s=STALL_S)
         if phase == "step":
-            threading.Thread(target=world.run, args=(nap, STALL_S), daemon=True).start()
+            threading.Thread(
+                target=world.run, args=(calls.step_in_context, STALL_S), daemon=True
+            ).start()
         say(phase=phase, job=world.rendezvous.job)
     else:
         executor = Registry.load().get("executor", "mp").load_available()(config)
         if phase == "step":
-            executor.collective_rpc(probe.sleep_on_rank, (1, STALL_S), non_block=True)
+            executor.collective_rpc(calls.step, (STALL_S,), non_block=True)
         say(phase=phase, job=executor.job)
     while True:
         time.sleep(0.1)
