@@ -25,7 +25,8 @@ Executors
     ``Worker`` (build a rank's Worker: join its worlds, load the model, with phase callbacks);
     ``RankProcesses`` (start a world's rank processes, tethered to this one, watch them
     die, stop them), ``missed_phase``,
-    ``failed_in_phase`` (start-up errors in the common words); ``Spawner``, ``ChildProcess``
+    ``failed_in_phase`` (start-up errors in the common words); ``pickled_reply`` (a rank's
+    reply pickled, or the error to send instead when it cannot be); ``Spawner``, ``ChildProcess``
     (single processes that end with their parent); ``share_cores`` (a rank's share of
     torch threads);
     ``LaunchedRank``, ``detect_launcher``, ``local_rank`` (a rank's place under torchrun or
@@ -81,6 +82,7 @@ _WHERE = {
     "RankProcesses": "shardline.launch.runtime",
     "missed_phase": "shardline.launch.runtime",
     "failed_in_phase": "shardline.launch.runtime",
+    "pickled_reply": "shardline.launch.runtime",
     "share_cores": "shardline.launch.threads",
     "LaunchedRank": "shardline.launch.launcher_env",
     "detect_launcher": "shardline.launch.launcher_env",

@@ -132,6 +132,17 @@ def test_a_call_a_rank_cannot_load_fails_and_the_world_goes_on(tp2_pp2_world):
     assert len(tp2_pp2_world.run(_positions)) == 4
 
 
+def _a_lock(ctx) -> threading.Lock:
+    return threading.Lock()
+
+
+def test_a_result_that_cannot_be_pickled_fails_the_call_and_the_world_goes_on(tp2_pp2_world):
+    with pytest.raises(WorkerError, match=r"reply cannot be pickled .*_thread\.lock"):
+        tp2_pp2_world.run(_a_lock)
+    assert tp2_pp2_world.broken is None
+    assert len(tp2_pp2_world.run(_positions)) == 4
+
+
 def test_group_coordinator_rejects_mismatched_communicators():
     _store, rendezvous = serve_store()
     world = GlooBackend().init_world(0, 1, rendezvous, 10.0)

@@ -33,7 +33,7 @@ from shardline.comm.store import serve_store
 from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.launchers import launcher_command, launcher_environment
-from shardline.launch.runtime import RankProcesses
+from shardline.launch.runtime import RankProcesses, pickled_reply
 from shardline.launch.threads import share_cores
 
 _STOP = "stop"
@@ -257,10 +257,10 @@ def serve_rank(
                 if call == _STOP:
                     return
                 fn, args, kwargs = call
-                reply = ("ok", fn(context, *args, **kwargs))
+                reply = pickled_reply(("ok", fn(context, *args, **kwargs)), ForkingPickler.dumps)
             except BaseException as error:
-                reply = _error_reply(error)
-            connection.send(reply)
+                reply = pickled_reply(_error_reply(error), ForkingPickler.dumps)
+            connection.send_bytes(reply)
     finally:
         close = getattr(context, "close", None)
         if callable(close):

@@ -1,7 +1,7 @@
 """The process runtime every world of rank processes shares (the ``mp`` executor, LocalWorld):
 starting the ranks as tethered children, watching them die, stopping them, and the errors
-that say so — start-up phases missed or failed, a rank that died — in the same words for
-every executor.
+that say so — start-up phases missed or failed, a rank that died, a reply that cannot go back —
+in the same words for every executor.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import subprocess
 import threading
@@ -126,3 +127,16 @@ def missed_phase(rank: int, phase: str, timeout_s: float, setting: str) -> CommT
 def failed_in_phase(rank: int, phase: str, failure: RemoteFailure) -> WorkerError:
     """A rank raised ``failure`` in start-up ``phase``."""
     return failure.error(rank, f"failed in start-up phase {phase!r}: ")
+
+
+def pickled_reply(message: Any, dumps: Callable[[Any], Any] | None = None) -> Any:
+    """``message``, a rank's reply, pickled by ``dumps`` (default: pickle, highest protocol).
+    Raises TypeError saying the reply cannot go back, and why, where it cannot be pickled (a
+    result holding a lock, say): the rank sends that failure for the call instead, and goes
+    on serving."""
+    try:
+        if dumps is None:
+            return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return dumps(message)
+    except Exception as error:
+        raise TypeError(f"the reply cannot be pickled to go back: {error}") from error

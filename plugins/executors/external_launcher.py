@@ -49,6 +49,7 @@ from shardline.sdk import (
     check_reply_rank,
     connect_store,
     method_name,
+    pickled_reply,
     seal,
     share_cores,
     unseal,
@@ -159,12 +160,12 @@ class ExternalLauncherExecutor(Executor):
             else:
                 value = method(worker, *args, **(kwargs or {}))
             replies = unique_reply_rank is None or unique_reply_rank == self.rank
-            envelope: tuple = ("ok", value if replies else None)
+            sealed = pickled_reply(("ok", value if replies else None), self._seal)
         except Exception as error:
-            envelope = ("error", RemoteFailure.capture(error))
+            sealed = self._seal(("error", RemoteFailure.capture(error)))
         future: Future[list[Any]] = Future()
         try:
-            envelopes = self._exchange(name, envelope, timeout)
+            envelopes = self._exchange(name, sealed, timeout)
             for rank, (kind, body) in enumerate(envelopes):
                 if kind == "error":
                     raise body.error(rank)
@@ -176,15 +177,18 @@ class ExternalLauncherExecutor(Executor):
             future.set_exception(error)
         return future if non_block else future.result()
 
-    def _exchange(self, name: str, envelope: tuple, timeout: float | None) -> list[tuple]:
-        """Publish this rank's envelope of call number N and read every rank's."""
+    def _seal(self, envelope: tuple) -> bytes:
+        return seal(envelope, self._secret)
+
+    def _exchange(self, name: str, sealed: bytes, timeout: float | None) -> list[tuple]:
+        """Publish this rank's envelope of call number N (sealed) and read every rank's."""
         call_id = self._next_call
         self._next_call += 1
         keys = [f"{call_id}/{rank}" for rank in range(self.world_size)]
         seconds = self._call_timeout_s if timeout is None else timeout
         store = self._store
         try:
-            store.set(keys[self.rank], seal(envelope, self._secret))
+            store.set(keys[self.rank], sealed)
             try:
                 store.wait(keys, datetime.timedelta(seconds=seconds))
             except (RuntimeError, dist.DistError) as error:

@@ -54,6 +54,7 @@ from shardline.sdk import (
 )
 from shardline_executors.heartbeat import Heartbeats
 from shardline_executors.mp_protocol import (
+    FIRST_CALL_ID,
     PHASES,
     STEP,
     Failure,
@@ -128,7 +129,7 @@ class MultiprocExecutor(Executor):
         self._call_timeout_s = config.parallel.timeout_s + WATCHDOG_REPORT_S + 0.25
         self._failure: ShardlineError | None = None
         self._closed = False
-        self._next_call = 0
+        self._next_call = FIRST_CALL_ID
         self._pending: deque[_PendingCall] = deque()
         self._collect_lock = threading.Lock()
         self._wake_collector = threading.Condition()
@@ -256,11 +257,10 @@ class MultiprocExecutor(Executor):
         self.check_health()
         deadline = time.monotonic() + (self._call_timeout_s if timeout is None else timeout)
         call_id = self._next_call
-        self._next_call += 1
         message = call_message(call_id, method, args, kwargs, reply_rank)
-        self._calls.put(
-            pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), deadline, self.check_health
-        )
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # may raise: no call
+        self._next_call += 1
+        self._calls.put(data, deadline, self.check_health)
         pending = _PendingCall(
             call_id=call_id,
             name=name,

@@ -1,7 +1,9 @@
 """Messages between the mp executor and its worker processes (pickled through the rings).
 
 Driver -> every worker (broadcast ring): a call, the tuple ``(call_id, method, args, kwargs,
-reply_rank)`` (:func:`call_message`); ``method`` is a Worker method name or a cloudpickled callable
+reply_rank)`` (:func:`call_message`); call ids count up by one from :data:`FIRST_CALL_ID` in
+the order calls are broadcast (a worker that cannot load a call fails the id after the last
+one it loaded); ``method`` is a Worker method name or a cloudpickled callable
 taking the Worker first; ``method=None`` asks workers to exit. A model step travels as
 ``(call_id, STEP, encode_step(step), None, reply_rank)``: the worker runs
 ``execute_model(decode_step(encoded))``.
@@ -28,6 +30,9 @@ from shardline.errors import RemoteFailure
 from shardline.interfaces import CachedRequest, SchedulerOutput
 
 PHASES = ("spawn", "distributed init", "model load", "ready")
+
+#: The id of an executor's first call (the next call's is one more).
+FIRST_CALL_ID = 0
 
 #: ``(call_id, method, args, kwargs, reply_rank)``
 Call = tuple[int, "str | bytes | int | None", Any, "dict[str, Any] | None", "int | None"]

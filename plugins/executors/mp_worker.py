@@ -20,9 +20,9 @@ import cloudpickle
 
 from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
-from shardline.sdk import EngineConfig, WorkerSetup, share_cores
+from shardline.sdk import EngineConfig, WorkerSetup, pickled_reply, share_cores
 from shardline_executors.heartbeat import start_beating
-from shardline_executors.mp_protocol import STEP, Failure, Phase, decode_step
+from shardline_executors.mp_protocol import FIRST_CALL_ID, STEP, Failure, Phase, decode_step
 from shardline_executors.shm_ring import RingHandle, ShmRing
 
 _PARENT_CHECK_S = 0.5
@@ -53,7 +53,7 @@ def worker_main(
     try:
 
         def send(message: Any) -> None:
-            outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            outbox.put(pickled_reply(message))
 
         phase = "spawn"
         send(Phase(phase))
@@ -71,7 +71,7 @@ def worker_main(
             send(Failure(None, phase, RemoteFailure.capture(error)))
             return
         try:
-            _serve(rank, context.worker, inbox, doorbell, send)
+            _serve(rank, context.worker, inbox, doorbell, outbox)
         except (EOFError, OSError):
             # The doorbell's other end closed: the driver is gone.
             _leave(segments)
@@ -83,9 +83,18 @@ def worker_main(
         doorbell.close()
 
 
-def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, send) -> None:
+def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, outbox: ShmRing) -> None:
+    call_id = FIRST_CALL_ID
     while True:
-        call_id, method, args, kwargs, reply_rank = pickle.loads(inbox.get(rank, doorbell=doorbell))
+        data = inbox.get(rank, doorbell=doorbell)
+        try:
+            call_id, method, args, kwargs, reply_rank = pickle.loads(data)
+        except Exception as error:
+            # A call this worker cannot load (an argument of a class only the driver has):
+            # its id follows the last call's (mp_protocol), and it fails.
+            outbox.put(pickled_reply(Failure(call_id, "call", RemoteFailure.capture(error))))
+            call_id += 1
+            continue
         if method is None:
             return
         try:
@@ -95,11 +104,12 @@ def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, send) -> None:
                 value = getattr(worker, method)(*args, **kwargs)
             else:
                 value = cloudpickle.loads(method)(worker, *args, **kwargs)
+            reply = pickled_reply((call_id, value)) if reply_rank in (None, rank) else None
         except Exception as error:
-            send(Failure(call_id, "call", RemoteFailure.capture(error)))
-            continue
-        if reply_rank is None or reply_rank == rank:
-            send((call_id, value))
+            reply = pickled_reply(Failure(call_id, "call", RemoteFailure.capture(error)))
+        if reply is not None:
+            outbox.put(reply)
+        call_id += 1
 
 
 def _exit_with_parent(parent_pid: int, segments: list[str]) -> None:

@@ -15,7 +15,7 @@ import cloudpickle
 
 from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
-from shardline.sdk import EngineConfig
+from shardline.sdk import EngineConfig, pickled_reply
 from shardline_ray.placement import RankPlace
 from shardline_ray.protocol import Call, Done, Failure, Phase, Reply
 
@@ -40,7 +40,7 @@ def rank_main(
     pipe = multiprocessing.connection.Connection(pipe_fd)
 
     def send(message: Any) -> None:
-        pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        pipe.send_bytes(pickled_reply(message))
 
     send(Phase("spawn"))
     phase = "distributed init"
@@ -57,25 +57,27 @@ def rank_main(
         return
     try:
         send(Phase("ready"))
-        _serve(rank, context.worker, pipe, send)
+        _serve(rank, context.worker, pipe)
     finally:
         context.close()
         pipe.close()
 
 
-def _serve(rank: int, worker: Any, pipe: multiprocessing.connection.Connection, send) -> None:
-    """Run calls in the order they arrive until the actor closes the pipe."""
+def _serve(rank: int, worker: Any, pipe: multiprocessing.connection.Connection) -> None:
+    """Run calls in the order they arrive until the actor closes the pipe. A call this rank
+    cannot load, or whose result cannot be pickled, fails (the rank goes on)."""
     while True:
         try:
-            call: Call = pickle.loads(pipe.recv_bytes())
+            data = pipe.recv_bytes()
         except EOFError:
             return
         try:
+            call: Call = pickle.loads(data)
             if isinstance(call.method, str):
                 value = getattr(worker, call.method)(*call.args, **call.kwargs)
             else:
                 value = cloudpickle.loads(call.method)(worker, *call.args, **call.kwargs)
+            reply = pickled_reply(Reply(value) if call.reply_rank in (None, rank) else Done())
         except Exception as error:
-            send(Failure("call", RemoteFailure.capture(error)))
-            continue
-        send(Reply(value) if call.reply_rank in (None, rank) else Done())
+            reply = pickled_reply(Failure("call", RemoteFailure.capture(error)))
+        pipe.send_bytes(reply)

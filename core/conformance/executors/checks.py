@@ -178,7 +178,8 @@ def check_broadcast_order(subject: Subject) -> None:
 
 def check_exception_envelope(subject: Subject) -> None:
     """An exception in a rank arrives as ``WorkerError`` with its rank, type, message and
-    traceback; the executor stays usable."""
+    traceback; so does a result that cannot be pickled back, and an argument a rank cannot
+    load (where results and arguments travel); the executor stays usable."""
     executor = subject.shared()
     try:
         executor.collective_rpc(probe.raise_on_rank, (subject.last_rank,))
@@ -196,7 +197,19 @@ def check_exception_envelope(subject: Subject) -> None:
         assert error.exc_type == "RuntimeError", error.exc_type
     else:
         raise AssertionError("a failed non-blocking call's future did not raise WorkerError")
+    _fails_or_stays_home(executor, probe.unpicklable_result, (), "cannot be pickled")
+    if not executor.launched:  # there every process makes its own arguments
+        _fails_or_stays_home(executor, probe.echo, (probe.LoadsOnlyWhereMade(),), "loads only")
     assert executor.collective_rpc(probe.echo, ("after",)) == ["after"] * subject.world_size
+
+
+def _fails_or_stays_home(executor: Executor, method: Callable, args: tuple, cause: str) -> None:
+    """``method(*args)`` either fails with a WorkerError naming ``cause`` (an executor that
+    pickles the call or its results) or returns (one that runs it in the caller's process)."""
+    try:
+        executor.collective_rpc(method, args)
+    except WorkerError as error:
+        assert cause in str(error), f"{method.__name__}: {error}"
 
 
 def check_call_deadline(subject: Subject) -> None:

@@ -4,6 +4,7 @@ sent through ``collective_rpc`` (module level, so they pickle by name as well as
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -72,3 +73,25 @@ def sleep_on_rank(worker, rank: int, seconds: float) -> int:
     if worker.rank == rank:
         time.sleep(seconds)
     return worker.rank
+
+
+def unpicklable_result(worker) -> threading.Lock:
+    """A result pickle refuses."""
+    return threading.Lock()
+
+
+class LoadsOnlyWhereMade:
+    """An argument that unpickles only in the process that made it (as, elsewhere, an
+    object of a class defined in the driver's own script)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __reduce__(self) -> tuple:
+        return (_made_in, (self.pid,))
+
+
+def _made_in(pid: int) -> LoadsOnlyWhereMade:
+    if os.getpid() != pid:
+        raise LookupError(f"this argument loads only in the process that made it ({pid})")
+    return LoadsOnlyWhereMade()
