@@ -16,7 +16,8 @@ Communicators
     ``announce_arrival``, ``never_arrived`` (the rendezvous store, and naming ranks that
     never arrived at a join); ``HostDirectory`` (which host each rank announced, to name it
     in errors: "rank 1 on host h2"); ``ControlPlane`` (signed objects and tensor dicts over
-    any communicator); ``seal``, ``unseal`` (signed bytes for a channel of your own).
+    any communicator); ``seal``, ``unseal`` (signed bytes for a channel of your own;
+    ``verified_pickle``: the pickle, its signature checked, not yet loaded).
 
 Executors
     ``EngineConfig``; ``first_reply`` (the Future ``execute_model`` returns, from a
@@ -26,9 +27,10 @@ Executors
     ``RankProcesses`` (start a world's rank processes, tethered to this one, watch them
     die, stop them), ``missed_phase``,
     ``failed_in_phase`` (start-up errors in the common words); ``pickled_reply`` (a rank's
-    reply pickled, or the error to send instead when it cannot be); ``Spawner``, ``ChildProcess``
-    (single processes that end with their parent); ``share_cores`` (a rank's share of
-    torch threads);
+    reply pickled, or the error to send instead when it cannot be), ``loaded_reply`` (a
+    reply loaded where it arrives, or the error to fail its call with); ``Spawner``,
+    ``ChildProcess`` (single processes that end with their parent); ``share_cores`` (a
+    rank's share of torch threads);
     ``LaunchedRank``, ``detect_launcher``, ``local_rank`` (a rank's place under torchrun or
     mpiexec; its rank on its host);
     ``abort_job_at_exit`` (end a launched job at exit after a failure: no rank left stuck,
@@ -73,6 +75,7 @@ _WHERE = {
     "ControlPlane": "shardline.distributed.control_plane",
     "seal": "shardline.comm.objects",
     "unseal": "shardline.comm.objects",
+    "verified_pickle": "shardline.comm.objects",
     "EngineConfig": "shardline.config.schema",
     "WorkerSetup": "shardline.worker.setup",
     "WorkerContext": "shardline.worker.setup",
@@ -83,6 +86,7 @@ _WHERE = {
     "missed_phase": "shardline.launch.runtime",
     "failed_in_phase": "shardline.launch.runtime",
     "pickled_reply": "shardline.launch.runtime",
+    "loaded_reply": "shardline.launch.runtime",
     "share_cores": "shardline.launch.threads",
     "LaunchedRank": "shardline.launch.launcher_env",
     "detect_launcher": "shardline.launch.launcher_env",

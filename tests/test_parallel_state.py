@@ -7,6 +7,7 @@ import torch
 
 from shardline.comm.store import serve_store
 from shardline.config import load_config
+from shardline.conformance.executors.probe import LoadsOnlyWhereMade
 from shardline.distributed import GroupCoordinator, ParallelLayout, ParallelState
 from shardline.errors import WorkerError
 from shardline.launch.comm_world import ParallelSetup
@@ -139,6 +140,20 @@ def _a_lock(ctx) -> threading.Lock:
 def test_a_result_that_cannot_be_pickled_fails_the_call_and_the_world_goes_on(tp2_pp2_world):
     with pytest.raises(WorkerError, match=r"reply cannot be pickled .*_thread\.lock"):
         tp2_pp2_world.run(_a_lock)
+    assert tp2_pp2_world.broken is None
+    assert len(tp2_pp2_world.run(_positions)) == 4
+
+
+def _made_in_the_rank(ctx) -> LoadsOnlyWhereMade:
+    return LoadsOnlyWhereMade()
+
+
+def test_a_result_the_parent_cannot_load_fails_the_call_and_the_world_goes_on(tp2_pp2_world):
+    loaded_nowhere_else = "cannot be loaded where it arrived: LookupError"
+    with pytest.raises(WorkerError, match=loaded_nowhere_else) as failed:
+        tp2_pp2_world.run(_made_in_the_rank)
+    assert failed.value.exc_type == "TypeError"
+    assert "loads only in the process that made it" in str(failed.value)
     assert tp2_pp2_world.broken is None
     assert len(tp2_pp2_world.run(_positions)) == 4
 

@@ -33,6 +33,20 @@ def unseal(raw: bytes, secret: bytes, sender: str = "a peer") -> Any:
     Raises :class:`ProtocolError` naming ``sender`` when the signature does not match or
     the signed bytes do not unpickle; nothing unsigned is unpickled.
     """
+    data = verified_pickle(raw, secret, sender)
+    try:
+        return pickle.loads(data)
+    except Exception as error:
+        raise ProtocolError(
+            f"control-plane object from {sender} is signed but does not unpickle: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
+def verified_pickle(raw: bytes, secret: bytes, sender: str = "a peer") -> bytes:
+    """The pickle inside ``raw``, a message :func:`seal` made with the same ``secret``, not
+    yet loaded (for a receiver that handles a pickle that does not load itself). Raises
+    :class:`ProtocolError` naming ``sender`` when the signature does not match."""
     tag, data = raw[:TAG_BYTES], raw[TAG_BYTES:]
     expected = hmac.new(_checked(secret, "receive"), data, hashlib.sha256).digest()
     if len(raw) < TAG_BYTES or not hmac.compare_digest(tag, expected):
@@ -41,13 +55,7 @@ def unseal(raw: bytes, secret: bytes, sender: str = "a peer") -> Any:
             "check: refused unread (a process outside this job, a garbled message, or ranks "
             "started with different secrets)"
         )
-    try:
-        return pickle.loads(data)
-    except Exception as error:
-        raise ProtocolError(
-            f"control-plane object from {sender} is signed but does not unpickle: "
-            f"{type(error).__name__}: {error}"
-        ) from error
+    return data
 
 
 def to_tensor(obj: Any, secret: bytes, device: str = "cpu") -> torch.Tensor:

@@ -63,7 +63,9 @@ class Executor(abc.ABC):
       ``PeerLostError`` naming it and its exit code.
     - **Errors.** An exception in a rank reaches the caller as ``WorkerError`` (rank, type,
       message, traceback, and ``origin``: the exception itself when it is one of
-      Shardline's typed errors).
+      Shardline's typed errors); so does a call whose argument a rank cannot load, or whose
+      result cannot be pickled back or loaded where it arrives, and the executor stays
+      usable.
 
     An executor that places ranks through a cluster manager of its own (Ray's nodes, say)
     says how to bring one up on given hosts with :meth:`prepare_hosts`, so that harnesses

@@ -33,7 +33,7 @@ from shardline.comm.store import serve_store
 from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.launchers import launcher_command, launcher_environment
-from shardline.launch.runtime import RankProcesses, pickled_reply
+from shardline.launch.runtime import RankProcesses, loaded_reply, pickled_reply
 from shardline.launch.threads import share_cores
 
 _STOP = "stop"
@@ -183,9 +183,14 @@ class LocalWorld:
             for connection in [c for c in ready if c in pending]:
                 rank = pending.pop(connection)
                 try:
-                    replies[rank] = connection.recv()
+                    data = connection.recv_bytes()
                 except (EOFError, OSError):
                     replies[rank] = self._death(rank, what)
+                    continue
+                try:
+                    replies[rank] = loaded_reply(data, ForkingPickler.loads)
+                except TypeError as error:
+                    replies[rank] = ("error", RemoteFailure.capture(error))
             for sentinel in [s for s in ready if s in sentinels]:
                 rank = sentinels[sentinel]
                 connection = self._connections[rank]

@@ -1,7 +1,7 @@
 """The process runtime every world of rank processes shares (the ``mp`` executor, LocalWorld):
 starting the ranks as tethered children, watching them die, stopping them, and the errors
-that say so — start-up phases missed or failed, a rank that died, a reply that cannot go back —
-in the same words for every executor.
+that say so — start-up phases missed or failed, a rank that died, a reply that cannot go back or
+cannot be loaded where it arrives — in the same words for every executor.
 """
 
 from __future__ import annotations
@@ -140,3 +140,15 @@ def pickled_reply(message: Any, dumps: Callable[[Any], Any] | None = None) -> An
         return dumps(message)
     except Exception as error:
         raise TypeError(f"the reply cannot be pickled to go back: {error}") from error
+
+
+def loaded_reply(data: Any, loads: Callable[[Any], Any] = pickle.loads) -> Any:
+    """A rank's reply ``data`` loaded by ``loads`` where it arrived. Raises TypeError saying the
+    reply cannot be loaded here, and why, where it cannot (an object of a class only the rank
+    has, say): the receiver fails that call with it, naming the rank, and goes on."""
+    try:
+        return loads(data)
+    except Exception as error:
+        raise TypeError(
+            f"the reply cannot be loaded where it arrived: {type(error).__name__}: {error}"
+        ) from error

@@ -48,11 +48,12 @@ from shardline.sdk import (
     abort_job_at_exit,
     check_reply_rank,
     connect_store,
+    loaded_reply,
     method_name,
     pickled_reply,
     seal,
     share_cores,
-    unseal,
+    verified_pickle,
 )
 from shardline_executors.launch_env import Meeting, describe_meeting, meet
 
@@ -180,6 +181,15 @@ class ExternalLauncherExecutor(Executor):
     def _seal(self, envelope: tuple) -> bytes:
         return seal(envelope, self._secret)
 
+    def _opened(self, sealed: bytes, rank: int) -> tuple:
+        """Rank ``rank``'s envelope; a reply that does not load here is that rank's failure
+        (a message without the job's signature: ProtocolError)."""
+        data = verified_pickle(sealed, self._secret, f"rank {rank}")
+        try:
+            return loaded_reply(data)
+        except TypeError as error:
+            return ("error", RemoteFailure.capture(error))
+
     def _exchange(self, name: str, sealed: bytes, timeout: float | None) -> list[tuple]:
         """Publish this rank's envelope of call number N (sealed) and read every rank's."""
         call_id = self._next_call
@@ -204,10 +214,7 @@ class ExternalLauncherExecutor(Executor):
                         op=name,
                     )
                 ) from error
-            envelopes = [
-                unseal(store.get(key), self._secret, f"rank {rank}")
-                for rank, key in enumerate(keys)
-            ]
+            envelopes = [self._opened(store.get(key), rank) for rank, key in enumerate(keys)]
             if store.add(f"{call_id}/read", 1) == self.world_size:
                 for key in [*keys, f"{call_id}/read"]:
                     store.delete_key(key)

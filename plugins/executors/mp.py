@@ -23,6 +23,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import pickletools
 import threading
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from shardline.errors import (
     CommTimeoutError,
     CommunicationError,
     PeerLostError,
+    RemoteFailure,
     ShardlineError,
     WorkerError,
 )
@@ -47,6 +49,7 @@ from shardline.sdk import (
     RankProcesses,
     check_reply_rank,
     failed_in_phase,
+    loaded_reply,
     method_name,
     missed_phase,
     serve_store,
@@ -377,11 +380,15 @@ class MultiprocExecutor(Executor):
         failure = message if isinstance(message, Failure) else None
         call_id = message[0] if failure is None else failure.call_id  # a reply: (id, value)
         if call_id is not None and call_id < call.call_id:
-            # Left over from an earlier call that already ended: a reply, or a failure
-            # already reported, is dropped; a failure of a rank that was not asked to reply
-            # (its call succeeded elsewhere) fails this call.
+            # Left over from an earlier call that already ended: a reply (also one that did
+            # not load), or a failure already reported, is dropped; a failure of a rank that
+            # was not asked to reply (its call succeeded elsewhere) fails this call.
             self._inboxes[rank].popleft()
-            if failure is not None and call_id not in self._failed_calls:
+            if (
+                failure is not None
+                and failure.phase == "call"
+                and call_id not in self._failed_calls
+            ):
                 self._raise_failure(rank, failure, call)
             return False
         if failure is not None:
@@ -460,10 +467,15 @@ class MultiprocExecutor(Executor):
         raise message.failure.error(rank, f"(in call {call.name!r}) ")
 
     def _peek(self, rank: int) -> Any:
-        """The oldest unconsumed message of ``rank``, or None when there is none yet."""
+        """The oldest unconsumed message of ``rank``, or None when there is none yet. A reply
+        this process cannot load becomes the failure of its call."""
         inbox = self._inboxes[rank]
         if not inbox and self._replies[rank].ready(0):
-            inbox.append(pickle.loads(self._replies[rank].get(0)))
+            data = self._replies[rank].get(0)
+            try:
+                inbox.append(loaded_reply(data))
+            except TypeError as error:
+                inbox.append(Failure(_call_id_of(data), "reply", RemoteFailure.capture(error)))
         return inbox[0] if inbox else None
 
     def _receive(self, rank: int, deadline: float | None, what: str) -> Any:
@@ -509,6 +521,18 @@ class MultiprocExecutor(Executor):
         self._reply_bell.close()
         self._ring_reply_bell.close()
         self._heartbeats.close()
+
+
+_INTEGER_OPCODES = ("BININT1", "BININT2", "BININT", "LONG1", "LONG4", "INT", "LONG")
+
+
+def _call_id_of(reply: bytes) -> int | None:
+    """The call id a reply ``(call_id, value)`` begins with, read from its pickle without
+    loading the value (None where the pickle does not begin with an integer)."""
+    for opcode, argument, _ in pickletools.genops(reply):
+        if opcode.name not in ("PROTO", "FRAME"):
+            return argument if opcode.name in _INTEGER_OPCODES else None
+    return None
 
 
 def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:

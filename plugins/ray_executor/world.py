@@ -4,7 +4,6 @@ cluster, their tasks, and their ends. The only module of the executor that impor
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +16,13 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from shardline.errors import CommTimeoutError, PeerLostError, cut
+from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure, cut
 from shardline.interfaces import Rendezvous
-from shardline.sdk import EngineConfig
+from shardline.sdk import EngineConfig, loaded_reply
 from shardline_ray import placement, session
 from shardline_ray.actor import CONTROL_GROUP, CONTROL_THREADS, RankActor
 from shardline_ray.placement import Node, RankPlace
-from shardline_ray.protocol import Died
+from shardline_ray.protocol import Died, Failure
 
 #: Arguments larger than this are put in Ray's object store once for every rank (Ray inlines
 #: smaller ones in each task).
@@ -128,14 +127,18 @@ class RayRanks:
 
     @staticmethod
     def message(ref: Any) -> Any:
-        """What a done task says: the rank's message, ``Died``, or ``Lost`` when the actor
-        itself is gone."""
+        """What a done task says: the rank's message (a reply this process cannot load: the
+        ``Failure`` of its call), ``Died``, or ``Lost`` when the actor itself is gone."""
         try:
-            return pickle.loads(ray.get(ref))
+            data = ray.get(ref)
         except ray.exceptions.RayActorError as error:
             return Lost(_reason(error))
         except ray.exceptions.RayError as error:
             return Lost(f"{type(error).__name__}: {_reason(error)}")
+        try:
+            return loaded_reply(data)
+        except TypeError as error:
+            return Failure("call", RemoteFailure.capture(error))
 
     def where(self, ranks: Sequence[int]) -> str:
         """`` on host h2`` (``on hosts h1, h2``) for ``ranks`` when the world spans hosts, else

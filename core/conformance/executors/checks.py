@@ -178,8 +178,9 @@ def check_broadcast_order(subject: Subject) -> None:
 
 def check_exception_envelope(subject: Subject) -> None:
     """An exception in a rank arrives as ``WorkerError`` with its rank, type, message and
-    traceback; so does a result that cannot be pickled back, and an argument a rank cannot
-    load (where results and arguments travel); the executor stays usable."""
+    traceback; so does a result that cannot be pickled back or loaded where it arrives,
+    and an argument a rank cannot load (where results and arguments travel); the executor
+    stays usable."""
     executor = subject.shared()
     try:
         executor.collective_rpc(probe.raise_on_rank, (subject.last_rank,))
@@ -198,6 +199,7 @@ def check_exception_envelope(subject: Subject) -> None:
     else:
         raise AssertionError("a failed non-blocking call's future did not raise WorkerError")
     _fails_or_stays_home(executor, probe.unpicklable_result, (), "cannot be pickled")
+    _fails_or_stays_home(executor, probe.result_only_the_rank_loads, (), "loads only")
     if not executor.launched:  # there every process makes its own arguments
         _fails_or_stays_home(executor, probe.echo, (probe.LoadsOnlyWhereMade(),), "loads only")
     assert executor.collective_rpc(probe.echo, ("after",)) == ["after"] * subject.world_size

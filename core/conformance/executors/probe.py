@@ -80,9 +80,14 @@ def unpicklable_result(worker) -> threading.Lock:
     return threading.Lock()
 
 
+def result_only_the_rank_loads(worker) -> LoadsOnlyWhereMade:
+    """A result that unpickles only in the rank's process."""
+    return LoadsOnlyWhereMade()
+
+
 class LoadsOnlyWhereMade:
-    """An argument that unpickles only in the process that made it (as, elsewhere, an
-    object of a class defined in the driver's own script)."""
+    """An object that unpickles only in the process that made it (as, elsewhere, an object
+    of a class defined in the driver's own script, or one only a rank's host has)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
