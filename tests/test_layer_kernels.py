@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,14 +32,12 @@ native_module = pytest.importorskip(
 NATIVE = NativeKernels(native_module)
 #: The same C path with each linear shared out among three threads (two helpers).
 TEAM = NativeKernels(native_module, threads=3)
-#: Whether this CPU runs the C kernels' AVX-512 paths (F, BW and VL, as the extension checks);
-#: the linear kernel also runs on AVX2 with FMA, the pieced decode attention only on these.
-AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= set(
-    Path("/proc/cpuinfo").read_text().partition("\nflags")[2].partition("\n")[0].split()
-)
+#: Whether this CPU runs the C vector kernels (AVX-512, else AVX2 with FMA): the blocked
+#: linear kernel and decode attention by KV head (head sizes a multiple of 16).
+VECTOR_KERNELS = native_module.blocked_linear_available()
 #: Tests of the C linear kernel, which runs where the CPU has AVX-512 or AVX2 with FMA.
 needs_c_linear = pytest.mark.skipif(
-    not native_module.blocked_linear_available(),
+    not VECTOR_KERNELS,
     reason="the C linear kernel needs AVX-512 or AVX2 with FMA; this CPU has neither (oneDNN runs)",
 )
 #: The C path holding blocked linear weights in bfloat16 (model.weight_dtype bfloat16).
@@ -161,6 +158,29 @@ def test_a_query_heads_attention_does_not_depend_on_the_heads_read_with_it(d, dt
             q[:, head : head + 1].contiguous(), cache, decode, 0.3, KVHeadIndex.of(kv_index[[head]])
         )
         assert torch.equal(alone[:, 0], together[:, head]), head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@needs_c_linear
+def test_the_avx2_decode_attention_gives_the_widest_kernels_bits(d, dtype):
+    """The AVX2 decode attention (what a CPU without AVX-512 runs) against the widest this CPU
+    runs (AVX-512 where it has it: otherwise both are AVX2): the same sums in the same order,
+    bit for bit, for groups of 1 to 4 query heads of a KV head and cached tokens in whole and
+    partial groups of 8 and 16."""
+    kv_index = torch.tensor([0, 0, 1, 0, 0, 0, 1])
+    cache = _filled_cache(2, d, block_size=16, dtype=dtype)
+    decode = _metadata([1, 1, 1, 1], [1, 9, 23, 70], 16).decode_batch(16)
+    q = torch.randn(4, len(kv_index), d).to(dtype)
+    widest, avx2 = torch.empty_like(q), torch.empty_like(q)
+    for out, only_avx2 in ((widest, False), (avx2, True)):
+        native_module.decode_attention(
+            dtype is torch.bfloat16, q.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(),
+            decode.blocks.data_ptr(), decode.blocks_per_seq, decode.lengths.data_ptr(), 4,
+            len(kv_index), kv_index.data_ptr(), 2, d, 16, cache.key.shape[0], 0.3,
+            out.data_ptr(), only_avx2,
+        )  # fmt: skip
+    assert torch.equal(widest, avx2)
 
 
 @pytest.mark.parametrize("d,block_size", [(64, 16), (80, 32), (8, 4)], ids=["64", "80", "8"])
@@ -669,8 +689,8 @@ def test_long_sequences_are_attended_in_pieces_merged_as_one_softmax(d):
     256 tokens, shared out over its threads, and merges them by their softmax sums (here 600,
     20 and 290 tokens in blocks of 16: three, one and two pieces): within rounding of its
     operations one by one, which attend each sequence whole (as one thread does, bit for bit),
-    and the same bits on a team of two as on one of three. A head size the AVX-512 kernel does
-    not take (24), or a CPU without AVX-512, attends each sequence whole, a sequence a chunk."""
+    and the same bits on a team of two as on one of three. A head size the vector kernels do
+    not take (24), or a CPU without them, attends each sequence whole, a sequence a chunk."""
     heads, hidden, size = (3, 2, d), 72, 40
     weights, kv_index, blocks = _layer_blocks(hidden, heads, size, bias=False)
     metadata = _metadata([1, 1, 1], [600, 20, 290], 16, num_blocks=64)
@@ -697,7 +717,7 @@ def test_long_sequences_are_attended_in_pieces_merged_as_one_softmax(d):
     expected = NATIVE.linear(attended.reshape(3, -1), weights["o"], None)
     assert torch.equal(fused(NATIVE), expected)
     team = fused(TEAM)
-    if d % 16 or not AVX512:
+    if d % 16 or not VECTOR_KERNELS:
         assert torch.equal(team, expected)
         return
     assert not torch.equal(team, expected)  # the pieces were merged, not one softmax

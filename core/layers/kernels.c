@@ -106,7 +106,7 @@ static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as
 #define ROUND(v) bf16_to_float(float_to_bf16(v))
 #include "kernels_rows.h"
 
-/* Query heads of one KV head that decode attention scores together (AVX-512 kernel). */
+/* Query heads of one KV head that decode attention scores together (vector kernels). */
 #define ATTENTION_GROUP 4
 
 /* Floats of scratch decode attention needs for sequences of up to longest tokens: the scores
@@ -971,6 +971,31 @@ AVX512 static inline __attribute__((always_inline)) void attend_group_avx512(
 #undef ATTEND
 }
 
+/* The next (up to ATTENTION_GROUP) query heads from *h on that read KV head kv, in order:
+ * their numbers in group, their rows of q as float32 in queries (bfloat16 rows widened into
+ * widened, room for ATTENTION_GROUP rows of d); advances *h past them; returns how many. */
+static long next_group(const void *q, int bf16, long d, long heads, const int64_t *kv_index,
+                       long kv, long *h, long *group, const float **queries, float *widened) {
+    long members = 0;
+    for (; *h < heads && members < ATTENTION_GROUP; ++*h)
+        if (kv_index[*h] == kv) group[members++] = *h;
+    for (long g = 0; g < members; g++) {
+        if (!bf16) {
+            queries[g] = (const float *)q + group[g] * d;
+            continue;
+        }
+        for (long i = 0; i < d; i++)
+            widened[g * d + i] = bf16_to_float(((const uint16_t *)q)[group[g] * d + i]);
+        queries[g] = widened + g * d;
+    }
+    return members;
+}
+
+/* Where KV head kv's keys and values begin in the caches (float32, or bfloat16: bf16). */
+static inline const char *kv_head_start(const void *cache, long kv, long d, int bf16) {
+    return (const char *)cache + kv * d * (bf16 ? sizeof(uint16_t) : sizeof(float));
+}
+
 /* One sequence's decode attention for the query heads that read KV head kv, d a multiple of
  * 16, on AVX-512, float32 or bfloat16 (bf16) tensors: those heads ATTENTION_GROUP at a time
  * (attend_heads_avx512; for float32, d 64 and 128, the Llama family's, made constants: 5-8%
@@ -982,26 +1007,12 @@ AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(
     const int64_t *table, long length, long heads, const int64_t *kv_index, long kv,
     long kv_heads, long d, long block_size, float scale, void *out, float *scores,
     float *stats) {
-    long stride = kv_heads * d, group[ATTENTION_GROUP];
-    size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
-    const char *keys = (const char *)key_cache + kv * d * element;
-    const char *values = (const char *)value_cache + kv * d * element;
-    float *widened = scores + ATTENTION_GROUP * length;
+    long stride = kv_heads * d, group[ATTENTION_GROUP], members;
+    const char *keys = kv_head_start(key_cache, kv, d, bf16);
+    const char *values = kv_head_start(value_cache, kv, d, bf16);
     const float *queries[ATTENTION_GROUP];
-    for (long h = 0; h < heads;) {
-        long members = 0; /* the next ATTENTION_GROUP heads reading kv, in order */
-        for (; h < heads && members < ATTENTION_GROUP; h++)
-            if (kv_index[h] == kv) group[members++] = h;
-        if (members == 0) break;
-        for (long g = 0; g < members; g++) {
-            if (!bf16) {
-                queries[g] = (const float *)q + group[g] * d;
-                continue;
-            }
-            for (long i = 0; i < d; i++)
-                widened[g * d + i] = bf16_to_float(((const uint16_t *)q)[group[g] * d + i]);
-            queries[g] = widened + g * d;
-        }
+    for (long h = 0; (members = next_group(q, bf16, d, heads, kv_index, kv, &h, group, queries,
+                                           scores + ATTENTION_GROUP * length)) > 0;) {
 #define ATTEND(head_dim, type)                                                                 \
     attend_group_avx512(queries, keys, values, table, length, block_size, stride, head_dim,    \
                         type, group, members, scale, out, scores, stats)
@@ -1017,20 +1028,199 @@ AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(
     }
 }
 
-/* decode_attention_rows_f32 (bf16 0) or _bf16 (1) for d a multiple of 16 on AVX-512: each
- * sequence's KV heads in turn (attend_kv_head_avx512). */
-AVX512 static void decode_attention_rows_avx512(
+/* ---- decode attention on AVX2 with FMA: attend_heads_avx512's sums in its order, on vectors
+ * of 8 (a vector of 16 lanes is two here, lanes 0..7 and 8..15), so the same bits. */
+
+/* 8 elements from base[at] as float32: float32, or bfloat16 (bf16) widened exactly. */
+AVX2_FMA static inline __m256 load_8(const void *base, long at, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + at);
+    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+/* Lane j: the sum of p[j]'s 8 lanes as sum_each_of_16 sums 8 lanes of a vector: each 128-bit
+ * half's (x0 + x2) + (x1 + x3), then the low half's plus the high half's. */
+AVX2_FMA static inline __m256 sum_each_of_8(const __m256 *p) {
+    __m256 pairs[4], quads[2];
+    for (int i = 0; i < 4; i++) /* per 128-bit half: [a, b, a, b] partials of p[2i], p[2i+1] */
+        pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                                 _mm256_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 2; i++) { /* per 128-bit half: the half's sums of p4i .. p4i+3 */
+        __m256d low = _mm256_unpacklo_pd(_mm256_castps_pd(pairs[2 * i]),
+                                          _mm256_castps_pd(pairs[2 * i + 1]));
+        __m256d high = _mm256_unpackhi_pd(_mm256_castps_pd(pairs[2 * i]),
+                                           _mm256_castps_pd(pairs[2 * i + 1]));
+        quads[i] = _mm256_add_ps(_mm256_castpd_ps(low), _mm256_castpd_ps(high));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                         _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+
+/* attend_heads_avx512 on AVX2: the scores of 8 cached tokens at a time (two vectors of
+ * partial products per token, for a 16-lane vector's lanes 0..7 and 8..15, each summed as
+ * sum_each_of_16 sums them: one half for the 8 tokens, then the other, so that a half's sums
+ * and queries fit the 16 registers), then the weighted values 16 of d at a time. */
+AVX2_FMA static inline __attribute__((always_inline)) void attend_heads_avx2(
+    const float *const *queries, const void *keys_of_head, const void *values_of_head,
+    const int64_t *table, long length, long block_size, long stride, const long d,
+    const int bf16, const long *group, const long members, float scale, void *out,
+    float *scores, float *stats) {
+    long chunks = d / 16, blocks_used = (length + block_size - 1) / block_size;
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 lowest = _mm256_set1_ps(-INFINITY), scale_v = _mm256_set1_ps(scale);
+    __m256 top_v[ATTENTION_GROUP];
+    for (long g = 0; g < members; g++) top_v[g] = lowest;
+    for (long k = 0; k < blocks_used; k++) {
+        long first = k * block_size;
+        long count = length - first < block_size ? length - first : block_size;
+        long keys = table[k] * block_size * stride;
+        for (long t0 = 0; t0 < count; t0 += 8) {
+            long n = count - t0 < 8 ? count - t0 : 8;
+            __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+            for (long g = 0; g < members; g++) {
+                __m256 halves[2]; /* of the 8 tokens' sums: lanes 0..7's, lanes 8..15's */
+                for (long half = 0; half < 2; half++) {
+                    const float *query = queries[g] + 8 * half;
+                    __m256 partial[8];
+                    for (long j = 0; j < 8; j++) {
+                        __m256 sum = _mm256_setzero_ps();
+                        long key = keys + (t0 + j) * stride + 8 * half;
+                        for (long c = 0; j < n && c < chunks; c++)
+                            sum = _mm256_fmadd_ps(load_8(keys_of_head, key + 16 * c, bf16),
+                                                  _mm256_loadu_ps(query + 16 * c), sum);
+                        partial[j] = sum;
+                    }
+                    halves[half] = sum_each_of_8(partial);
+                }
+                __m256 score = _mm256_mul_ps(_mm256_add_ps(halves[0], halves[1]), scale_v);
+                float *at = scores + g * length + first + t0;
+                if (n == 8) {
+                    _mm256_storeu_ps(at, score);
+                } else {
+                    float lanes[8];
+                    _mm256_storeu_ps(lanes, score);
+                    memcpy(at, lanes, (size_t)n * sizeof(float));
+                }
+                top_v[g] = _mm256_max_ps(top_v[g], _mm256_blendv_ps(lowest, score, live));
+            }
+        }
+    }
+    __m256 inv[ATTENTION_GROUP];
+    for (long g = 0; g < members; g++) {
+        float widest[8], top = -INFINITY, *head_scores = scores + g * length;
+        _mm256_storeu_ps(widest, top_v[g]);
+        for (int j = 0; j < 8; j++) top = widest[j] > top ? widest[j] : top;
+        for (long t = 0; t < length; t++) head_scores[t] = exp_approx(head_scores[t] - top);
+        float total = sum_of(head_scores, length);
+        inv[g] = _mm256_set1_ps(1.0f / total);
+        if (stats != NULL) stats[2 * group[g]] = top, stats[2 * group[g] + 1] = total;
+    }
+    for (long c = 0; c < d; c += 16) {
+        __m256 acc[ATTENTION_GROUP][2];
+        for (long g = 0; g < members; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+        for (long k = 0; k < blocks_used; k++) {
+            long first = k * block_size;
+            long count = length - first < block_size ? length - first : block_size;
+            long values = table[k] * block_size * stride + c;
+            for (long t = 0; t < count; t++) {
+                __m256 v0 = load_8(values_of_head, values + t * stride, bf16);
+                __m256 v1 = load_8(values_of_head, values + t * stride + 8, bf16);
+                for (long g = 0; g < members; g++) {
+                    __m256 weight = _mm256_set1_ps(scores[g * length + first + t]);
+                    acc[g][0] = _mm256_fmadd_ps(weight, v0, acc[g][0]);
+                    acc[g][1] = _mm256_fmadd_ps(weight, v1, acc[g][1]);
+                }
+            }
+        }
+        for (long g = 0; g < members; g++) {
+            float lanes[16];
+            _mm256_storeu_ps(lanes, _mm256_mul_ps(acc[g][0], inv[g]));
+            _mm256_storeu_ps(lanes + 8, _mm256_mul_ps(acc[g][1], inv[g]));
+            long at = group[g] * d + c;
+            for (int e = 0; e < 16; e++) {
+                if (bf16)
+                    ((uint16_t *)out)[at + e] = float_to_bf16(lanes[e]);
+                else
+                    ((float *)out)[at + e] = lanes[e];
+            }
+        }
+    }
+}
+
+/* attend_heads_avx2 with members (1 to ATTENTION_GROUP) made a constant. */
+AVX2_FMA static inline __attribute__((always_inline)) void attend_group_avx2(
+    const float *const *queries, const void *keys_of_head, const void *values_of_head,
+    const int64_t *table, long length, long block_size, long stride, const long d,
+    const int bf16, const long *group, long members, float scale, void *out, float *scores,
+    float *stats) {
+#define ATTEND(count)                                                                          \
+    attend_heads_avx2(queries, keys_of_head, values_of_head, table, length, block_size,       \
+                      stride, d, bf16, group, count, scale, out, scores, stats)
+    switch (members) {
+    case 1: ATTEND(1); break;
+    case 2: ATTEND(2); break;
+    case 3: ATTEND(3); break;
+    default: ATTEND(4); break;
+    }
+#undef ATTEND
+}
+
+/* attend_kv_head_avx512 on AVX2 with FMA (attend_heads_avx2), the same bits. */
+AVX2_FMA __attribute__((noclone)) static void attend_kv_head_avx2(
     int bf16, const void *q, const void *key_cache, const void *value_cache,
-    const int64_t *blocks, long per_seq, const int64_t *lengths, long batch, long heads,
-    const int64_t *kv_index, long kv_heads, long d, long block_size, float scale, void *out,
-    float *scores) {
+    const int64_t *table, long length, long heads, const int64_t *kv_index, long kv,
+    long kv_heads, long d, long block_size, float scale, void *out, float *scores,
+    float *stats) {
+    long stride = kv_heads * d, group[ATTENTION_GROUP], members;
+    const char *keys = kv_head_start(key_cache, kv, d, bf16);
+    const char *values = kv_head_start(value_cache, kv, d, bf16);
+    const float *queries[ATTENTION_GROUP];
+    for (long h = 0; (members = next_group(q, bf16, d, heads, kv_index, kv, &h, group, queries,
+                                           scores + ATTENTION_GROUP * length)) > 0;) {
+#define ATTEND(head_dim, type)                                                                 \
+    attend_group_avx2(queries, keys, values, table, length, block_size, stride, head_dim, type, \
+                      group, members, scale, out, scores, stats)
+        if (bf16)
+            ATTEND(d, 1);
+        else if (d == 64)
+            ATTEND(64, 0);
+        else if (d == 128)
+            ATTEND(128, 0);
+        else
+            ATTEND(d, 0);
+#undef ATTEND
+    }
+}
+
+/* One sequence's decode attention for the query heads reading KV head kv (see
+ * attend_kv_head_avx512), on AVX-512 where avx512, else on AVX2 with FMA: the same bits. */
+static void attend_kv_head(int avx512, int bf16, const void *q, const void *key_cache,
+                           const void *value_cache, const int64_t *table, long length,
+                           long heads, const int64_t *kv_index, long kv, long kv_heads, long d,
+                           long block_size, float scale, void *out, float *scores,
+                           float *stats) {
+    if (avx512)
+        attend_kv_head_avx512(bf16, q, key_cache, value_cache, table, length, heads, kv_index, kv,
+                              kv_heads, d, block_size, scale, out, scores, stats);
+    else
+        attend_kv_head_avx2(bf16, q, key_cache, value_cache, table, length, heads, kv_index, kv,
+                            kv_heads, d, block_size, scale, out, scores, stats);
+}
+
+/* decode_attention_rows_f32 (bf16 0) or _bf16 (1) for d a multiple of 16, on AVX-512 where
+ * avx512, else on AVX2 with FMA: each sequence's KV heads in turn (attend_kv_head). */
+static void decode_attention_by_kv_head(int avx512, int bf16, const void *q,
+                                        const void *key_cache, const void *value_cache,
+                                        const int64_t *blocks, long per_seq,
+                                        const int64_t *lengths, long batch, long heads,
+                                        const int64_t *kv_index, long kv_heads, long d,
+                                        long block_size, float scale, void *out, float *scores) {
     size_t row = (size_t)(heads * d) * (bf16 ? sizeof(uint16_t) : sizeof(float));
     for (long b = 0; b < batch; b++)
         for (long kv = 0; kv < kv_heads; kv++)
-            attend_kv_head_avx512(bf16, (const char *)q + b * row, key_cache, value_cache,
-                                  blocks + b * per_seq, (long)lengths[b], heads, kv_index, kv,
-                                  kv_heads, d, block_size, scale, (char *)out + b * row, scores,
-                                  NULL);
+            attend_kv_head(avx512, bf16, (const char *)q + b * row, key_cache, value_cache,
+                           blocks + b * per_seq, (long)lengths[b], heads, kv_index, kv, kv_heads,
+                           d, block_size, scale, (char *)out + b * row, scores, NULL);
 }
 #endif
 
@@ -1076,29 +1266,34 @@ static int check_decode(const int64_t *lengths, long batch, long per_seq, long b
     return 0;
 }
 
-/* Whether decode attention of head size d runs the AVX-512 kernel, which can attend one KV
- * head, or a piece of one, at a time (the portable kernel attends whole sequences). */
+/* Whether decode attention of head size d runs a vector kernel (AVX-512, else AVX2 with FMA),
+ * which can attend one KV head, or a piece of one, at a time (the portable kernel attends
+ * whole sequences). */
 static int attends_by_kv_head(long d) {
 #ifdef HAVE_BLOCKED_LINEAR
-    return d % 16 == 0 && cpu_has_avx512();
+    return d % 16 == 0 && cpu_runs_blocked_linear();
 #else
     return 0;
 #endif
 }
 
 /* Decode attention over float32 (bf16 0) or bfloat16 (1) tensors on the widest kernel this
- * CPU runs; scores: room for attention_scratch_floats(longest, d). */
-static void attend(int bf16, const void *q, const void *key_cache, const void *value_cache,
-                   const int64_t *blocks, long per_seq, const int64_t *lengths, long batch,
-                   long heads, const int64_t *kv_index, long kv_heads, long d, long block_size,
-                   float scale, void *out, float *scores, long longest) {
+ * CPU runs (the AVX2 one in place of AVX-512 where only_avx2, the same bits); scores: room for
+ * attention_scratch_floats(longest, d). */
+static void attend(int only_avx2, int bf16, const void *q, const void *key_cache,
+                   const void *value_cache, const int64_t *blocks, long per_seq,
+                   const int64_t *lengths, long batch, long heads, const int64_t *kv_index,
+                   long kv_heads, long d, long block_size, float scale, void *out, float *scores,
+                   long longest) {
 #ifdef HAVE_BLOCKED_LINEAR
     if (attends_by_kv_head(d)) {
-        decode_attention_rows_avx512(bf16, q, key_cache, value_cache, blocks, per_seq, lengths,
-                                     batch, heads, kv_index, kv_heads, d, block_size, scale, out,
-                                     scores);
+        decode_attention_by_kv_head(!only_avx2 && cpu_has_avx512(), bf16, q, key_cache,
+                                    value_cache, blocks, per_seq, lengths, batch, heads, kv_index,
+                                    kv_heads, d, block_size, scale, out, scores);
         return;
     }
+#else
+    (void)only_avx2;
 #endif
     if (bf16)
         decode_attention_rows_bf16(q, key_cache, value_cache, blocks, per_seq, lengths, batch,
@@ -1162,8 +1357,8 @@ static PyObject *rope_store(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 16, "decode_attention") < 0) return NULL;
-    long bf16 = SIZE(0);
+    if (take_args(args, nargs, 17, "decode_attention") < 0) return NULL;
+    long bf16 = SIZE(0), only_avx2 = SIZE(16);
     void *q = ADDRESS(1), *key_cache = ADDRESS(2), *value_cache = ADDRESS(3), *out = ADDRESS(15);
     const int64_t *blocks = ADDRESS(4), *lengths = ADDRESS(6), *kv_index = ADDRESS(9);
     long per_seq = SIZE(5), batch = SIZE(7), heads = SIZE(8), kv_heads = SIZE(10), d = SIZE(11);
@@ -1175,8 +1370,8 @@ static PyObject *decode_attention(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     float *scores = malloc((size_t)attention_scratch_floats(longest, d) * sizeof(float));
     if (scores == NULL) return PyErr_NoMemory();
-    attend(bf16 != 0, q, key_cache, value_cache, blocks, per_seq, lengths, batch, heads,
-           kv_index, kv_heads, d, block_size, scale, out, scores, longest);
+    attend(only_avx2 != 0, bf16 != 0, q, key_cache, value_cache, blocks, per_seq, lengths, batch,
+           heads, kv_index, kv_heads, d, block_size, scale, out, scores, longest);
     free(scores);
     Py_RETURN_NONE;
 }
@@ -1255,7 +1450,7 @@ static long attention_piece_blocks(const Step *step) {
 }
 
 /* Pieces of the step's longest sequence for workers threads (the other sequences have as
- * many, the last ones empty); 1 for one thread, for a head size the AVX-512 kernel does not
+ * many, the last ones empty); 1 for one thread, for a head size the vector kernels do not
  * take (a chunk is a whole sequence there) and for a step without attention (an MLP half
  * alone: no cache blocks). */
 static long attention_pieces(const Step *step, int workers) {
@@ -1279,7 +1474,7 @@ static size_t scratch_floats(const Step *step, int workers) {
 
 #ifdef HAVE_BLOCKED_LINEAR
 /* A step's decode attention over one layer's cache: a chunk is one KV head of a sequence
- * (parts = kv_heads, where the AVX-512 kernel takes d) or a whole sequence (parts = 1), so a
+ * (parts = kv_heads, where a vector kernel takes d) or a whole sequence (parts = 1), so a
  * batch of one shares out too; each worker scores in its own piece of scores
  * (attention_scratch_floats). With pieces > 1 (attention_pieces) a KV head's chunk is one
  * piece of the sequence's cache blocks: its heads' outputs go to partial and their
@@ -1301,7 +1496,7 @@ static void attention_chunk(const void *context, long chunk, int worker) {
     const int64_t *table = step->blocks + sequence * step->per_seq;
     float *scores = job->scores + worker * attention_scratch_floats(step->longest, step->d);
     if (job->parts == 1) {
-        attend(0, job->q + at, job->layer->key_cache, job->layer->value_cache, table,
+        attend(0, 0, job->q + at, job->layer->key_cache, job->layer->value_cache, table,
                step->per_seq, step->lengths + sequence, 1, step->q_heads, job->layer->kv_index,
                step->kv_heads, step->d, step->block_size, step->scale, job->out + at, scores,
                step->longest);
@@ -1323,9 +1518,9 @@ static void attention_chunk(const void *context, long chunk, int worker) {
         long until = end * step->block_size < length ? end * step->block_size : length;
         table += first, length = until - first * step->block_size;
     }
-    attend_kv_head_avx512(0, job->q + at, job->layer->key_cache, job->layer->value_cache, table,
-                          length, step->q_heads, job->layer->kv_index, kv, step->kv_heads,
-                          step->d, step->block_size, step->scale, out, scores, stats);
+    attend_kv_head(cpu_has_avx512(), 0, job->q + at, job->layer->key_cache,
+                   job->layer->value_cache, table, length, step->q_heads, job->layer->kv_index, kv,
+                   step->kv_heads, step->d, step->block_size, step->scale, out, scores, stats);
 }
 
 /* out's row of each sequence and query head from its pieces' (attention_chunk): their outputs
@@ -1650,7 +1845,8 @@ static PyMethodDef methods[] = {
      "value_cache, slots, num_slots)"},
     {"decode_attention", (PyCFunction)(void (*)(void))decode_attention, METH_FASTCALL,
      "decode_attention(bf16, q, key_cache, value_cache, blocks, per_seq, lengths, batch, "
-     "heads, kv_index, kv_heads, d, block_size, num_blocks, scale, out)"},
+     "heads, kv_index, kv_heads, d, block_size, num_blocks, scale, out, only_avx2): only_avx2 "
+     "runs the AVX2 kernel where the CPU has AVX-512 too (the same bits)"},
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(bf16, gate_up, out, rows, size)"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,

@@ -453,7 +453,7 @@ class NativeKernels(TorchKernels):
             q.dtype is torch.bfloat16, query.data_ptr(), cache.key.data_ptr(),
             cache.value.data_ptr(), decode.blocks.data_ptr(), decode.blocks_per_seq,
             decode.lengths.data_ptr(), query.shape[0], heads, kv_heads_read.data_ptr(), kv_heads, d,
-            cache.block_size, cache.key.shape[0], float(scale), out.data_ptr(),
+            cache.block_size, cache.key.shape[0], float(scale), out.data_ptr(), False,
         )  # fmt: skip
         return out
 
