@@ -868,7 +868,7 @@ AVX512 static inline __m512 load_16(const void *base, long at, const int bf16) {
  * heads. The heads share only the loads: each head's sums are the ones it gets alone, in the
  * same order (the portable kernel's softmax, exp_approx; its sums in another order). The cache
  * and out hold float32, or bfloat16 (bf16: keys and values widened exactly, the output rounded
- * once, as the portable kernel does). stats: see attend_kv_head_avx512. Inlined with
+ * once, as the portable kernel does). stats: see ATTEND_KV_HEAD. Inlined with
  * `members`, d and bf16 constants (attend_group_avx512), so the heads' sums stay in registers. */
 AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
     const float *const *queries, const void *keys_of_head, const void *values_of_head,
@@ -953,24 +953,6 @@ AVX512 static inline __attribute__((always_inline)) void attend_heads_avx512(
     }
 }
 
-/* attend_heads_avx512 with members (1 to ATTENTION_GROUP) made a constant. */
-AVX512 static inline __attribute__((always_inline)) void attend_group_avx512(
-    const float *const *queries, const void *keys_of_head, const void *values_of_head,
-    const int64_t *table, long length, long block_size, long stride, const long d,
-    const int bf16, const long *group, long members, float scale, void *out, float *scores,
-    float *stats) {
-#define ATTEND(count)                                                                          \
-    attend_heads_avx512(queries, keys_of_head, values_of_head, table, length, block_size,     \
-                        stride, d, bf16, group, count, scale, out, scores, stats)
-    switch (members) {
-    case 1: ATTEND(1); break;
-    case 2: ATTEND(2); break;
-    case 3: ATTEND(3); break;
-    default: ATTEND(4); break;
-    }
-#undef ATTEND
-}
-
 /* The next (up to ATTENTION_GROUP) query heads from *h on that read KV head kv, in order:
  * their numbers in group, their rows of q as float32 in queries (bfloat16 rows widened into
  * widened, room for ATTENTION_GROUP rows of d); advances *h past them; returns how many. */
@@ -994,38 +976,6 @@ static long next_group(const void *q, int bf16, long d, long heads, const int64_
 /* Where KV head kv's keys and values begin in the caches (float32, or bfloat16: bf16). */
 static inline const char *kv_head_start(const void *cache, long kv, long d, int bf16) {
     return (const char *)cache + kv * d * (bf16 ? sizeof(uint16_t) : sizeof(float));
-}
-
-/* One sequence's decode attention for the query heads that read KV head kv, d a multiple of
- * 16, on AVX-512, float32 or bfloat16 (bf16) tensors: those heads ATTENTION_GROUP at a time
- * (attend_heads_avx512; for float32, d 64 and 128, the Llama family's, made constants: 5-8%
- * faster); q and out: the sequence's rows; scores: attention_scratch_floats; stats (NULL:
- * not kept): each head h's largest score and softmax sum, at 2 h and 2 h + 1. Not cloned per
- * caller: its inlined kernels are large. */
-AVX512 __attribute__((noclone)) static void attend_kv_head_avx512(
-    int bf16, const void *q, const void *key_cache, const void *value_cache,
-    const int64_t *table, long length, long heads, const int64_t *kv_index, long kv,
-    long kv_heads, long d, long block_size, float scale, void *out, float *scores,
-    float *stats) {
-    long stride = kv_heads * d, group[ATTENTION_GROUP], members;
-    const char *keys = kv_head_start(key_cache, kv, d, bf16);
-    const char *values = kv_head_start(value_cache, kv, d, bf16);
-    const float *queries[ATTENTION_GROUP];
-    for (long h = 0; (members = next_group(q, bf16, d, heads, kv_index, kv, &h, group, queries,
-                                           scores + ATTENTION_GROUP * length)) > 0;) {
-#define ATTEND(head_dim, type)                                                                 \
-    attend_group_avx512(queries, keys, values, table, length, block_size, stride, head_dim,    \
-                        type, group, members, scale, out, scores, stats)
-        if (bf16)
-            ATTEND(d, 1);
-        else if (d == 64)
-            ATTEND(64, 0);
-        else if (d == 128)
-            ATTEND(128, 0);
-        else
-            ATTEND(d, 0);
-#undef ATTEND
-    }
 }
 
 /* ---- decode attention on AVX2 with FMA: attend_heads_avx512's sums in its order, on vectors
@@ -1147,53 +1097,64 @@ AVX2_FMA static inline __attribute__((always_inline)) void attend_heads_avx2(
     }
 }
 
-/* attend_heads_avx2 with members (1 to ATTENTION_GROUP) made a constant. */
-AVX2_FMA static inline __attribute__((always_inline)) void attend_group_avx2(
-    const float *const *queries, const void *keys_of_head, const void *values_of_head,
-    const int64_t *table, long length, long block_size, long stride, const long d,
-    const int bf16, const long *group, long members, float scale, void *out, float *scores,
-    float *stats) {
-#define ATTEND(count)                                                                          \
-    attend_heads_avx2(queries, keys_of_head, values_of_head, table, length, block_size,       \
-                      stride, d, bf16, group, count, scale, out, scores, stats)
-    switch (members) {
-    case 1: ATTEND(1); break;
-    case 2: ATTEND(2); break;
-    case 3: ATTEND(3); break;
-    default: ATTEND(4); break;
+/* For ISA avx512 (TARGET AVX512) and avx2 (AVX2_FMA): attend_group_ISA, attend_heads_ISA with
+ * members (1 to ATTENTION_GROUP) made a constant; and attend_kv_head_ISA, one sequence's decode
+ * attention for the query heads that read KV head kv, d a multiple of 16, float32 or bfloat16
+ * (bf16) tensors: those heads ATTENTION_GROUP at a time (for float32, d 64 and 128, the Llama
+ * family's, made constants: 5-8% faster on AVX-512); q and out: the sequence's rows; scores:
+ * attention_scratch_floats; stats (NULL: not kept): each head h's largest score and softmax
+ * sum, at 2 h and 2 h + 1. attend_kv_head_ISA is not cloned per caller: its inlined kernels
+ * are large. */
+#define ATTEND_KV_HEAD(ISA, TARGET)                                                            \
+    TARGET static inline __attribute__((always_inline)) void attend_group_##ISA(               \
+        const float *const *queries, const void *keys_of_head, const void *values_of_head,    \
+        const int64_t *table, long length, long block_size, long stride, const long d,         \
+        const int bf16, const long *group, long members, float scale, void *out,               \
+        float *scores, float *stats) {                                                         \
+        switch (members) {                                                                     \
+        case 1: ATTEND_HEADS(ISA, 1); break;                                                   \
+        case 2: ATTEND_HEADS(ISA, 2); break;                                                   \
+        case 3: ATTEND_HEADS(ISA, 3); break;                                                   \
+        default: ATTEND_HEADS(ISA, 4); break;                                                  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    TARGET __attribute__((noclone)) static void attend_kv_head_##ISA(                          \
+        int bf16, const void *q, const void *key_cache, const void *value_cache,               \
+        const int64_t *table, long length, long heads, const int64_t *kv_index, long kv,       \
+        long kv_heads, long d, long block_size, float scale, void *out, float *scores,         \
+        float *stats) {                                                                        \
+        long stride = kv_heads * d, group[ATTENTION_GROUP], members;                           \
+        const char *keys = kv_head_start(key_cache, kv, d, bf16);                              \
+        const char *values = kv_head_start(value_cache, kv, d, bf16);                          \
+        const float *queries[ATTENTION_GROUP];                                                 \
+        for (long h = 0;                                                                       \
+             (members = next_group(q, bf16, d, heads, kv_index, kv, &h, group, queries,        \
+                                   scores + ATTENTION_GROUP * length)) > 0;) {                 \
+            if (bf16)                                                                          \
+                ATTEND_GROUP(ISA, d, 1);                                                       \
+            else if (d == 64)                                                                  \
+                ATTEND_GROUP(ISA, 64, 0);                                                      \
+            else if (d == 128)                                                                 \
+                ATTEND_GROUP(ISA, 128, 0);                                                     \
+            else                                                                               \
+                ATTEND_GROUP(ISA, d, 0);                                                       \
+        }                                                                                      \
     }
-#undef ATTEND
-}
-
-/* attend_kv_head_avx512 on AVX2 with FMA (attend_heads_avx2), the same bits. */
-AVX2_FMA __attribute__((noclone)) static void attend_kv_head_avx2(
-    int bf16, const void *q, const void *key_cache, const void *value_cache,
-    const int64_t *table, long length, long heads, const int64_t *kv_index, long kv,
-    long kv_heads, long d, long block_size, float scale, void *out, float *scores,
-    float *stats) {
-    long stride = kv_heads * d, group[ATTENTION_GROUP], members;
-    const char *keys = kv_head_start(key_cache, kv, d, bf16);
-    const char *values = kv_head_start(value_cache, kv, d, bf16);
-    const float *queries[ATTENTION_GROUP];
-    for (long h = 0; (members = next_group(q, bf16, d, heads, kv_index, kv, &h, group, queries,
-                                           scores + ATTENTION_GROUP * length)) > 0;) {
-#define ATTEND(head_dim, type)                                                                 \
-    attend_group_avx2(queries, keys, values, table, length, block_size, stride, head_dim, type, \
-                      group, members, scale, out, scores, stats)
-        if (bf16)
-            ATTEND(d, 1);
-        else if (d == 64)
-            ATTEND(64, 0);
-        else if (d == 128)
-            ATTEND(128, 0);
-        else
-            ATTEND(d, 0);
-#undef ATTEND
-    }
-}
+#define ATTEND_HEADS(ISA, count)                                                               \
+    attend_heads_##ISA(queries, keys_of_head, values_of_head, table, length, block_size,      \
+                       stride, d, bf16, group, count, scale, out, scores, stats)
+#define ATTEND_GROUP(ISA, head_dim, type)                                                      \
+    attend_group_##ISA(queries, keys, values, table, length, block_size, stride, head_dim,     \
+                       type, group, members, scale, out, scores, stats)
+ATTEND_KV_HEAD(avx512, AVX512)
+ATTEND_KV_HEAD(avx2, AVX2_FMA)
+#undef ATTEND_KV_HEAD
+#undef ATTEND_HEADS
+#undef ATTEND_GROUP
 
 /* One sequence's decode attention for the query heads reading KV head kv (see
- * attend_kv_head_avx512), on AVX-512 where avx512, else on AVX2 with FMA: the same bits. */
+ * ATTEND_KV_HEAD), on AVX-512 where avx512, else on AVX2 with FMA: the same bits. */
 static void attend_kv_head(int avx512, int bf16, const void *q, const void *key_cache,
                            const void *value_cache, const int64_t *table, long length,
                            long heads, const int64_t *kv_index, long kv, long kv_heads, long d,
