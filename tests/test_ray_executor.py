@@ -1,11 +1,11 @@
-"""The ray executor: where ranks go (pure placement rules); transformers' greedy tokens under
-TP=2 and TP=2 x PP=2 on a Ray instance the module shares; a Ray instance the executor starts
-itself and stops, leaving nothing; a killed actor failing the step; without ray, the reason
-it is unavailable; and a two-host Ray cluster on simulated hosts (the executor's own
-``prepare_hosts``: ``ray start --head`` in one, ``ray start --address`` in the other): TP=2
-with one rank on each host, and TP=2 inside each host x PP=2 across them, then nothing left
-in either host. The executor contract itself is
-checked by the executor conformance suite (tests/test_executor_conformance.py)."""
+"""The ray executor: where ranks go (pure placement rules); transformers' greedy tokens under TP=2
+and TP=2 x PP=2 on a Ray instance the module shares; a Ray instance the executor starts itself
+and stops, leaving nothing, also when its driver is SIGKILLed; a killed actor failing the step;
+without ray, the reason it is unavailable; and a two-host Ray cluster on simulated hosts (the
+executor's own ``prepare_hosts``: ``ray start --head`` in one, ``ray start --address`` in the
+other): TP=2 with one rank on each host, and TP=2 inside each host x PP=2 across them, then
+nothing left in either host. The executor contract itself is checked by the executor conformance
+suite (tests/test_executor_conformance.py)."""
 
 import contextlib
 import importlib.util
@@ -208,6 +208,56 @@ def test_without_a_cluster_the_executor_starts_a_ray_instance_and_stops_it(
     folder = report["connection"].split("(in ")[1].rstrip(")")
     assert Path(folder).parent == Path("/tmp")
     assert not Path(folder).exists()
+
+
+@needs_ray
+@pytest.mark.timeout(200)
+def test_a_hard_killed_driver_leaves_neither_its_ray_instance_nor_its_folder(tiny_llama_dir):
+    """SIGKILL on a driver that started its own Ray instance: its janitor ends what of the
+    instance still runs (Ray's agents outlive their raylet by a minute or more) and removes the
+    instance's folder, within seconds, then ends itself."""
+    environ = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    environ["PYTHONPATH"] = f"{TESTS}:{launcher_environment()['PYTHONPATH']}"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "support.ray_idle_driver", str(tiny_llama_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=environ,
+        start_new_session=True,  # what the driver starts stays in its session
+    )
+    try:
+        report = json.loads(driver.stdout.readline())
+        folder = Path(report["connection"].split("(in ")[1].rstrip(")"))
+        assert folder.is_dir() and len(_in_session(driver.pid)) > 3  # driver, Ray, ranks
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+        deadline = time.monotonic() + 15.0
+        while (folder.exists() or _in_session(driver.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not folder.exists()
+        assert [_command(pid) for pid in _in_session(driver.pid)] == []
+        assert alive(report["ranks"]) == []
+        janitors = [pid for pid in _all_pids() if str(folder) in _command(pid)]
+        assert wait_gone(janitors, 5.0) == []
+    finally:
+        for pid in [driver.pid, *_in_session(driver.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        driver.wait(10)
+
+
+def _all_pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _in_session(session: int) -> list[int]:
+    """The processes of session ``session`` (its leader may be gone)."""
+    found = []
+    for pid in _all_pids():
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == session:
+                found.append(pid)
+    return found
 
 
 # ---- a Ray cluster of two simulated hosts ---------------------------------------------------

@@ -5,11 +5,12 @@ and this module counts them (:func:`connect`, :meth:`Connection.release`). The f
 connects: to the cluster ``RAY_ADDRESS`` names (``auto``: the one ``ray start`` began on this
 host), or, without it, to a Ray instance it starts on this host, in a folder of its own under
 the system's temporary directory (``/tmp`` where that path is too long for Ray's sockets:
-:func:`ray_temp_folder`), with a small object store and no dashboard (its ports take
-Ray's token authentication, on by default for such instances; Ray keeps the token in
-``~/.ray/auth_token``). The last one to leave ends what was begun: it disconnects, or stops
-that instance and removes its folder. A connection someone else made before (``ray.init``
-called by the application) is used and left alone.
+:func:`ray_temp_folder`; a janitor process removes it, and ends what of the instance still
+runs, if this process dies first: :mod:`shardline_ray.janitor`), with a small object store
+and no dashboard (its ports take Ray's token authentication, on by default for such
+instances; Ray keeps the token in ``~/.ray/auth_token``). The last one to leave ends what was
+begun: it disconnects, or stops that instance and removes its folder. A connection someone
+else made before (``ray.init`` called by the application) is used and left alone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import ray
 
 from shardline.errors import CommunicationError, cut
+from shardline_ray import janitor
 from shardline_ray.temp_folder import ray_temp_folder
 
 #: The local instance's object store (Ray's minimum is 75 MiB): calls' arguments and replies
@@ -44,6 +47,8 @@ class _Shared:
     description: str
     #: The local instance's folder, removed once it stops.
     folder: str | None
+    #: The local instance's janitor (it cleans up if this process dies first).
+    watcher: subprocess.Popen | None = None
 
 
 @dataclass
@@ -69,6 +74,8 @@ class Connection:
             ray.shutdown(wait_for_processes=True)
         if ending.folder is not None:
             shutil.rmtree(ending.folder, ignore_errors=True)
+        if ending.watcher is not None:
+            janitor.dismiss(ending.watcher)
 
 
 def connect(environ: Mapping[str, str], cpus: int) -> Connection:
@@ -90,6 +97,7 @@ def _open(environ: Mapping[str, str], cpus: int) -> _Shared:
         return _Shared(0, False, "the Ray connection this process made", None)
     address = environ.get("RAY_ADDRESS", "").strip()
     folder = None if address else ray_temp_folder("shardline-ray-")
+    watcher = None if folder is None else janitor.watch_over(folder)
     options = {
         "log_to_driver": False,
         "logging_level": logging.ERROR,
@@ -116,9 +124,11 @@ def _open(environ: Mapping[str, str], cpus: int) -> _Shared:
         _restore_sigterm(sigterm)
         if folder is not None and not ray.is_initialized():
             shutil.rmtree(folder, ignore_errors=True)
+            janitor.dismiss(watcher)
     if address:
         return _Shared(0, True, f"the Ray cluster at {address} (RAY_ADDRESS)", None)
-    return _Shared(0, True, f"a Ray instance started on this host (in {folder})", folder)
+    description = f"a Ray instance started on this host (in {folder})"
+    return _Shared(0, True, description, folder, watcher=watcher)
 
 
 def _root_cause(error: BaseException) -> str:
