@@ -26,7 +26,8 @@ Executors
     ``Worker`` (build a rank's Worker: join its worlds, load the model, with phase callbacks);
     ``RankProcesses`` (start a world's rank processes, tethered to this one, watch them
     die, stop them), ``missed_phase``,
-    ``failed_in_phase`` (start-up errors in the common words); ``pickled_reply`` (a rank's
+    ``failed_in_phase`` (start-up errors in the common words); ``pickled_call`` (a call
+    pickled, or the error to raise when it cannot be), ``pickled_reply`` (a rank's
     reply pickled, or the error to send instead when it cannot be), ``loaded_reply`` (a
     reply loaded where it arrives, or the error to fail its call with); ``Spawner``,
     ``ChildProcess`` (single processes that end with their parent); ``share_cores`` (a
@@ -86,6 +87,7 @@ _WHERE = {
     "missed_phase": "shardline.launch.runtime",
     "failed_in_phase": "shardline.launch.runtime",
     "pickled_reply": "shardline.launch.runtime",
+    "pickled_call": "shardline.launch.runtime",
     "loaded_reply": "shardline.launch.runtime",
     "share_cores": "shardline.launch.threads",
     "LaunchedRank": "shardline.launch.launcher_env",

@@ -158,6 +158,13 @@ def test_a_result_the_parent_cannot_load_fails_the_call_and_the_world_goes_on(tp
     assert len(tp2_pp2_world.run(_positions)) == 4
 
 
+def test_a_call_that_cannot_be_pickled_is_refused_before_anything_is_sent(tp2_pp2_world):
+    with pytest.raises(TypeError, match=r"call '_positions' cannot be pickled .*_thread\.lock"):
+        tp2_pp2_world.run(_positions, threading.Lock())
+    assert tp2_pp2_world.broken is None
+    assert len(tp2_pp2_world.run(_positions)) == 4
+
+
 def test_group_coordinator_rejects_mismatched_communicators():
     _store, rendezvous = serve_store()
     world = GlooBackend().init_world(0, 1, rendezvous, 10.0)

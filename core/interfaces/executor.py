@@ -64,7 +64,8 @@ class Executor(abc.ABC):
     - **Errors.** An exception in a rank reaches the caller as ``WorkerError`` (rank, type,
       message, traceback, and ``origin``: the exception itself when it is one of
       Shardline's typed errors); so does a call whose argument a rank cannot load, or whose
-      result cannot be pickled back or loaded where it arrives, and the executor stays
+      result cannot be pickled back or loaded where it arrives; a call whose arguments cannot
+      be pickled raises TypeError naming it before anything is sent. The executor stays
       usable.
 
     An executor that places ranks through a cluster manager of its own (Ray's nodes, say)

@@ -33,7 +33,7 @@ from shardline.comm.store import serve_store
 from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure
 from shardline.interfaces.communicator_backend import Rendezvous
 from shardline.launch.launchers import launcher_command, launcher_environment
-from shardline.launch.runtime import RankProcesses, loaded_reply, pickled_reply
+from shardline.launch.runtime import RankProcesses, loaded_reply, pickled_call, pickled_reply
 from shardline.launch.threads import share_cores
 
 _STOP = "stop"
@@ -151,9 +151,10 @@ class LocalWorld:
             raise PeerLostError(
                 f"this world is unusable: {self.broken}", op=getattr(fn, "__name__", "run")
             )
-        for connection in self._connections:
-            connection.send((fn, args, kwargs))
         name = getattr(fn, "__name__", repr(fn))
+        call = pickled_call(name, (fn, args, kwargs), ForkingPickler.dumps)
+        for connection in self._connections:
+            connection.send_bytes(call)
         return self._collect(name, range(self.world_size), timeout_s or self.call_timeout_s)
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """The process runtime every world of rank processes shares (the ``mp`` executor, LocalWorld):
 starting the ranks as tethered children, watching them die, stopping them, and the errors
-that say so — start-up phases missed or failed, a rank that died, a reply that cannot go back or
-cannot be loaded where it arrives — in the same words for every executor.
+that say so — start-up phases missed or failed, a rank that died, a call that cannot go to the
+ranks, a reply that cannot go back or cannot be loaded where it arrives — in the same words for
+every executor.
 """
 
 from __future__ import annotations
@@ -127,6 +128,19 @@ def missed_phase(rank: int, phase: str, timeout_s: float, setting: str) -> CommT
 def failed_in_phase(rank: int, phase: str, failure: RemoteFailure) -> WorkerError:
     """A rank raised ``failure`` in start-up ``phase``."""
     return failure.error(rank, f"failed in start-up phase {phase!r}: ")
+
+
+def pickled_call(name: str, message: Any, dumps: Callable[[Any], Any] | None = None) -> Any:
+    """``message``, the call ``name`` (or part of it) on its way to the ranks, pickled by
+    ``dumps`` (default: pickle, highest protocol). Raises TypeError naming the call and why
+    where it cannot be pickled (an argument holding a lock, say): nothing is sent, and the
+    executor stays usable."""
+    try:
+        if dumps is None:
+            return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return dumps(message)
+    except Exception as error:
+        raise TypeError(f"call {name!r} cannot be pickled to go to the ranks: {error}") from error
 
 
 def pickled_reply(message: Any, dumps: Callable[[Any], Any] | None = None) -> Any:

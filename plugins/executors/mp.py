@@ -52,6 +52,7 @@ from shardline.sdk import (
     loaded_reply,
     method_name,
     missed_phase,
+    pickled_call,
     serve_store,
     wait_until,
 )
@@ -228,8 +229,10 @@ class MultiprocExecutor(Executor):
         non_block: bool = False,
     ) -> list[Any] | Future[list[Any]]:
         check_reply_rank(unique_reply_rank, self.world_size)
-        payload = method if isinstance(method, str) else cloudpickle.dumps(method)
         name = method_name(method)
+        payload = (
+            method if isinstance(method, str) else pickled_call(name, method, cloudpickle.dumps)
+        )
         call = self._call(
             name,
             payload,
@@ -261,7 +264,7 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + (self._call_timeout_s if timeout is None else timeout)
         call_id = self._next_call
         message = call_message(call_id, method, args, kwargs, reply_rank)
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # may raise: no call
+        data = pickled_call(name, message)  # may raise: then no call is made
         self._next_call += 1
         self._calls.put(data, deadline, self.check_health)
         pending = _PendingCall(

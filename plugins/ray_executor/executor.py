@@ -30,7 +30,6 @@ import atexit
 import contextlib
 import importlib.util
 import os
-import pickle
 import threading
 import time
 from collections import deque
@@ -57,6 +56,7 @@ from shardline.sdk import (
     first_reply,
     method_name,
     missed_phase,
+    pickled_call,
     serve_store,
 )
 from shardline_ray import cluster
@@ -199,11 +199,12 @@ class RayExecutor(Executor):
     ) -> list[Any] | Future[list[Any]]:
         self.check_health()
         check_reply_rank(unique_reply_rank, self.world_size)
-        payload = method if isinstance(method, str) else cloudpickle.dumps(method)
         name = method_name(method)
-        message = pickle.dumps(
-            Call(payload, tuple(args), dict(kwargs or {}), unique_reply_rank),
-            protocol=pickle.HIGHEST_PROTOCOL,
+        payload = (
+            method if isinstance(method, str) else pickled_call(name, method, cloudpickle.dumps)
+        )
+        message = pickled_call(
+            name, Call(payload, tuple(args), dict(kwargs or {}), unique_reply_rank)
         )
         seconds = self._call_timeout_s if timeout is None else timeout
         with self._changed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -179,8 +180,10 @@ def check_broadcast_order(subject: Subject) -> None:
 def check_exception_envelope(subject: Subject) -> None:
     """An exception in a rank arrives as ``WorkerError`` with its rank, type, message and
     traceback; so does a result that cannot be pickled back or loaded where it arrives,
-    and an argument a rank cannot load (where results and arguments travel); the executor
-    stays usable."""
+    and an argument a rank cannot load (where results and arguments travel); an argument that
+    cannot be pickled raises TypeError naming the call before anything is sent (or its result
+    fails to go back, where the call runs in the caller's process); the executor stays
+    usable."""
     executor = subject.shared()
     try:
         executor.collective_rpc(probe.raise_on_rank, (subject.last_rank,))
@@ -200,6 +203,12 @@ def check_exception_envelope(subject: Subject) -> None:
         raise AssertionError("a failed non-blocking call's future did not raise WorkerError")
     _fails_or_stays_home(executor, probe.unpicklable_result, (), "cannot be pickled")
     _fails_or_stays_home(executor, probe.result_only_the_rank_loads, (), "loads only")
+    try:
+        executor.collective_rpc(probe.echo, (threading.Lock(),))
+    except TypeError as error:  # refused in the caller
+        assert "call 'echo' cannot be pickled" in str(error), str(error)
+    except WorkerError as error:  # run in the caller's process: its result cannot go back
+        assert "cannot be pickled" in str(error), str(error)
     if not executor.launched:  # there every process makes its own arguments
         _fails_or_stays_home(executor, probe.echo, (probe.LoadsOnlyWhereMade(),), "loads only")
     assert executor.collective_rpc(probe.echo, ("after",)) == ["after"] * subject.world_size
