@@ -135,12 +135,7 @@ def pickled_call(name: str, message: Any, dumps: Callable[[Any], Any] | None = N
     ``dumps`` (default: pickle, highest protocol). Raises TypeError naming the call and why
     where it cannot be pickled (an argument holding a lock, say): nothing is sent, and the
     executor stays usable."""
-    try:
-        if dumps is None:
-            return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        return dumps(message)
-    except Exception as error:
-        raise TypeError(f"call {name!r} cannot be pickled to go to the ranks: {error}") from error
+    return _pickled(message, dumps, f"call {name!r} cannot be pickled to go to the ranks")
 
 
 def pickled_reply(message: Any, dumps: Callable[[Any], Any] | None = None) -> Any:
@@ -148,12 +143,18 @@ def pickled_reply(message: Any, dumps: Callable[[Any], Any] | None = None) -> An
     Raises TypeError saying the reply cannot go back, and why, where it cannot be pickled (a
     result holding a lock, say): the rank sends that failure for the call instead, and goes
     on serving."""
+    return _pickled(message, dumps, "the reply cannot be pickled to go back")
+
+
+def _pickled(message: Any, dumps: Callable[[Any], Any] | None, refusal: str) -> Any:
+    """``message`` pickled by ``dumps`` (default: pickle, highest protocol), or TypeError
+    saying ``refusal`` and why."""
     try:
         if dumps is None:
             return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         return dumps(message)
     except Exception as error:
-        raise TypeError(f"the reply cannot be pickled to go back: {error}") from error
+        raise TypeError(f"{refusal}: {error}") from error
 
 
 def loaded_reply(data: Any, loads: Callable[[Any], Any] = pickle.loads) -> Any:
