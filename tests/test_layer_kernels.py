@@ -323,13 +323,14 @@ def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features):
 @needs_c_linear
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(out_features):
     """Up to 64 rows go through pairs of blocks a piece at a time, in tiles of up to 3 rows;
-    more rows through one block at a time in tiles of up to 6, in one pass: each output is the
-    same sum in the same order every way (pairs of blocks, an odd block left over, a partial
-    last block, pieces of 32 of the 96 inputs; with a bias)."""
+    more rows through one block at a time in tiles of up to 6, in one pass (on AVX2: halves of
+    a block in tiles of up to 3 rows below 12 rows, quarters in tiles of up to 6 from there):
+    each output is the same sum in the same order every way (pairs of blocks, an odd block left
+    over, a partial last block, pieces of 32 of the 96 inputs; with a bias)."""
     weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
     x = torch.randn(70, 96)
     batch = NATIVE.linear(x, weight, bias)
-    for rows in (1, 2, 3, 4, 7, 64):
+    for rows in (1, 2, 3, 4, 7, 11, 12, 13, 64):
         for first in range(0, 70 - rows + 1, rows):
             part = x[first : first + rows]
             assert torch.equal(NATIVE.linear(part, weight, bias), batch[first : first + rows])
@@ -344,7 +345,7 @@ def test_the_avx2_kernels_give_the_widest_kernels_bits(held):
     for out_features in (64, 130, 330):
         weight = blocked(torch.randn(out_features, 96), native_module.LINEAR_BLOCK, dtype=held)
         bias = torch.randn(out_features)
-        for rows in (1, 2, 3, 4, 7, 16, 70):
+        for rows in (1, 2, 3, 4, 7, 11, 12, 16, 70):
             x = torch.randn(rows, 96)
             widest, avx2 = (torch.empty(rows, out_features) for _ in range(2))
             for y, only_avx2 in ((widest, False), (avx2, True)):

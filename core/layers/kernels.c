@@ -610,10 +610,9 @@ static void linear_blocks(const void *weight, int bf16, const float *x, float *y
 
 /* The same blocked layouts on a CPU without AVX-512 but with AVX2 and FMA (8 lanes, 16
  * vector registers), each output's sum in the same order as the AVX-512 kernels (so the same
- * bits): one row streams a full block once (8 sums); more rows go through a block's two
- * halves (32 outputs) a few rows at a time (AVX2_TILE_ROWS), a piece of inputs at a time
- * (AVX2_PIECE) that the later tiles read from the L1 cache; a narrower last block loads its
- * lanes masked, a row at a time. */
+ * bits): one row streams a full block once (8 sums); more rows go through a block's parts a
+ * few rows at a time, a piece of inputs at a time (AVX2_QUARTERS_FROM, AVX2_PIECE); a narrower
+ * last block loads its lanes masked, a row at a time. */
 #define AVX2_FMA __attribute__((target("avx2,fma")))
 
 static int cpu_has_avx2_fma(void) {
@@ -667,42 +666,114 @@ AVX2_FMA static inline __attribute__((always_inline)) __m256 tail_weights_8(cons
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-/* Rows at a time against one half of a full block on AVX2, each weight vector loaded once
- * for all of them: 3 of float32 weights (12 sums), 2 of bfloat16 (whose widening needs
- * registers too: 3 rows spill, 0.6x as fast at 16 rows). */
-#define AVX2_TILE_ROWS 3
+/* More than one row goes through a full block's parts a tile of rows at a time, each weight
+ * vector loaded once for all of a tile's rows: from AVX2_QUARTERS_FROM float32 rows on,
+ * quarters (16 outputs) against up to 6 rows (12 sums, 2 weight vectors and a broadcast: 15 of
+ * the 16 vector registers); fewer float32 rows, halves (32 outputs) against up to 3 rows, and
+ * bfloat16 ones (whose widening needs registers too) against up to 2. */
+#define AVX2_QUARTERS_FROM 12
+#define AVX2_QUARTER_ROWS 6
+/* A tile's sums, 6 rows of 2 vectors or 3 of 4: sized exactly (larger, GCC keeps them in
+ * memory, 1.6x slower). */
+#define AVX2_TILE_SUMS 12
 
-/* Inputs of a piece: up to LINEAR_PAIR_MAX_ROWS rows take a half block's rows a piece at a
- * time (8 KiB of float32 weights: from the L1 cache for every tile after the first). */
-#define AVX2_PIECE 64
+/* Inputs of a piece: up to LINEAR_PAIR_MAX_ROWS rows take a block a piece at a time, which
+ * the tiles after the first of a part read from the L1 cache, while the first prefetches a
+ * later piece (bfloat16: the next, into L1; float32: the fourth, into L2), so the weight
+ * streams in while it is computed on: 1.1-1.4x faster at 2-16 bfloat16 rows and 12-16 float32
+ * rows than without prefetching (one thread, one run). Fewer float32 rows take a block half by
+ * half, each through every piece (AVX2_HALF_PIECE) without prefetching: that, and nothing
+ * piece by piece, keeps the hardware's prefetcher fastest there. */
+#define AVX2_PIECE 32
+#define AVX2_HALF_PIECE 64
 
-/* R rows of x (in apart) against inputs [first, first + steps) of half `half` (outputs
- * 32 half..32 half + 31) of a full block. sums (R rows of 32) holds the sums between pieces:
- * they start at 0 where first is 0, else from there; at the last piece they go to y's rows
- * (out apart), plus the bias where given, else back to sums. */
-AVX2_FMA static inline __attribute__((always_inline)) void half_tile_avx2(
-    const void *block, const int bf16, long in, int half, long first, long steps, int last,
-    const float *x, float *sums, float *y, long out, const float *bias, const int R) {
-    __m256 acc[AVX2_TILE_ROWS][4];
+/* The sums of R rows of x (in apart) over inputs [first, first + steps) of the part of a full
+ * block whose outputs start at `at` (VECTORS of 8 outputs: 2, of float32 weights, or 4). sums
+ * (rows of LINEAR_BLOCK) holds the sums between pieces: they start at 0 where first is 0,
+ * else from there; at the last piece they go to y's rows (out apart), plus the bias where
+ * given, else back to sums. With ahead, each step also prefetches the cache line a row
+ * further from there. */
+AVX2_FMA static inline __attribute__((always_inline)) void part_tile_avx2(
+    const void *block, const int bf16, long in, long at, long first, long steps, int last,
+    const float *x, float *sums, float *y, long out, const float *bias, const char *ahead,
+    const int VECTORS, const int R) {
+    const long row_bytes = LINEAR_BLOCK * (bf16 ? (long)sizeof(uint16_t) : (long)sizeof(float));
+    __m256 acc[AVX2_TILE_SUMS]; /* row r's vector j at VECTORS r + j */
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++)
-            acc[r][j] = first ? _mm256_loadu_ps(sums + 32 * r + 8 * j) : _mm256_setzero_ps();
+        for (int j = 0; j < VECTORS; j++)
+            acc[VECTORS * r + j] =
+                first ? _mm256_loadu_ps(sums + LINEAR_BLOCK * r + at + 8 * j) : _mm256_setzero_ps();
     for (long i = first; i < first + steps; i++) {
-        __m256 w[4], value[AVX2_TILE_ROWS];
-        for (int r = 0; r < R; r++) value[r] = _mm256_set1_ps(x[r * in + i]);
-        half_row_8x4(block, i * LINEAR_BLOCK, half, bf16, w);
-        for (int j = 0; j < 4; j++)
-            for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(w[j], value[r], acc[r][j]);
+        const char *line = ahead ? ahead + (i - first) * row_bytes : NULL;
+        if (line && bf16)
+            _mm_prefetch(line, _MM_HINT_T0);
+        else if (line)
+            _mm_prefetch(line, _MM_HINT_T1);
+        __m256 w[4];
+        if (VECTORS == 4) { /* every row's value, then each weight vector against them */
+            __m256 value[AVX2_TILE_SUMS / 4];
+            half_row_8x4(block, i * LINEAR_BLOCK, (int)(at / 32), bf16, w);
+            for (int r = 0; r < R; r++) value[r] = _mm256_broadcast_ss(x + r * in + i);
+            for (int j = 0; j < 4; j++)
+                for (int r = 0; r < R; r++)
+                    acc[4 * r + j] = _mm256_fmadd_ps(w[j], value[r], acc[4 * r + j]);
+        } else { /* a row's value against both weight vectors, row by row */
+            const float *row = (const float *)block + i * LINEAR_BLOCK + at;
+            w[0] = _mm256_loadu_ps(row);
+            w[1] = _mm256_loadu_ps(row + 8);
+            for (int r = 0; r < R; r++) {
+                __m256 value = _mm256_broadcast_ss(x + r * in + i);
+                acc[2 * r] = _mm256_fmadd_ps(w[0], value, acc[2 * r]);
+                acc[2 * r + 1] = _mm256_fmadd_ps(w[1], value, acc[2 * r + 1]);
+            }
+        }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) {
-            if (!last) {
-                _mm256_storeu_ps(sums + 32 * r + 8 * j, acc[r][j]);
-                continue;
-            }
-            long at = 32 * half + 8 * j;
-            __m256 sum = bias ? _mm256_add_ps(acc[r][j], _mm256_loadu_ps(bias + at)) : acc[r][j];
-            _mm256_storeu_ps(y + r * out + at, sum);
+        for (int j = 0; j < VECTORS; j++) {
+            __m256 sum = acc[VECTORS * r + j];
+            long o = at + 8 * j;
+            if (!last)
+                _mm256_storeu_ps(sums + LINEAR_BLOCK * r + o, sum);
+            else
+                _mm256_storeu_ps(y + r * out + o,
+                                 bias ? _mm256_add_ps(sum, _mm256_loadu_ps(bias + o)) : sum);
+        }
+}
+
+/* Every row of x against outputs [from, to) of a full block, in parts of width outputs (16:
+ * float32 quarters; 32: halves) over inputs [first, first + steps) (see part_tile_avx2); with
+ * ahead (a later piece's first row), the first tile of each part prefetches that part's lines
+ * of that piece. */
+AVX2_FMA static inline __attribute__((always_inline)) void parts_avx2(
+    const void *block, const int bf16, long in, long from, long to, long width, long first,
+    long steps, int last, long rows, const float *x, float *sums, float *y, long out,
+    const float *bias, const char *ahead) {
+    const long tile = width == 16 ? AVX2_QUARTER_ROWS : bf16 ? 2 : 3;
+    for (long at = from; at < to; at += width)
+        for (long r = 0; r < rows; r += tile) {
+            long left = rows - r < tile ? rows - r : tile;
+            const float *xr = x + r * in;
+            float *sr = sums + LINEAR_BLOCK * (r < LINEAR_PAIR_MAX_ROWS ? r : 0), *yr = y + r * out;
+            const char *part_ahead = ahead && r == 0 ? ahead + at * (bf16 ? 2 : 4) : NULL;
+#define PART_TILE(VECTORS, R)                                                                \
+    part_tile_avx2(block, bf16, in, at, first, steps, last, xr, sr, yr, out, bias, part_ahead, \
+                   VECTORS, R)
+            if (width == 16)
+                switch (left) {
+                case 6: PART_TILE(2, 6); break;
+                case 5: PART_TILE(2, 5); break;
+                case 4: PART_TILE(2, 4); break;
+                case 3: PART_TILE(2, 3); break;
+                case 2: PART_TILE(2, 2); break;
+                default: PART_TILE(2, 1); break;
+                }
+            else if (left >= 3 && !bf16)
+                PART_TILE(4, 3);
+            else if (left >= 2)
+                PART_TILE(4, 2);
+            else
+                PART_TILE(4, 1);
+#undef PART_TILE
         }
 }
 
@@ -710,7 +781,7 @@ AVX2_FMA static inline __attribute__((always_inline)) void half_tile_avx2(
 AVX2_FMA static inline __attribute__((always_inline)) void linear_blocks_avx2_of(
     const void *weight, const int bf16, const float *x, float *y, const float *bias, long rows,
     long out, long in, long first, long end) {
-    float sums[LINEAR_PAIR_MAX_ROWS * 32];
+    float sums[LINEAR_PAIR_MAX_ROWS * LINEAR_BLOCK];
     for (long k = first; k < end; k++) {
         const void *block = weight_at(weight, k * in * LINEAR_BLOCK, bf16);
         long width = out - k * LINEAR_BLOCK < LINEAR_BLOCK ? out - k * LINEAR_BLOCK : LINEAR_BLOCK;
@@ -757,27 +828,28 @@ AVX2_FMA static inline __attribute__((always_inline)) void linear_blocks_avx2_of
             }
             continue;
         }
+        long row_bytes = LINEAR_BLOCK * (bf16 ? (long)sizeof(uint16_t) : (long)sizeof(float));
+        if (!bf16 && rows < AVX2_QUARTERS_FROM) { /* half by half (see AVX2_PIECE) */
+            for (long at = 0; at < LINEAR_BLOCK; at += 32)
+                for (long from = 0; from == 0 || from < in; from += AVX2_HALF_PIECE) {
+                    long steps = in - from < AVX2_HALF_PIECE ? in - from : AVX2_HALF_PIECE;
+                    parts_avx2(block, 0, in, at, at + 32, 32, from, steps, from + steps >= in,
+                               rows, x, sums, yk, out, block_bias, NULL);
+                }
+            continue;
+        }
         /* More rows than the sums hold (a prefill, compute-bound): one pass each tile. */
         long piece = rows <= LINEAR_PAIR_MAX_ROWS ? AVX2_PIECE : (in > 0 ? in : 1);
-        for (int half = 0; half < 2; half++)
-            for (long at = 0; at == 0 || at < in; at += piece) { /* in = 0: y = bias */
-                long steps = in - at < piece ? in - at : piece;
-                int last = at + steps >= in;
-                for (long r = 0; r < rows; r += bf16 ? 2 : 3) {
-                    long left = rows - r;
-                    const float *xr = x + r * in;
-                    float *sr = sums + 32 * (r < LINEAR_PAIR_MAX_ROWS ? r : 0), *yr = yk + r * out;
-#define HALF_TILE(R)                                                                         \
-    half_tile_avx2(block, bf16, in, half, at, steps, last, xr, sr, yr, out, block_bias, R)
-                    if (left >= 3 && !bf16)
-                        HALF_TILE(3);
-                    else if (left >= 2)
-                        HALF_TILE(2);
-                    else
-                        HALF_TILE(1);
-#undef HALF_TILE
-                }
-            }
+        long part = bf16 ? 32 : 16, later = bf16 ? 1 : 4;
+        for (long from = 0; from == 0 || from < in; from += piece) { /* in = 0: y = bias */
+            long steps = in - from < piece ? in - from : piece;
+            /* Later pieces follow this one in memory, also into the next block. */
+            long ahead_row = from + (later - 1) * piece + steps;
+            const char *ahead =
+                rows <= LINEAR_PAIR_MAX_ROWS ? (const char *)block + ahead_row * row_bytes : NULL;
+            parts_avx2(block, bf16, in, 0, LINEAR_BLOCK, part, from, steps, from + steps >= in,
+                       rows, x, sums, yk, out, block_bias, ahead);
+        }
     }
 }
 
