@@ -39,7 +39,9 @@
 
 /* e^x to about 1 float32 ulp for x in [-87.3, 88.7] (clamped outside): x = n ln2 + r with
  * |r| <= ln2/2, e^r by its degree-7 Taylor polynomial, 2^n from the exponent bits. Written
- * without branches or library calls so that a loop over it vectorizes. */
+ * without branches or library calls so that a loop over it vectorizes (on AVX2, only built
+ * with -fno-trapping-math, as pyproject.toml builds it: else GCC keeps the clamps as branches,
+ * and silu * up ran 4x slower than torch's at 16 rows). */
 static inline float exp_approx(float x) {
     const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     x = x < -87.3f ? -87.3f : x;
