@@ -79,6 +79,8 @@ def _run_matrix(tmp_path):
             f"--executors={executors}",
             f"--communicators={communicators}",
             "--timeout=2",
+            # A world starts in ~3 s here; a rank that never joins is waited for this long.
+            "--startup-timeout=10",
             "--jobs=2",  # the scenarios' worlds mostly wait: two at once on 2 cores
             f"--json={report_path}",
             timeout=MATRIX_TIMEOUT / 2,

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     allow = os.environ.get("SHARDLINE_PLUGINS")
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
     check_seconds("--timeout", args.timeout)
+    check_seconds("--startup-timeout", args.startup_timeout)
     cores = host_cores()
     if not 1 <= args.jobs <= cores:
         raise ConfigError(
@@ -62,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
             "(allowed: tp)",
             field="--layout",
         )
-    settings = matrix.Settings(timeout_s=args.timeout, layout=args.layout)
+    settings = matrix.Settings(
+        timeout_s=args.timeout, startup_timeout_s=args.startup_timeout, layout=args.layout
+    )
     if args.across_hosts:
         results, labels, scenarios = _across_hosts(args, registry, settings)
     else:

@@ -121,6 +121,13 @@ def _add_faults_command(commands: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=3.0, help="parallel.timeout_s of the worlds (default 3)"
     )
     faults.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=20.0,
+        help="parallel.startup_timeout_s of the worlds: each start-up phase's deadline, and "
+        "how long the scenarios whose rank never joins take (default 20)",
+    )
+    faults.add_argument(
         "--layout",
         default="tp",
         help="the worlds' 2 ranks: tp (tensor-parallel, the default) or pp (two pipeline "
