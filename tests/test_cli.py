@@ -191,6 +191,7 @@ DAY = "allowed: more than 0, up to 86400 s"
         ),
         (["bench", "serve", "-n", "0"], "--num-requests = 0: allowed: 1..1000000"),
         (["faults", "--timeout", "1e9"], f"--timeout = 1e+09: {DAY}"),
+        (["faults", "--startup-timeout", "0"], f"--startup-timeout = 0: {DAY}"),
         (["conformance", "gloo", "--timeout", "inf"], f"--timeout = inf: {DAY}"),
         (["demo", "--rounds", "0"], "--rounds = 0: allowed: 1..1000000"),
         (
