@@ -130,7 +130,12 @@ def failed_in_phase(rank: int, phase: str, failure: RemoteFailure) -> WorkerErro
     return failure.error(rank, f"failed in start-up phase {phase!r}: ")
 
 
-def pickled_call(name: str, message: Any, dumps: Callable[[Any], Any] | None = None) -> Any:
+def _highest_pickle(message: Any) -> bytes:
+    """``message`` pickled with the highest protocol."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def pickled_call(name: str, message: Any, dumps: Callable[[Any], Any] = _highest_pickle) -> Any:
     """``message``, the call ``name`` (or part of it) on its way to the ranks, pickled by
     ``dumps`` (default: pickle, highest protocol). Raises TypeError naming the call and why
     where it cannot be pickled (an argument holding a lock, say): nothing is sent, and the
@@ -138,20 +143,17 @@ def pickled_call(name: str, message: Any, dumps: Callable[[Any], Any] | None = N
     return _pickled(message, dumps, f"call {name!r} cannot be pickled to go to the ranks")
 
 
-def pickled_reply(message: Any, dumps: Callable[[Any], Any] | None = None) -> Any:
+def pickled_reply(message: Any, dumps: Callable[[Any], Any] = _highest_pickle) -> Any:
     """``message``, a rank's reply, pickled by ``dumps`` (default: pickle, highest protocol).
     Raises TypeError saying the reply cannot go back, and why, where it cannot be pickled (a
-    result holding a lock, say): the rank sends that failure for the call instead, and goes
-    on serving."""
+    result holding a lock, say): the rank sends that failure for the call instead, and goes on
+    serving."""
     return _pickled(message, dumps, "the reply cannot be pickled to go back")
 
 
-def _pickled(message: Any, dumps: Callable[[Any], Any] | None, refusal: str) -> Any:
-    """``message`` pickled by ``dumps`` (default: pickle, highest protocol), or TypeError
-    saying ``refusal`` and why."""
+def _pickled(message: Any, dumps: Callable[[Any], Any], refusal: str) -> Any:
+    """``message`` pickled by ``dumps``, or TypeError saying ``refusal`` and why."""
     try:
-        if dumps is None:
-            return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         return dumps(message)
     except Exception as error:
         raise TypeError(f"{refusal}: {error}") from error

@@ -1521,6 +1521,7 @@ typedef struct {
     const float *q;
     float *out, *scores, *partial, *stats;
     long parts, pieces;
+    int avx512; /* the AVX-512 kernels, else the AVX2 ones */
 } AttentionJob;
 
 static void attention_chunk(const void *context, long chunk, int worker) {
@@ -1553,7 +1554,7 @@ static void attention_chunk(const void *context, long chunk, int worker) {
         long until = end * step->block_size < length ? end * step->block_size : length;
         table += first, length = until - first * step->block_size;
     }
-    attend_kv_head(cpu_has_avx512(), 0, job->q + at, job->layer->key_cache,
+    attend_kv_head(job->avx512, 0, job->q + at, job->layer->key_cache,
                    job->layer->value_cache, table, length, step->q_heads, job->layer->kv_index, kv,
                    step->kv_heads, step->d, step->block_size, step->scale, out, scores, stats);
 }
@@ -1613,7 +1614,7 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
                               .scores = scores, .partial = piece_outputs,
                               .stats = piece_outputs + rows * step->q_heads * pieces * d,
                               .parts = attends_by_kv_head(d) ? step->kv_heads : 1,
-                              .pieces = pieces};
+                              .pieces = pieces, .avx512 = cpu_has_avx512()};
     team_run(team, rows * attention.parts * pieces, attention_chunk, &attention);
     if (pieces > 1) merge_pieces(&attention);
     lap(times, LAP_ATTENTION, &since);
