@@ -1,14 +1,15 @@
 /* The per-layer operations of a decoder step between its weight multiplies, in C, for
  * float32 and bfloat16 tensors on the CPU (see kernels.py, which checks dtypes, shapes and
- * contiguity and passes raw addresses): RMSNorm with the residual add, RoPE with the KV cache store, decode
- * attention over a paged cache, and SiLU-and-multiply. Each replaces several torch operations
- * whose dispatch, not arithmetic, dominates at decode batch sizes.
+ * contiguity and passes raw addresses): RMSNorm with the residual add, RoPE with the KV cache
+ * store, decode attention over a paged cache, and SiLU-and-multiply. Each replaces several
+ * torch operations whose dispatch, not arithmetic, dominates at decode batch sizes.
  *
  * Built with -ffp-contract=off: RoPE rounds as torch does (a product, a product, a sum, then
- * to the element type), so it is bit-identical to the torch path; the others sum in a different order or use the
- * polynomial exp below, within a few float32 ulps of torch. Loops are written so that gcc
- * vectorizes them (independent partial sums in lanes) for the widest instruction set the CPU
- * has (target_clones), with no -ffast-math.
+ * to the element type), so it is bit-identical to the torch path; the others sum in a
+ * different order or use the polynomial exp below, within a few float32 ulps of torch. Loops
+ * are written so that gcc vectorizes them (independent partial sums in lanes) for the widest
+ * instruction set the CPU has (target_clones), with no -ffast-math (-fno-trapping-math only:
+ * it changes no value).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -682,10 +683,11 @@ AVX2_FMA static inline __attribute__((always_inline)) __m256 tail_weights_8(cons
 /* Inputs of a piece: up to LINEAR_PAIR_MAX_ROWS rows take a block a piece at a time, which
  * the tiles after the first of a part read from the L1 cache, while the first prefetches a
  * later piece (bfloat16: the next, into L1; float32: the fourth, into L2), so the weight
- * streams in while it is computed on: 1.1-1.4x faster at 2-16 bfloat16 rows and 12-16 float32
- * rows than without prefetching (one thread, one run). Fewer float32 rows take a block half by
- * half, each through every piece (AVX2_HALF_PIECE) without prefetching: that, and nothing
- * piece by piece, keeps the hardware's prefetcher fastest there. */
+ * streams in while it is computed on. Against halves without prefetching (one thread, one
+ * run): bfloat16 2-16 rows 1.07-1.35x, float32 12-16 rows 1.05-1.11x (200 rows, one pass:
+ * 1.2x). Fewer float32 rows take a block half by half, each through every piece
+ * (AVX2_HALF_PIECE), without prefetching: piece by piece, with or without, was 1.2-1.6x
+ * slower there. */
 #define AVX2_PIECE 32
 #define AVX2_HALF_PIECE 64
 
@@ -842,11 +844,11 @@ AVX2_FMA static inline __attribute__((always_inline)) void linear_blocks_avx2_of
         }
         /* More rows than the sums hold (a prefill, compute-bound): one pass each tile. */
         long piece = rows <= LINEAR_PAIR_MAX_ROWS ? AVX2_PIECE : (in > 0 ? in : 1);
-        long part = bf16 ? 32 : 16, later = bf16 ? 1 : 4;
+        long part = bf16 ? 32 : 16, pieces_ahead = bf16 ? 1 : 4;
         for (long from = 0; from == 0 || from < in; from += piece) { /* in = 0: y = bias */
             long steps = in - from < piece ? in - from : piece;
             /* Later pieces follow this one in memory, also into the next block. */
-            long ahead_row = from + (later - 1) * piece + steps;
+            long ahead_row = from + (pieces_ahead - 1) * piece + steps;
             const char *ahead =
                 rows <= LINEAR_PAIR_MAX_ROWS ? (const char *)block + ahead_row * row_bytes : NULL;
             parts_avx2(block, bf16, in, 0, LINEAR_BLOCK, part, from, steps, from + steps >= in,
