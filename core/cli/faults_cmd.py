@@ -13,7 +13,13 @@ from shardline.cli.flags import check_seconds
 from shardline.cli.table import render
 from shardline.comm.waiting import host_cores
 from shardline.conformance.faults import across_hosts, matrix
-from shardline.conformance.faults.scenarios import HOST_SCENARIOS, LAYOUTS, SCENARIOS, Scenario
+from shardline.conformance.faults.scenarios import (
+    HOST_SCENARIOS,
+    LAYOUTS,
+    SCENARIOS,
+    TENSOR_PARALLEL,
+    Scenario,
+)
 from shardline.errors import ConfigError
 from shardline.registry import Registry
 
@@ -57,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             "pipeline stage each)",
             field="--layout",
         )
-    if args.layout != "tp" and args.across_hosts:
+    if args.layout != TENSOR_PARALLEL and args.across_hosts:
         raise ConfigError(
             f"--layout = {args.layout!r}: --across-hosts runs tensor-parallel ranks only "
             "(allowed: tp)",

@@ -27,6 +27,7 @@ from shardline.conformance.faults.scenarios import (
     INJECTION_ENTRY_POINT,
     PLAN_VARIABLE,
     SHUTDOWN_LIMIT_S,
+    TENSOR_PARALLEL,
     UNFINISHED,
     Scenario,
 )
@@ -42,7 +43,7 @@ class Settings:
     ranks: int = 2
     timeout_s: float = 3.0
     startup_timeout_s: float = 20.0
-    layout: str = "tp"
+    layout: str = TENSOR_PARALLEL
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def run_scenario(
             f"{combination.max_ranks}"
         )
         return result
-    if scenario.in_tp_group and settings.layout != "tp":
+    if scenario.in_tp_group and settings.layout != TENSOR_PARALLEL:
         result.reason = (
             f"its fault is in the tensor-parallel group; the {settings.layout} layout has none"
         )

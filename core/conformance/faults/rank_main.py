@@ -29,8 +29,10 @@ from shardline.conformance.faults.scenarios import (
     HOST_SCENARIOS,
     INJECTION_ENTRY_POINT,
     LAYOUTS,
+    PIPELINE,
     PLAN_VARIABLE,
     SCENARIOS,
+    TENSOR_PARALLEL,
     UNFINISHED,
     Scenario,
 )
@@ -48,12 +50,12 @@ def fault_config(
     timeout_s: float,
     startup_timeout_s: float,
     nnodes: int = 1,
-    layout: str = "tp",
+    layout: str = TENSOR_PARALLEL,
 ) -> EngineConfig:
     """The scenario world's config: ``ranks`` ranks over ``nnodes`` hosts, tensor-parallel
     or (``layout`` "pp") pipeline stages, ``communicator`` on both planes, the fault
     runner."""
-    size = "pipeline_parallel_size" if layout == "pp" else "tensor_parallel_size"
+    size = "pipeline_parallel_size" if layout == PIPELINE else "tensor_parallel_size"
     overrides = [
         f"model.runner={FAULT_RUNNER}",
         f"parallel.{size}={ranks}",
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor", required=True)
     parser.add_argument("--communicator", required=True)
     parser.add_argument("--ranks", type=int, required=True)
-    parser.add_argument("--layout", choices=LAYOUTS, default="tp")
+    parser.add_argument("--layout", choices=LAYOUTS, default=TENSOR_PARALLEL)
     parser.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span")
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--startup-timeout", type=float, required=True)

@@ -60,7 +60,7 @@ class Scenario:
 
 
 #: The layouts a scenario world can have: its ranks tensor-parallel, or pipeline stages.
-LAYOUTS = ("tp", "pp")
+TENSOR_PARALLEL, PIPELINE = LAYOUTS = ("tp", "pp")
 #: A process report's "shutdown" while its executor shuts down (the final report replaces it).
 UNFINISHED = "unfinished"
 
