@@ -188,10 +188,9 @@ class LocalWorld:
                 except (EOFError, OSError):
                     replies[rank] = self._death(rank, what)
                     continue
-                try:
-                    replies[rank] = loaded_reply(data, ForkingPickler.loads)
-                except TypeError as error:
-                    replies[rank] = ("error", RemoteFailure.capture(error))
+                replies[rank] = loaded_reply(
+                    data, ForkingPickler.loads, lambda failure: ("error", failure)
+                )
             for sentinel in [s for s in ready if s in sentinels]:
                 rank = sentinels[sentinel]
                 connection = self._connections[rank]

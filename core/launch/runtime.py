@@ -159,10 +159,26 @@ def _pickled(message: Any, dumps: Callable[[Any], Any], refusal: str) -> Any:
         raise TypeError(f"{refusal}: {error}") from error
 
 
-def loaded_reply(data: Any, loads: Callable[[Any], Any] = pickle.loads) -> Any:
-    """A rank's reply ``data`` loaded by ``loads`` where it arrived. Raises TypeError saying the
-    reply cannot be loaded here, and why, where it cannot (an object of a class only the rank
-    has, say): the receiver fails that call with it, naming the rank, and goes on."""
+def loaded_reply(
+    data: Any,
+    loads: Callable[[Any], Any] = pickle.loads,
+    failed: Callable[[RemoteFailure], Any] | None = None,
+) -> Any:
+    """A rank's reply ``data`` loaded by ``loads`` where it arrived. Where it cannot be (an
+    object of a class only the rank has, say), a TypeError says so and why: raised, or, given
+    ``failed``, captured and passed to it, and what it returns (the call's failure in the
+    executor's own envelope) returned. The receiver fails that call with it, naming the rank,
+    and goes on."""
+    if failed is None:
+        return _loaded(data, loads)
+    try:
+        return _loaded(data, loads)
+    except TypeError as refusal:
+        return failed(RemoteFailure.capture(refusal))
+
+
+def _loaded(data: Any, loads: Callable[[Any], Any]) -> Any:
+    """``data`` loaded by ``loads``, or :func:`loaded_reply`'s TypeError."""
     try:
         return loads(data)
     except Exception as error:

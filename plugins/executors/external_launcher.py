@@ -185,10 +185,7 @@ class ExternalLauncherExecutor(Executor):
         """Rank ``rank``'s envelope; a reply that does not load here is that rank's failure
         (a message without the job's signature: ProtocolError)."""
         data = verified_pickle(sealed, self._secret, f"rank {rank}")
-        try:
-            return loaded_reply(data)
-        except TypeError as error:
-            return ("error", RemoteFailure.capture(error))
+        return loaded_reply(data, failed=lambda failure: ("error", failure))
 
     def _exchange(self, name: str, sealed: bytes, timeout: float | None) -> list[tuple]:
         """Publish this rank's envelope of call number N (sealed) and read every rank's."""

@@ -38,7 +38,6 @@ from shardline.errors import (
     CommTimeoutError,
     CommunicationError,
     PeerLostError,
-    RemoteFailure,
     ShardlineError,
     WorkerError,
 )
@@ -475,10 +474,11 @@ class MultiprocExecutor(Executor):
         inbox = self._inboxes[rank]
         if not inbox and self._replies[rank].ready(0):
             data = self._replies[rank].get(0)
-            try:
-                inbox.append(loaded_reply(data))
-            except TypeError as error:
-                inbox.append(Failure(_call_id_of(data), "reply", RemoteFailure.capture(error)))
+            inbox.append(
+                loaded_reply(
+                    data, failed=lambda failure: Failure(_call_id_of(data), "reply", failure)
+                )
+            )
         return inbox[0] if inbox else None
 
     def _receive(self, rank: int, deadline: float | None, what: str) -> Any:

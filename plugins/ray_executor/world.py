@@ -16,7 +16,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure, cut
+from shardline.errors import CommTimeoutError, PeerLostError, cut
 from shardline.interfaces import Rendezvous
 from shardline.sdk import EngineConfig, loaded_reply
 from shardline_ray import placement, session
@@ -135,10 +135,7 @@ class RayRanks:
             return Lost(_reason(error))
         except ray.exceptions.RayError as error:
             return Lost(f"{type(error).__name__}: {_reason(error)}")
-        try:
-            return loaded_reply(data)
-        except TypeError as error:
-            return Failure("call", RemoteFailure.capture(error))
+        return loaded_reply(data, failed=lambda failure: Failure("call", failure))
 
     def where(self, ranks: Sequence[int]) -> str:
         """`` on host h2`` (``on hosts h1, h2``) for ``ranks`` when the world spans hosts, else
