@@ -4,6 +4,7 @@ plugin import nothing of Shardline but ``shardline.interfaces``, ``shardline.err
 built-in plugin package."""
 
 import ast
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,17 @@ def test_the_core_imports_no_built_in_plugin():
                 assert not name.startswith((*BUILT_IN_PACKAGES, "shardline_custom")), (
                     f"{path.relative_to(ROOT)} imports {name}"
                 )
+
+
+def test_loaded_reply_raises_or_returns_the_executors_envelope_for_a_reply_that_does_not_load():
+    reply = pickle.dumps(("ok", 7))
+    assert shardline.sdk.loaded_reply(reply) == ("ok", 7)
+    assert shardline.sdk.loaded_reply(reply, failed=lambda failure: "unused") == ("ok", 7)
+    broken = b"not a pickle"
+    with pytest.raises(TypeError, match="the reply cannot be loaded where it arrived: "):
+        shardline.sdk.loaded_reply(broken)
+    kind, failure = shardline.sdk.loaded_reply(broken, failed=lambda failure: ("error", failure))
+    assert kind == "error"
+    assert failure.exc_type == "TypeError"
+    assert failure.message.startswith("the reply cannot be loaded where it arrived: ")
+    assert "UnpicklingError" in failure.traceback  # the cause travels with it
