@@ -193,6 +193,10 @@ DAY = "allowed: more than 0, up to 86400 s"
         (["faults", "--timeout", "1e9"], f"--timeout = 1e+09: {DAY}"),
         (["faults", "--startup-timeout", "0"], f"--startup-timeout = 0: {DAY}"),
         (["conformance", "gloo", "--timeout", "inf"], f"--timeout = inf: {DAY}"),
+        (["conformance", "gloo", "--world-sizes", "2,0"], "--world-sizes = '2,0': allowed: "),
+        (["conformance", "uni", "--world-sizes", "-1"], "--world-sizes = '-1': allowed: "),
+        (["conformance", "gloo", "--world-sizes", ""], "--world-sizes = '': allowed: "),
+        (["conformance", "gloo", "--world-sizes", "abc"], "--world-sizes = 'abc': allowed: "),
         (["demo", "--rounds", "0"], "--rounds = 0: allowed: 1..1000000"),
         (
             ["bench", "decode", "--hf-threads", "1,0"],

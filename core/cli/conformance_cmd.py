@@ -46,21 +46,28 @@ def suite_kind(name: str, registry: Registry) -> str:
     )
 
 
+def world_sizes(text: str) -> list[int]:
+    """The sizes of ``--world-sizes`` (``1,2,4``), or a ConfigError naming the flag."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(
+            f"--world-sizes = {text!r}: allowed: comma-separated positive integers, e.g. 1,2,4",
+            field="--world-sizes",
+        )
+    return sizes
+
+
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     allow = os.environ.get("SHARDLINE_PLUGINS")
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
     kind = args.kind or suite_kind(args.name, registry)
     if args.timeout is not None:
         check_seconds("--timeout", args.timeout)
-    if args.world_sizes:
-        try:
-            largest = max(int(part) for part in args.world_sizes.split(",") if part.strip())
-        except ValueError:
-            raise ConfigError(
-                f"--world-sizes = {args.world_sizes!r}: comma-separated positive integers, "
-                "e.g. 1,2,4",
-                field="--world-sizes",
-            ) from None
+    if args.world_sizes is not None:
+        largest = max(world_sizes(args.world_sizes))
         check_rank_processes(largest, f"--world-sizes {args.world_sizes}")
     if kind == "communicator":
         options = [
