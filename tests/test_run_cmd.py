@@ -3,6 +3,7 @@ model cache, TP=2 under mp, communicator auto) with and without a question, the 
 and bad input that must end in one clear line (exit code 2), never a traceback."""
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -107,3 +108,24 @@ def test_a_corrupt_model_file_is_named(model_cache, tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith(f"error: {corrupt}: not a readable GGUF file")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_answer_cut_short_ends_its_line_before_the_error(model_cache):
+    """SIGTERM while the answer streams: the answer's line is ended, so the error line that
+    follows on the terminal starts on a line of its own."""
+    run = subprocess.Popen(
+        [SHARDLINE, "run", "Write a very long story about a dragon.",
+         "--set", "sampling.max_tokens=2000", "--set", "parallel.tensor_parallel_size=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **model_cache},
+    )  # fmt: skip
+    try:
+        assert run.stdout.read(20), "no answer streamed"
+        run.send_signal(signal.SIGTERM)
+        rest, errors = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(10)
+    assert run.returncode == 143, errors
+    assert rest.endswith(b"\n")
+    assert errors.decode().strip().splitlines()[-1] == "error: terminated (SIGTERM)"

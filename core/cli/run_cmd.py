@@ -87,9 +87,11 @@ def checked_question(text: str, what: str) -> str:
 
 def _answer(llm: Any, messages: list[dict[str, str]]) -> str:
     """Stream the answer to stdout (in the reporting process), then one line of figures to
-    stderr. Returns the answer."""
+    stderr. Returns the answer. Should the answer stop part-way (a failure, Ctrl-C), its line
+    is ended first, so what is said about it starts on a line of its own."""
     report = llm.reports_results
     first_token_at: list[float] = []
+    streamed = [False]
 
     def stream(output: Any, delta: str) -> None:
         if not first_token_at:
@@ -97,12 +99,18 @@ def _answer(llm: Any, messages: list[dict[str, str]]) -> str:
         if report and delta:
             sys.stdout.write(delta)
             sys.stdout.flush()
+            streamed[0] = True
 
     started = time.perf_counter()
-    if llm.tokenizer is not None and llm.tokenizer.chat_template:
-        (output,) = llm.chat(messages, stream=stream)
-    else:
-        (output,) = llm.generate(messages[-1]["content"], stream=stream)
+    try:
+        if llm.tokenizer is not None and llm.tokenizer.chat_template:
+            (output,) = llm.chat(messages, stream=stream)
+        else:
+            (output,) = llm.generate(messages[-1]["content"], stream=stream)
+    except BaseException:
+        if streamed[0]:
+            print(flush=True)
+        raise
     elapsed = time.perf_counter() - started
     if report:
         print()
