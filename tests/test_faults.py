@@ -51,10 +51,10 @@ def test_every_fault_ends_typed_in_time_with_nothing_left(tmp_path, tiny_llama_d
     try:
         foreign_segments = json.loads(foreign.stdout.readline())
         engine_job = json.loads(engine.stdout.readline())["job"]
-        engine_segments = job_segments(engine_job)
-        assert len(engine_segments) == 4  # call ring, heartbeats, a reply ring per worker
+        # The engine's segments are mapped, their names gone once its workers started.
+        assert job_segments(engine_job) == []
         _run_matrix(tmp_path)
-        for name in [*foreign_segments, *engine_segments]:
+        for name in foreign_segments:
             assert Path("/dev/shm", name).exists(), f"{name} of another job was removed"
         engine.send_signal(signal.SIGINT)
         assert "shut down" in engine.communicate(timeout=60)[0]

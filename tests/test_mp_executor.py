@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import re
 import signal
 import subprocess
 import time
@@ -22,7 +23,7 @@ from shardline.interfaces import CachedRequest, NewRequest, SamplingParams, Sche
 from shardline.registry import Registry
 from shardline_executors.mp_protocol import decode_step, encode_step
 from support.greedy_driver import GREEDY_TOKENS, run_script
-from support.segments import job_segments
+from support.segments import job_segments, unnamed_segments
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,7 +74,10 @@ def test_a_step_travels_as_builtins_and_arrives_whole():
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 def test_mp_generates_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp, pp):
     executor = _executor(tiny_llama_dir, tp, pp)
-    assert len(_segments(executor.job)) == 2 + tp * pp  # call ring, heartbeats, reply rings
+    # The call ring, the heartbeats and a reply ring per worker: mapped, their names gone.
+    assert _segments(executor.job) == []
+    mapped = {name for name in unnamed_segments([os.getpid()]) if executor.job in name}
+    assert len(mapped) == 2 + tp * pp
     try:
 
         def execute(step):
@@ -128,7 +132,7 @@ def test_start_up_failure_names_phase_and_rank_and_keeps_its_type(tmp_path, capf
     assert "Exception ignored" not in capfd.readouterr().err  # a quiet shutdown
 
 
-def _start_driver(tiny_llama_dir):
+def _start_driver(tiny_llama_dir, own_group=False):
     import json
     import subprocess
     import sys
@@ -141,6 +145,7 @@ def _start_driver(tiny_llama_dir):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(tests)},
+        start_new_session=own_group,
     )
     line = driver.stdout.readline()
     if not line:
@@ -156,8 +161,8 @@ def _cpu_seconds(pid):
 
 
 def _wait_gone_segments(job, seconds):
-    """A killed driver's segments are removed by Python's resource tracker once it sees the
-    driver gone."""
+    """A killed driver's segments are gone (their names were removed once the workers had
+    mapped them; before that, Python's resource tracker removes them)."""
     deadline = time.monotonic() + seconds
     while _segments(job) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -177,6 +182,21 @@ def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(tiny_lla
         driver.wait(10)
         assert wait_gone(workers, 5.0) == []
         assert _wait_gone_segments(info["job"], 5.0) == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_killing_the_whole_process_group_leaves_no_segment(tiny_llama_dir):
+    """SIGKILL to every process of the job at once (``timeout -s KILL``, a batch system)
+    also kills Python's resource tracker: the segments' names were already gone."""
+    driver, info = _start_driver(tiny_llama_dir, own_group=True)
+    try:
+        assert _segments(info["job"]) == []
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+        assert wait_gone(info["workers"], 5.0) == []
+        assert _segments(info["job"]) == []
     finally:
         if driver.poll() is None:
             driver.kill()

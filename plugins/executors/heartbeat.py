@@ -7,6 +7,7 @@ rank it happened to wait on (which is itself waiting on the stopped one).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -26,18 +27,27 @@ class Heartbeats:
         self._words = self._segment.buf.cast("q")
         self.name = name
         self.ranks = ranks
+        self._unlinked = False
 
     def silent_for(self, rank: int) -> float | None:
         """Seconds since ``rank`` last beat; None before its first beat."""
         beat = self._words[rank * _STRIDE]
         return None if beat == 0 else time.monotonic() - beat / 1e9
 
+    def unlink(self) -> None:
+        """Remove the segment's name now (once every worker has mapped it); it stays mapped.
+        Idempotent."""
+        if not self._unlinked:
+            self._unlinked = True
+            with contextlib.suppress(FileNotFoundError):
+                self._segment.unlink()
+
     def close(self) -> None:
         if self._segment is None:
             return
         self._words.release()
         self._segment.close()
-        self._segment.unlink()
+        self.unlink()
         self._segment = None
 
 

@@ -3,12 +3,13 @@
 Every call is broadcast once on a shared-memory ring that all workers read; each worker
 answers on its own ring, and only the requested rank replies. Workers are tethered children
 (:mod:`shardline.launch.tether`): they end with the driver in every phase, even when it is
-killed; the rings, named ``shardline-<job>-...``, are removed then by Python's resource
-tracker. Liveness: a monitor thread waits on the workers' process handles, so a death is seen
-at once and turns every pending and later call into a :class:`PeerLostError` naming the rank
-and its exit code. Deadlines: every
-start-up phase and every call has one. Shutdown is idempotent and leaves no process and no
-shared-memory segment, also after a failure.
+killed. The rings and the heartbeats, named ``shardline-<job>-...``, lose their names once
+every worker has mapped them (the spawn phase); a driver killed before that leaves them to
+Python's resource tracker, and to its workers, which remove them as they go. Liveness: a
+monitor thread waits on the workers' process handles, so a death is seen at once and turns
+every pending and later call into a :class:`PeerLostError` naming the rank and its exit code.
+Deadlines: every start-up phase and every call has one. Shutdown is idempotent and leaves no
+process and no shared-memory segment, also after a failure.
 
 Replies: a collector thread resolves the Futures of non-blocking calls; a thread that asks a
 call's Future for its result collects the replies itself when no other thread is collecting
@@ -211,6 +212,17 @@ class MultiprocExecutor(Executor):
                     raise PeerLostError(
                         f"rank {rank} sent {message!r} during phase {phase!r}", rank=rank
                     )
+            if phase == PHASES[0]:
+                self._unlink_segments()
+
+    def _unlink_segments(self) -> None:
+        """Every worker has mapped the rings and the heartbeats (before its first phase): their
+        names can go. What is mapped lives on; nothing is left in /dev/shm however the job
+        ends, also when all its processes are killed at once (a process group's SIGKILL takes
+        Python's resource tracker with it)."""
+        for ring in [self._calls, *self._replies]:
+            ring.unlink()
+        self._heartbeats.unlink()
 
     # ---- calls ---------------------------------------------------------------------------------
 

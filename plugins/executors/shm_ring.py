@@ -24,9 +24,10 @@ before a reader falls back to :func:`wait_until`) when the extension is built an
 ``SHARDLINE_NATIVE`` is not ``0``; otherwise :class:`PythonRingCore` does the same in Python.
 
 Segments are created mode 0600 (private to the user) under a name the owner chooses (the job's
-name in it), by the owner, which alone unlinks them; Python's resource tracker removes them
-should the owner be killed. Other processes map them directly, without the resource tracker
-(which would remove a segment when any one of them exits).
+name in it), by the owner, which alone unlinks them: once every reader has attached
+(:meth:`ShmRing.unlink`; the memory lives on while mapped), or at close; Python's resource
+tracker removes them should the owner be killed before. Other processes map them directly,
+without the resource tracker (which would remove a segment when any one of them exits).
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class ShmRing:
             self._reader_polling = Polling()
         self._next_write = 0
         self._doorbells: list[Any] | None = None
+        self._unlinked = False
 
     @property
     def native(self) -> bool:
@@ -260,6 +262,15 @@ class ShmRing:
 
     # ---- lifetime ------------------------------------------------------------------------------
 
+    def unlink(self) -> None:
+        """Owner side: remove the segment's name now (once every reader has attached); the
+        memory stays mapped until the last process closes it or ends, so nothing is left in
+        /dev/shm even when every process is killed at once. Idempotent."""
+        if self._owner and not self._unlinked:
+            self._unlinked = True
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()
+
     def close(self) -> None:
         """Detach; the owner also unlinks the segment. Idempotent."""
         if self._shm is None:
@@ -267,9 +278,7 @@ class ShmRing:
         self._core.release()  # a traceback may still hold the core: release the mapping now
         del self._core, self._buf
         self._shm.close()
-        if self._owner:
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
+        self.unlink()
         self._shm = None
 
 
