@@ -132,6 +132,17 @@ def test_start_up_failure_names_phase_and_rank_and_keeps_its_type(tmp_path, capf
     assert "Exception ignored" not in capfd.readouterr().err  # a quiet shutdown
 
 
+def test_a_worker_that_dies_in_start_up_is_named_with_its_phase(tiny_llama_dir):
+    with pytest.raises(PeerLostError) as raised:
+        _executor(tiny_llama_dir, tp=2, extra=["model.runner=support.dying_runner:DyingRunner"])
+    message = str(raised.value)
+    assert re.fullmatch(
+        r"worker rank 1 \(pid \d+\) died with exit code -9 in start-up phase 'model load'",
+        message,
+    ), message
+    assert raised.value.rank == 1
+
+
 def _start_driver(tiny_llama_dir, own_group=False):
     import json
     import subprocess

@@ -196,7 +196,9 @@ class MultiprocExecutor(Executor):
     # ---- start-up ------------------------------------------------------------------------------
 
     def _start_up(self, timeout_s: float) -> None:
-        """Every rank reports each phase in order, each phase within ``timeout_s``."""
+        """Every rank reports each phase in order, each phase within ``timeout_s``. A rank
+        that dies meanwhile is named with the phase it died in."""
+        reported: list[str | None] = [None] * self.world_size
         for phase in PHASES:
             deadline = time.monotonic() + timeout_s
             for rank in range(self.world_size):
@@ -206,14 +208,37 @@ class MultiprocExecutor(Executor):
                     raise missed_phase(
                         rank, phase, timeout_s, "parallel.startup_timeout_s"
                     ) from None
+                except PeerLostError as error:
+                    dead = self._ranks.first_dead()
+                    if dead is None:
+                        raise
+                    in_phase = self._phase_after(dead, reported[dead])
+                    raise PeerLostError(
+                        f"{error} in start-up phase {in_phase!r}", op=in_phase, rank=dead
+                    ) from error
                 if isinstance(message, Failure):
                     raise failed_in_phase(rank, message.phase, message.failure)
                 if not (isinstance(message, Phase) and message.name == phase):
                     raise PeerLostError(
                         f"rank {rank} sent {message!r} during phase {phase!r}", rank=rank
                     )
+                reported[rank] = phase
             if phase == PHASES[0]:
                 self._unlink_segments()
+
+    def _phase_after(self, rank: int, reported: str | None) -> str:
+        """The start-up phase a dead ``rank`` was in: the one after the last it reported
+        (``reported``: the last this driver has read; later ones may wait in its ring)."""
+        ring = self._replies[rank]
+        while ring.ready(0):
+            try:
+                message = pickle.loads(ring.get(0, time.monotonic() + _JOIN_S))
+            except Exception:  # a message the death cut short
+                break
+            if isinstance(message, Phase):
+                reported = message.name
+        index = 0 if reported is None else PHASES.index(reported) + 1
+        return PHASES[min(index, len(PHASES) - 1)]
 
     def _unlink_segments(self) -> None:
         """Every worker has mapped the rings and the heartbeats (before its first phase): their
