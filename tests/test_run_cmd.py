@@ -3,12 +3,14 @@ model cache, TP=2 under mp, communicator auto) with and without a question, the 
 and bad input that must end in one clear line (exit code 2), never a traceback."""
 
 import os
+import re
 import signal
 import subprocess
 
 import pytest
 
 from support.cli import SHARDLINE, shardline
+from support.processes import child_commands
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(300)
@@ -129,3 +131,26 @@ def test_an_answer_cut_short_ends_its_line_before_the_error(model_cache):
     assert run.returncode == 143, errors
     assert rest.endswith(b"\n")
     assert errors.decode().strip().splitlines()[-1] == "error: terminated (SIGTERM)"
+
+
+def test_a_worker_lost_while_the_chat_waits_ends_it_at_once(model_cache):
+    chat = subprocess.Popen(
+        [SHARDLINE, "run", "--interactive"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, **model_cache},
+    )  # fmt: skip
+    try:
+        assert chat.stdout.read(5) == b"you> "  # the workers are up; nothing asked yet
+        workers = [p for p, c in child_commands(chat.pid).items() if "shardline-worker" in c]
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        chat.wait(10)  # stdin stays open: no end of input
+        errors = chat.stderr.read()
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+            chat.wait(10)
+        for pipe in (chat.stdin, chat.stdout, chat.stderr):
+            pipe.close()
+    assert chat.returncode == 2, errors
+    last = errors.decode().strip().splitlines()[-1]
+    assert re.fullmatch(r"error: worker rank \d \(pid \d+\) died with exit code -9", last), last

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 from shardline.config.loader import LoadedConfig, load_config
 from shardline.errors import RequestError
@@ -24,6 +26,8 @@ BUILTIN_CONFIG: dict[str, Any] = {
 }
 BUILTIN_SOURCE = "built-in run config"
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
+#: How often the chat checks the ranks while it waits for a line.
+IDLE_CHECK_S = 0.5
 
 
 def load_run_config(path: str | None, overrides: Sequence[str]) -> LoadedConfig:
@@ -52,17 +56,31 @@ def run(loaded: LoadedConfig, question: str | None, interactive: bool) -> int:
 
 
 def _chat_loop(llm: Any) -> int:
+    """Ask the model each line typed. While the chat waits for one, the ranks are checked
+    every :data:`IDLE_CHECK_S`: a rank lost meanwhile ends the chat at once, with its error."""
     print(
         "chat with the model; an empty line, /exit or end of input (Ctrl-D) ends it",
         file=sys.stderr,
     )
+
+    def check_ranks() -> None:
+        try:
+            llm.engine.check_health()
+        except BaseException:
+            print(flush=True)  # the error goes below the prompt
+            raise
+
+    typed = TypedLines(sys.stdin)
     history: list[dict[str, str]] = []
     while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
+        sys.stdout.write("you> ")
+        sys.stdout.flush()
+        line = typed.next_line(check_ranks, IDLE_CHECK_S)
+        if line is None:
             print(file=sys.stderr)
+            check_ranks()
             return 0
+        line = line.strip()
         if not line or line in ("/exit", "/quit"):
             return 0
         try:
@@ -73,6 +91,33 @@ def _chat_loop(llm: Any) -> int:
         history.append({"role": "user", "content": line})
         answer = _answer(llm, history)
         history.append({"role": "assistant", "content": answer})
+
+
+class TypedLines:
+    """The lines of a text stream (standard input), read from its file descriptor so that a
+    wait for the next one can be cut into slices; decoded as the stream decodes."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._fd = stream.fileno()
+        self._encoding = stream.encoding
+        self._errors = stream.errors or "strict"
+        self._pending = b""
+        self._ended = False
+
+    def next_line(self, while_waiting: Callable[[], None], every_s: float) -> str | None:
+        """The next line, without its end; None once the input has ended. While none is
+        there, ``while_waiting()`` runs every ``every_s`` seconds (and may raise)."""
+        while b"\n" not in self._pending and not self._ended:
+            if select.select([self._fd], [], [], every_s)[0]:
+                chunk = os.read(self._fd, 1 << 16)
+                self._pending += chunk
+                self._ended = not chunk
+            else:
+                while_waiting()
+        if not self._pending:
+            return None
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode(self._encoding, self._errors)
 
 
 def checked_question(text: str, what: str) -> str:
