@@ -61,11 +61,18 @@ def test_wrong_shape_is_named(checkpoint_dir):
 def test_missing_model_path_and_wrong_kind_of_path(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("model.path is not set")):
         _start_uni_config([])
+    allowed = "; allowed: an HF model directory (with config.json) or an existing .gguf file"
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(
-        ConfigError, match=re.escape("not an HF model directory or an existing .gguf file")
-    ):
+    with pytest.raises(ConfigError, match=re.escape(f"weights.bin': not a .gguf file{allowed}")):
         _start_uni(tmp_path / "weights.bin")
+    with pytest.raises(ConfigError) as refused:
+        _start_uni(tmp_path)
+    assert (
+        str(refused.value) == f"model.path = '{tmp_path}': a directory without config.json{allowed}"
+    )
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match=re.escape(f"model.path = '{tmp_path}': cannot read")):
+        _start_uni(tmp_path)
 
 
 def _start_uni_config(overrides):

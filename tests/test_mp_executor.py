@@ -126,9 +126,9 @@ def test_start_up_failure_names_phase_and_rank_and_keeps_its_type(tmp_path, capf
     with pytest.raises(WorkerError) as raised:
         _executor(tmp_path / "missing-model", tp=2)
     assert "start-up phase 'model load'" in str(raised.value)
-    assert "not an HF model directory" in str(raised.value)
+    assert "missing-model': no such file or directory" in str(raised.value)
     assert isinstance(raised.value.origin, ConfigError)  # decides the CLI's exit code
-    assert "not an HF model directory" in str(raised.value.origin)
+    assert "no such file or directory" in str(raised.value.origin)
     assert "Exception ignored" not in capfd.readouterr().err  # a quiet shutdown
 
 

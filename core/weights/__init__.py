@@ -15,7 +15,7 @@ def open_checkpoint(path: str | None, environ: Mapping[str, str] | None = None):
     if path is None:
         raise ConfigError("model.path is not set: give an HF model directory or a .gguf file")
     location = Path(path)
-    if location.is_dir():
+    if location.is_dir() and (location / "config.json").is_file():
         from shardline.weights.hf import HFCheckpoint
 
         return HFCheckpoint(location)
@@ -23,8 +23,15 @@ def open_checkpoint(path: str | None, environ: Mapping[str, str] | None = None):
         from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 
         return GGUFCheckpoint(location, environ)
+    if location.is_dir():
+        what = "a directory without config.json"
+    elif location.exists():
+        what = "not a .gguf file"
+    else:
+        what = "no such file or directory"
     raise ConfigError(
-        f"model.path = {echo(path)}: not an HF model directory or an existing .gguf file"
+        f"model.path = {echo(path)}: {what}; allowed: an HF model directory (with config.json) "
+        "or an existing .gguf file"
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from shardline.errors import ConfigError
+from shardline.errors import ConfigError, echo
 from shardline.models.architecture import LlamaArchitecture
 
 
@@ -37,7 +37,9 @@ class HFCheckpoint:
         try:
             config = json.loads(config_path.read_text())
         except (OSError, json.JSONDecodeError) as error:
-            raise ConfigError(f"{config_path}: cannot read the model config: {error}") from None
+            raise ConfigError(
+                f"model.path = {echo(str(self.directory))}: cannot read its config.json: {error}"
+            ) from None
         self.architecture = LlamaArchitecture.from_hf_config(config, str(config_path))
         self._files = self._tensor_files()
         self._handles: dict[Path, Any] = {}
