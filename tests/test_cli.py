@@ -198,6 +198,9 @@ DAY = "allowed: more than 0, up to 86400 s"
         (["conformance", "gloo", "--world-sizes", ""], "--world-sizes = '': allowed: "),
         (["conformance", "gloo", "--world-sizes", "abc"], "--world-sizes = 'abc': allowed: "),
         (["demo", "--rounds", "0"], "--rounds = 0: allowed: 1..1000000"),
+        (["bench", "comm", "-n", "0"], "-n = 0: allowed: 1 or more ranks"),
+        (["bench", "comm", "-f", "1"], "-f = 1: allowed: 2 or more"),
+        (["faults", "--executors", "mp,foo"], "--executors = 'mp,foo': unknown: foo; allowed: "),
         (
             ["bench", "decode", "--hf-threads", "1,0"],
             "--hf-threads = '1,0': allowed: comma-separated thread counts, each 1..",
@@ -263,3 +266,20 @@ def test_sigterm_stops_the_fault_matrix_mid_scenario_and_ends_its_ranks(tmp_path
     assert output.rstrip().endswith("error: terminated (SIGTERM)")
     assert "hangs in a collective: " not in output  # stopped, not judged
     assert _processes_with(mark) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["run", "Hi", "--sett"], "usage: shardline run "),
+        (["bench", "comm", "--foo"], "usage: shardline bench comm "),
+        (["config", "show", "--x"], "usage: shardline config show "),
+    ],
+)
+def test_an_unknown_argument_is_refused_with_its_commands_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(argv)
+    assert refused.value.code == 2
+    errors = capsys.readouterr().err
+    assert errors.startswith(usage), errors
+    assert errors.rstrip().endswith(f"error: unrecognized arguments: {argv[-1]}"), errors

@@ -81,8 +81,10 @@ def settings_from(args) -> BenchSettings:
     unknown = [op for op in operations if op not in OPERATIONS]
     if unknown or not operations:
         raise ConfigError(f"--ops = {args.ops!r}: allowed: {', '.join(OPERATIONS)}")
-    if args.ranks < 1 or args.factor < 2:
-        raise ConfigError(f"-n {args.ranks} -f {args.factor}: allowed: n >= 1, f >= 2")
+    if args.ranks < 1:
+        raise ConfigError(f"-n = {args.ranks}: allowed: 1 or more ranks")
+    if args.factor < 2:
+        raise ConfigError(f"-f = {args.factor}: allowed: 2 or more")
     check_count("-i", args.iters, 1, MAX_REPEATS)
     check_count("-w", args.warmup, 0, MAX_REPEATS)
     check_seconds("--timeout", args.timeout)

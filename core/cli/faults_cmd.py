@@ -35,7 +35,8 @@ def _names(raw: str | None, field: str, known: list[str]) -> list[str]:
     unknown = [name for name in names if name not in known and ":" not in name]
     if unknown or not names:
         raise ConfigError(
-            f"{field} = {raw!r}: {', '.join(unknown) or 'nothing named'}; allowed: "
+            f"{field} = {raw!r}: {'unknown: ' + ', '.join(unknown) if unknown else 'empty'}; "
+            "allowed: "
             f"{', '.join(known)} (comma-separated)",
             field=field,
         )

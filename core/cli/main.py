@@ -18,13 +18,27 @@ from shardline.config.loader import LoadedConfig, load_config
 from shardline.errors import ConfigError, ShardlineError, WorkerError
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser (and its actions'): an argument it does not know is its own error,
+    said with its own usage. (argparse leaves such arguments to the top parser, whose usage
+    names no command's options.)"""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardline",
         description="Transformer inference across ranks, every part chosen by config.",
     )
     parser.add_argument("--version", action="version", version=f"shardline {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     _with_config(
         commands.add_parser(
             "plugins", help="list plugins, what they provide, and whether it runs here"
