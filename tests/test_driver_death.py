@@ -14,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from shardline.conformance.executors.checks import alive, mapped_segments, wait_gone
+from shardline.conformance.executors.checks import (
+    alive,
+    mapped_segments,
+    unlinked_segments,
+    wait_gone,
+)
 from support.cli import SHARDLINE
 from support.fake_plugins import install_plugin
 from support.processes import child_commands
-from support.segments import unnamed_segments
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,7 +126,7 @@ def test_ranks_end_with_a_killed_driver_in_every_phase(tmp_path, kind, phase):
         if kind == "mp" and phase != "spawn":
             # Once every worker has mapped the rings (and said so), their names go.
             _wait_for(lambda: not mapped_segments([driver.pid, *ranks]), 10, "names gone")
-            assert unnamed_segments(ranks)
+            assert unlinked_segments(ranks)
         segments = mapped_segments([driver.pid, *ranks])
         driver.kill()
         driver.wait(10)

@@ -17,13 +17,13 @@ import pytest
 
 from shardline.config import load_config
 from shardline.conformance.executors import probe
-from shardline.conformance.executors.checks import alive, wait_gone
+from shardline.conformance.executors.checks import alive, unlinked_segments, wait_gone
 from shardline.errors import ConfigError, PeerLostError, WorkerError
 from shardline.interfaces import CachedRequest, NewRequest, SamplingParams, SchedulerOutput
 from shardline.registry import Registry
 from shardline_executors.mp_protocol import decode_step, encode_step
 from support.greedy_driver import GREEDY_TOKENS, run_script
-from support.segments import job_segments, unnamed_segments
+from support.segments import job_segments
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,7 +76,7 @@ def test_mp_generates_transformers_tokens(tiny_llama_dir, tiny_llama_greedy, tp,
     executor = _executor(tiny_llama_dir, tp, pp)
     # The call ring, the heartbeats and a reply ring per worker: mapped, their names gone.
     assert _segments(executor.job) == []
-    mapped = {name for name in unnamed_segments([os.getpid()]) if executor.job in name}
+    mapped = {name for name in unlinked_segments([os.getpid()]) if executor.job in name}
     assert len(mapped) == 2 + tp * pp
     try:
 

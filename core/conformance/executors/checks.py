@@ -78,6 +78,24 @@ def _step() -> SchedulerOutput:
 def mapped_segments(pids: list[int]) -> set[Path]:
     """The /dev/shm files the processes ``pids`` have mapped now: the run's own segments,
     told apart from other jobs' on the same host without naming rules."""
+    return {Path(path) for path in _shm_mappings(pids) if not path.endswith(_UNLINKED)}
+
+
+def unlinked_segments(pids: list[int]) -> set[str]:
+    """The names the /dev/shm segments that the processes ``pids`` have mapped now had
+    before they were unlinked (in use, with nothing left in /dev/shm)."""
+    return {
+        path.removeprefix("/dev/shm/").removesuffix(_UNLINKED)
+        for path in _shm_mappings(pids)
+        if path.endswith(_UNLINKED)
+    }
+
+
+_UNLINKED = " (deleted)"  # how /proc/PID/maps marks a file whose name is gone
+
+
+def _shm_mappings(pids: list[int]) -> set[str]:
+    """The /dev/shm paths in the memory maps of the processes ``pids``."""
     found = set()
     for pid in pids:
         try:
@@ -86,9 +104,8 @@ def mapped_segments(pids: list[int]) -> set[Path]:
             continue
         for line in lines:
             fields = line.split(maxsplit=5)
-            path = fields[5] if len(fields) == 6 else ""
-            if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
-                found.add(Path(path))
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                found.add(fields[5])
     return found
 
 
