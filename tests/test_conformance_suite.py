@@ -226,3 +226,17 @@ def test_suite_without_a_communicator_is_a_usage_error():
     )
     assert result.returncode == 4
     assert "needs --shardline-communicator=NAME" in result.stderr
+
+
+def test_the_communicator_suites_own_usage_error_is_the_one_said():
+    """Run straight under pytest with sizes it refuses: its error, not the executor suite's
+    request for --shardline-executor (that package is collected too)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "shardline.conformance", "-q", "-p",
+         "no:cacheprovider", "--shardline-communicator=gloo", "--shardline-world-sizes=0"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "--shardline-world-sizes='0': sizes must be positive" in output
+    assert "--shardline-executor" not in output

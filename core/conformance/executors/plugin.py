@@ -93,12 +93,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items) -> None:
     """Without ``--shardline-executor``, the suite's tests are an error when they are all
-    that was collected, and are left out otherwise (``--pyargs shardline.conformance``, the
-    communicator suite, collects this package too)."""
+    that was collected, and are left out otherwise, or when the communicator suite runs
+    (``--pyargs shardline.conformance`` collects this package too; should its own tests fail
+    to collect, theirs is the error to see)."""
     ours = [item for item in items if _in_suite(item)]
     if not ours or config.getoption("--shardline-executor"):
         return
-    if len(ours) < len(items):
+    if len(ours) < len(items) or config.getoption("--shardline-communicator", default=None):
         items[:] = [item for item in items if not _in_suite(item)]
         config.hook.pytest_deselected(items=ours)
         return
