@@ -100,7 +100,7 @@ def build_app(
         served.check_name(body.model)
         refuse_unsupported(body)
         prompt = inputs.completion_prompt(served, body)
-        shape = outputs.CompletionShape(served.name, served.created)
+        shape = outputs.CompletionShape(served.name)
         return await _generate(request, body, prompt, shape)
 
     @api.post("/v1/chat/completions")
@@ -108,7 +108,7 @@ def build_app(
         served.check_name(body.model)
         refuse_unsupported(body)
         prompt = inputs.chat_prompt(served, body)
-        shape = outputs.ChatShape(served.name, served.created)
+        shape = outputs.ChatShape(served.name)
         return await _generate(request, body, prompt, shape)
 
     @api.post("/v1/embeddings")

@@ -6,6 +6,7 @@ clients raise as an error."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,10 +33,11 @@ class CompletionShape:
     obj = "text_completion"
     chunk_obj = "text_completion"
 
-    def __init__(self, model: str, created: int) -> None:
+    def __init__(self, model: str) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model = model
-        self.created = created
+        #: When the request arrived (Unix seconds), in every body and chunk of its answer.
+        self.created = int(time.time())
 
     def body(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict[str, Any]:
         return self._envelope(self.obj, [self._choice(text, finish_reason)]) | {"usage": counts}
