@@ -88,9 +88,9 @@ def narrow_server(model_dir, tmp_path_factory):
     """One request in the batch and one waiting at most: queue limits and worker deaths."""
     log = tmp_path_factory.mktemp("narrow") / "serve.log"
     overrides = _overrides(model_dir, "scheduler.max_num_seqs=1", "serve.max_waiting_requests=1")
-    running = Server(log, overrides)
+    running = Server(log, overrides, background=True)
     yield running
-    running.stop()
+    running.stop(signal.SIGINT)  # stops it, and exits with 130, though started SIGINT-ignored
 
 
 def _client(server: Server, key: str = API_KEY) -> openai.OpenAI:
@@ -128,6 +128,13 @@ def test_completions_equal_offline_generate(server, model_dir, offline):
         model=str(model_dir), prompt=[5, 6, 7], max_tokens=TOKENS, temperature=0
     )
     assert by_ids.choices[0].text == offline["ids"]
+
+
+def test_an_answer_is_stamped_with_the_time_its_request_came(server, model_dir):
+    time.sleep(1.1)  # past the second the server started in
+    before = int(time.time())
+    result = _client(server).completions.create(model=str(model_dir), prompt="a", max_tokens=1)
+    assert before <= result.created <= time.time()
 
 
 def test_chat_completion_through_the_template_and_a_stop_string(server, model_dir, offline):

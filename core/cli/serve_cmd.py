@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
 import socket
 import sys
 import time
@@ -112,6 +113,10 @@ def _serve(loaded: LoadedConfig, listener: socket.socket, api_key: str | None) -
             )
         )
         print(_banner(served.name, listener, first.config, api_key), file=sys.stderr, flush=True)
+        # uvicorn stops on Ctrl-C and raises the signal again once stopped: Python's handler
+        # makes that a KeyboardInterrupt (exit 130), also where a shell started this process
+        # with SIGINT ignored (a background job), which uvicorn overrides while it serves.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         server.run(sockets=[listener])
     finally:
         engine.stop(STOP_GRACE_S)

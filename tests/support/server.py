@@ -22,16 +22,23 @@ START_S = 90.0
 
 class Server:
     """A ``shardline serve`` process on a free port (``--port 0``; the address is read from
-    its banner), stopped with SIGTERM at the end."""
+    its banner), stopped at the end (:meth:`stop`). ``background``: started with SIGINT
+    ignored, as a shell starts a background job."""
 
-    def __init__(self, log: Path, overrides: list[str], *flags: str) -> None:
+    def __init__(
+        self, log: Path, overrides: list[str], *flags: str, background: bool = False
+    ) -> None:
         command = [SHARDLINE, "serve", "--port", "0", *flags]
         for item in overrides:
             command += ["--set", item]
         self.log = log
         self._log_file = open(log, "w")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=self._log_file, cwd=ROOT
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log_file,
+            cwd=ROOT,
+            preexec_fn=_ignore_sigint if background else None,
         )
         self.url = self._wait_for_banner()
 
@@ -56,10 +63,13 @@ class Server:
                 found[int(rank.group(1))] = child
         return [found[r] for r in sorted(found)]
 
-    def stop(self) -> None:
+    def stop(self, how: signal.Signals = signal.SIGTERM) -> None:
+        """Stop the server with ``how`` (SIGTERM, or SIGINT as Ctrl-C sends); it must exit
+        with the shell's code for that signal (143, 130) and take every worker with it."""
         workers = self.workers()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+        running = self.process.poll() is None
+        if running:
+            self.process.send_signal(how)
             try:
                 self.process.wait(20)
             except subprocess.TimeoutExpired:
@@ -70,6 +80,8 @@ class Server:
             os.kill(pid, signal.SIGKILL)
         self._log_file.close()
         assert left == [], f"workers {left} outlived the server"
+        if running:
+            assert self.process.returncode == 128 + how, self.log.read_text()[-2000:]
 
     def metric(self, name: str, labels: str = "", key: str | None = None) -> float:
         """One sample of GET /metrics (0 when it is not there yet)."""
@@ -77,3 +89,7 @@ class Server:
         text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
         found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
         return float(found.group(1)) if found else 0.0
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
