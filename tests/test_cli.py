@@ -199,6 +199,14 @@ DAY = "allowed: more than 0, up to 86400 s"
         (["conformance", "gloo", "--world-sizes", "abc"], "--world-sizes = 'abc': allowed: "),
         (["demo", "--rounds", "0"], "--rounds = 0: allowed: 1..1000000"),
         (["bench", "comm", "-n", "0"], "-n = 0: allowed: 1 or more ranks"),
+        (
+            ["bench", "comm", "--json", "/nonexistent/c.json"],
+            "--json = '/nonexistent/c.json': its folder '/nonexistent' does not exist; allowed: ",
+        ),
+        (["bench", "decode", "--json", "/tmp"], "--json = '/tmp': a folder; allowed: "),
+        (["bench", "serve", "--json", "/nonexistent/s.json"], "--json = '/nonexistent/s.json': "),
+        (["faults", "--json", "/nonexistent/f.json"], "--json = '/nonexistent/f.json': "),
+        (["conformance", "gloo", "--report", "/nonexistent/r.json"], "--report = '/nonexi"),
         (["bench", "comm", "-f", "1"], "-f = 1: allowed: 2 or more"),
         (["faults", "--executors", "mp,foo"], "--executors = 'mp,foo': unknown: foo; allowed: "),
         (

@@ -4,6 +4,8 @@ value and what is allowed (exit code 2), before the command starts anything."""
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 from shardline.config.capacity import DEFAULT_MEMORY_FRACTION, HostMemory, size_text
 from shardline.config.schema import MAX_TIMEOUT_S
@@ -38,3 +40,23 @@ def check_host_memory(what: str, need: int, allowed: str) -> None:
             f"available ({host.source}), {DEFAULT_MEMORY_FRACTION:g} of it usable; allowed: "
             f"{allowed}"
         )
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """``path`` (where a command writes its results when it ends) can be written: its folder
+    exists and is writable, and it is no folder itself. Checked before anything runs, so a
+    long benchmark does not end in an error with its results lost."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        problem = "a folder"
+    elif not folder.is_dir():
+        problem = f"its folder {str(folder)!r} does not exist"
+    elif not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        problem = "not writable here"
+    else:
+        return
+    raise ConfigError(
+        f"{flag} = {path!r}: {problem}; allowed: a file in an existing, writable folder",
+        field=flag,
+    )

@@ -487,7 +487,11 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         run_cmd,
         serve_cmd,
     )
+    from shardline.cli.flags import check_output_file
 
+    for flag in ("json", "report"):  # results written when the command ends
+        if getattr(args, flag, None):
+            check_output_file(f"--{flag}", getattr(args, flag))
     if args.command == "plugins":
         return plugins_cmd.run(_load(args).config)
     if args.command == "explain":
