@@ -204,6 +204,10 @@ DAY = "allowed: more than 0, up to 86400 s"
             "--json = '/nonexistent/c.json': its folder '/nonexistent' does not exist; allowed: ",
         ),
         (["bench", "decode", "--json", "/tmp"], "--json = '/tmp': a folder; allowed: "),
+        (
+            ["bench", "decode", "--communicators", "gloo,foo"],
+            "--communicators = 'foo': no installed plugin provides this communicator",
+        ),
         (["bench", "serve", "--json", "/nonexistent/s.json"], "--json = '/nonexistent/s.json': "),
         (["faults", "--json", "/nonexistent/f.json"], "--json = '/nonexistent/f.json': "),
         (["conformance", "gloo", "--report", "/nonexistent/r.json"], "--report = '/nonexi"),

@@ -205,18 +205,14 @@ def available_communicators(
     names: list[str],
 ) -> tuple[dict[str, str | None], list[tuple[str, str]]]:
     """The names that can run here with the launcher each needs, and (name, reason) for the
-    others."""
+    installed others (nccl without CUDA, say). A name no plugin provides is a ConfigError."""
     from shardline.registry import Registry
 
     registry = Registry.load()
     usable: dict[str, str | None] = {}
     skipped = []
     for name in names:
-        try:
-            component = registry.get("communicator", name, "--communicators")
-        except ConfigError as error:
-            skipped.append((name, str(error)))
-            continue
+        component = registry.get("communicator", name, "--communicators")
         reason = component.unavailable_reason()
         if reason is None:
             capabilities = component.capabilities
