@@ -318,6 +318,26 @@ def test_malformed_json_and_unknown_paths(server):
         timeout=30,
     )
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    not_text = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b'{"model": "m", "prompt": "\xff\xfe"}',
+        headers=_auth() | {"content-type": "application/json"},
+        timeout=30,
+    )
+    assert not_text.status_code == 400, not_text.text
+    assert not_text.json()["error"]["code"] == "invalid_json"
+    assert "not valid JSON (UTF-8 text)" in not_text.json()["error"]["message"]
+    as_form = httpx.post(  # curl -d's default content type
+        f"{server.url}/v1/completions",
+        content=b'{"model": "m", "prompt": "a"}',
+        headers=_auth() | {"content-type": "application/x-www-form-urlencoded"},
+        timeout=30,
+    )
+    assert as_form.status_code == 400 and as_form.json()["error"]["code"] == "invalid_json"
+    assert "Content-Type: application/json" in as_form.json()["error"]["message"]
+    wrong_method = httpx.get(f"{server.url}/v1/completions", headers=_auth(), timeout=30)
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
     missing = httpx.get(f"{server.url}/v1/nothing", headers=_auth(), timeout=30)
     assert missing.status_code == 404 and "/v1/nothing" in missing.json()["error"]["message"]
 

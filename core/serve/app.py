@@ -255,9 +255,16 @@ def _api_error(request: Request | None, error: ApiError) -> JSONResponse:
 
 
 def _http_error(request: Request, error: HTTPException) -> JSONResponse:
-    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape."""
-    message = f"{request.method} {request.url.path}: {error.detail}"
-    return _api_error(request, ApiError(error.status_code, message, code="not_found"))
+    """Starlette's own errors (an unknown path, a wrong method, a body that is not text) in
+    OpenAI's shape."""
+    detail, code = error.detail, _HTTP_CODES.get(error.status_code, "invalid_request")
+    if error.status_code == 400:  # FastAPI could not parse the body
+        detail = "the body is not valid JSON (UTF-8 text)"
+    message = f"{request.method} {request.url.path}: {detail}"
+    return _api_error(request, ApiError(error.status_code, message, code=code))
+
+
+_HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
 
 
 def _internal_error(request: Request, error: Exception) -> JSONResponse:
@@ -274,6 +281,13 @@ def _validation_error(request: Request, error: RequestValidationError) -> JSONRe
         message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
         return _api_error(request, ApiError(400, message, code="invalid_json"))
     param = _param(first["loc"])
+    content_type = request.headers.get("content-type", "")
+    if param is None and not content_type.startswith("application/json"):
+        message = (
+            f"the body is read as JSON only with Content-Type: application/json (it came "
+            f"with {content_type or 'none'!r})"
+        )
+        return _api_error(request, ApiError(400, message, code="invalid_json"))
     if param is None:
         message = f"the body must be a JSON object: {first['msg']}"
     elif first["type"] == "missing":
