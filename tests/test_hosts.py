@@ -192,7 +192,7 @@ def test_bench_comm_across_hosts_that_do_not_divide_the_ranks_is_refused():
     refused = shardline("bench", "comm", "--across-hosts", "3", "-n", "2", "-c", "gloo")
     assert refused.returncode == 2
     assert refused.stderr == (
-        "error: --across-hosts 3 with -n/ranks 2: allowed: 2 or more hosts that divide the "
+        "error: --across-hosts = 3 (2 ranks): allowed: 2 or more hosts that divide the "
         "ranks evenly\n"
     )
 

@@ -170,6 +170,9 @@ def test_bench_decode_states_the_transformers_target_in_the_floors_terms():
         "2.5x transformers 2 threads, batch 1, is 1.50 of tp2 custom_ar's floor",
         "tp2 custom_ar 16 concurrent / transformers 2 threads batch 1: 13.00 (target >= 12)",
     ]
+    rows[1]["concurrent"] = 4  # the target is for 16: not stated beside 4
+    four = "tp2 custom_ar 4 concurrent / transformers 2 threads batch 1: 13.00"
+    assert _targets(rows)[-1] == four
 
 
 class _ReadsThePreviousStage:

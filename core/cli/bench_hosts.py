@@ -50,8 +50,8 @@ def places(ranks: int, hosts: int) -> Iterator[tuple[Place, Place]]:
     cannot be made here or ``hosts`` does not divide ``ranks``."""
     if hosts < 2 or ranks % hosts:
         raise ConfigError(
-            f"--across-hosts {hosts} with -n/ranks {ranks}: allowed: 2 or more hosts that "
-            "divide the ranks evenly"
+            f"--across-hosts = {hosts} ({ranks} ranks): allowed: 2 or more hosts that divide "
+            "the ranks evenly"
         )
     reason = simulated.unavailable_reason()
     if reason is not None:
