@@ -238,5 +238,5 @@ def test_the_communicator_suites_own_usage_error_is_the_one_said():
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "--shardline-world-sizes='0': sizes must be positive" in output
+    assert "--shardline-world-sizes = '0': allowed: comma-separated positive integers" in output
     assert "--shardline-executor" not in output

@@ -9,8 +9,7 @@ import types
 
 import pytest
 
-from shardline.cli.flags import check_seconds
-from shardline.config.capacity import check_rank_processes
+from shardline.cli.flags import check_seconds, checked_world_sizes
 from shardline.errors import ConfigError
 from shardline.interfaces import CommunicatorBackend, Executor
 from shardline.registry import Registry
@@ -46,20 +45,6 @@ def suite_kind(name: str, registry: Registry) -> str:
     )
 
 
-def world_sizes(text: str) -> list[int]:
-    """The sizes of ``--world-sizes`` (``1,2,4``), or a ConfigError naming the flag."""
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise ConfigError(
-            f"--world-sizes = {text!r}: allowed: comma-separated positive integers, e.g. 1,2,4",
-            field="--world-sizes",
-        )
-    return sizes
-
-
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     allow = os.environ.get("SHARDLINE_PLUGINS")
     registry = Registry.load(allow=tuple(allow.split(",")) if allow else None)
@@ -67,8 +52,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.timeout is not None:
         check_seconds("--timeout", args.timeout)
     if args.world_sizes is not None:
-        largest = max(world_sizes(args.world_sizes))
-        check_rank_processes(largest, f"--world-sizes {args.world_sizes}")
+        checked_world_sizes("--world-sizes", args.world_sizes)
     if kind == "communicator":
         options = [
             "--pyargs",

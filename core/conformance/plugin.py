@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shardline.config.capacity import check_rank_processes
+from shardline.cli.flags import checked_world_sizes
 from shardline.conformance.reporting import case_reason, summary, write_report
 from shardline.errors import CommTimeoutError, ConfigError, PeerLostError, WorkerError
 from shardline.interfaces import Capabilities
@@ -60,18 +60,12 @@ def _in_suite(node: Any) -> bool:
 
 
 def world_sizes(config: pytest.Config) -> list[int]:
-    raw = config.getoption("--shardline-world-sizes")
     try:
-        sizes = [int(part) for part in raw.split(",") if part.strip()]
-    except ValueError:
-        raise pytest.UsageError(f"--shardline-world-sizes={raw!r}: expected e.g. 1,2,3,4") from None
-    if not sizes or min(sizes) < 1:
-        raise pytest.UsageError(f"--shardline-world-sizes={raw!r}: sizes must be positive")
-    try:
-        check_rank_processes(max(sizes), f"--shardline-world-sizes={raw}")
+        return checked_world_sizes(
+            "--shardline-world-sizes", config.getoption("--shardline-world-sizes")
+        )
     except ConfigError as error:
         raise pytest.UsageError(str(error)) from None
-    return sizes
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from shardline.config.capacity import check_rank_processes
+from shardline.cli.flags import checked_world_sizes
 from shardline.conformance.executors.checks import (
     CHECKS,
     Subject,
@@ -75,17 +75,9 @@ def _in_suite(node: Any) -> bool:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "world_size" not in metafunc.fixturenames or not _in_suite(metafunc.definition):
         return
-    raw = metafunc.config.getoption("--shardline-executor-world-sizes")
+    flag = "--shardline-executor-world-sizes"
     try:
-        sizes = [int(part) for part in raw.split(",") if part.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise pytest.UsageError(
-            f"--shardline-executor-world-sizes={raw!r}: expected positive sizes, e.g. 1,2,4"
-        )
-    try:
-        check_rank_processes(max(sizes), f"--shardline-executor-world-sizes={raw}")
+        sizes = checked_world_sizes(flag, metafunc.config.getoption(flag))
     except ConfigError as error:
         raise pytest.UsageError(str(error)) from None
     metafunc.parametrize("world_size", sizes)
