@@ -27,7 +27,6 @@ class Heartbeats:
         self._words = self._segment.buf.cast("q")
         self.name = name
         self.ranks = ranks
-        self._unlinked = False
 
     def silent_for(self, rank: int) -> float | None:
         """Seconds since ``rank`` last beat; None before its first beat."""
@@ -37,10 +36,8 @@ class Heartbeats:
     def unlink(self) -> None:
         """Remove the segment's name now (once every worker has mapped it); it stays mapped.
         Idempotent."""
-        if not self._unlinked:
-            self._unlinked = True
-            with contextlib.suppress(FileNotFoundError):
-                self._segment.unlink()
+        with contextlib.suppress(FileNotFoundError):  # unlinked already
+            self._segment.unlink()
 
     def close(self) -> None:
         if self._segment is None:

@@ -145,7 +145,6 @@ class ShmRing:
             self._reader_polling = Polling()
         self._next_write = 0
         self._doorbells: list[Any] | None = None
-        self._unlinked = False
 
     @property
     def native(self) -> bool:
@@ -266,9 +265,8 @@ class ShmRing:
         """Owner side: remove the segment's name now (once every reader has attached); the
         memory stays mapped until the last process closes it or ends, so nothing is left in
         /dev/shm even when every process is killed at once. Idempotent."""
-        if self._owner and not self._unlinked:
-            self._unlinked = True
-            with contextlib.suppress(FileNotFoundError):
+        if self._owner:
+            with contextlib.suppress(FileNotFoundError):  # unlinked already
                 self._shm.unlink()
 
     def close(self) -> None:
