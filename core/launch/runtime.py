@@ -169,11 +169,11 @@ def loaded_reply(
     ``failed``, captured and passed to it, and what it returns (the call's failure in the
     executor's own envelope) returned. The receiver fails that call with it, naming the rank,
     and goes on."""
-    if failed is None:
-        return _loaded(data, loads)
     try:
         return _loaded(data, loads)
     except TypeError as refusal:
+        if failed is None:
+            raise
         return failed(RemoteFailure.capture(refusal))
 
 
