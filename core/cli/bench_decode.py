@@ -35,6 +35,8 @@ from shardline.profiling import ATTENTION, EMBEDDING_LOOKUP, MATMUL, OTHER_LAYER
 
 #: Layout name -> (tensor, pipeline, data) parallel sizes.
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+#: The concurrent requests the 12x-transformers target is set for (--concurrent's default).
+TARGET_CONCURRENT = 16
 #: The weights' dtypes both engines run here.
 DTYPES = ("float32", "bfloat16")
 QUESTION = "Write a long story about a lighthouse keeper and a storm."
@@ -419,8 +421,7 @@ def _targets(rows: list[dict]) -> list[str]:
             )
     if hf2 and custom and custom.get("concurrent_tok_s"):
         ratio = custom["concurrent_tok_s"] / hf2["batch1_tok_s"]
-        # The target is set for 16 concurrent requests (the default).
-        target = " (target >= 12)" if custom["concurrent"] == 16 else ""
+        target = " (target >= 12)" if custom["concurrent"] == TARGET_CONCURRENT else ""
         lines.append(
             f"tp2 custom_ar {custom['concurrent']} concurrent / transformers 2 threads batch 1: "
             f"{ratio:.2f}{target}"

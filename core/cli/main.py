@@ -490,8 +490,8 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
     from shardline.cli.flags import check_output_file
 
     for flag in ("json", "report"):  # results written when the command ends
-        if getattr(args, flag, None):
-            check_output_file(f"--{flag}", getattr(args, flag))
+        if path := getattr(args, flag, None):
+            check_output_file(f"--{flag}", path)
     if args.command == "plugins":
         return plugins_cmd.run(_load(args).config)
     if args.command == "explain":
