@@ -28,7 +28,8 @@ from support.server import Server
 from support.tiny_llama import write_tiny_llama
 from support.tiny_tokenizer import add_tiny_tokenizer
 
-pytestmark = pytest.mark.timeout(120)
+# One worker builds the servers and the offline answers once (pytest -n runs with --dist loadgroup).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("serve")]
 
 API_KEY = "test-key"
 PROMPTS = ["Hello", "The cat", "x", "Once upon a time"]
@@ -503,6 +504,50 @@ def test_a_killed_worker_fails_open_requests_then_the_server_recovers(
     )
     assert again.choices[0].text == offline["texts"][0]
     assert len(narrow_server.workers()) == 2
+
+
+def test_stopping_lets_open_requests_finish_then_ends_the_rest_with_an_error(
+    model_dir, offline, tmp_path
+):
+    running = Server(tmp_path / "serve.log", _overrides(model_dir))
+    url = f"{running.url}/v1/completions"
+    long = {"model": str(model_dir), "prompt": "Hello", "max_tokens": LONG, "stream": True}
+    short = long | {"max_tokens": 40, "stream": False, "temperature": 0}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", url, json=long) as stream:
+                events = stream.aiter_lines()
+                while not (await anext(events)).startswith("data: "):
+                    pass
+                finishing = asyncio.ensure_future(client.post(url, json=short))
+                while running.metric("shardline_requests_running") < 2:
+                    await asyncio.sleep(0.02)
+                running.process.send_signal(signal.SIGTERM)
+                told = time.monotonic()
+                error, error_at = None, None
+                async for line in events:
+                    if line.startswith('data: {"error"'):
+                        error_at = time.monotonic() - told
+                        error = json.loads(line[6:])["error"]
+                        break
+                rest = [line async for line in events if line.startswith("data: ")]
+            return error, error_at, rest, await finishing
+
+    try:
+        error, error_at, rest, finished = asyncio.run(scenario())
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{running.url}/health", timeout=5)  # no new connection once told
+        assert running.process.wait(15) == 128 + signal.SIGTERM
+    finally:
+        running.stop()
+    assert finished.status_code == 200, finished.text  # done within the grace: answered whole
+    assert finished.json()["choices"][0]["text"] == offline["long"]
+    assert error is not None and error["code"] == "shutting_down", running.log.read_text()
+    assert 4.0 < error_at < 8.0  # the grace (5 s), then at once
+    assert rest == ["data: [DONE]"]
+    log = running.log.read_text()
+    assert "Traceback" not in log and "Cancel" not in log, log
 
 
 # ---- the command line ------------------------------------------------------------------------

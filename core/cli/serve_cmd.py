@@ -16,9 +16,13 @@ from shardline.config.loader import LoadedConfig, load_config
 from shardline.errors import ConfigError, echo
 
 BUILTIN_SOURCE = "built-in serve config"
-#: Seconds open connections get to finish once the server is told to stop, and the engine
-#: gets to end the step it runs.
+#: Seconds open requests get to finish once the server is told to stop; then the engine ends
+#: them with an error (a stream: an error event and ``[DONE]``). Also what the engine gets to
+#: end the step it runs when it is stopped.
 STOP_GRACE_S = 5.0
+#: Seconds beyond that grace for the engine's last step and the responses' last bytes, before
+#: uvicorn would cancel a response still open.
+STOP_MARGIN_S = 3.0
 
 
 def load_serve_config(path: str | None, overrides: Sequence[str]) -> LoadedConfig:
@@ -77,7 +81,7 @@ def _serve(loaded: LoadedConfig, listener: socket.socket, api_key: str | None) -
     import uvicorn
 
     from shardline.engine import LLM
-    from shardline.serve import EngineLoop, ServedModel, ServeMetrics, build_app
+    from shardline.serve import DrainingServer, EngineLoop, ServedModel, ServeMetrics, build_app
 
     _log_to_stderr()
     metrics = ServeMetrics()
@@ -103,14 +107,16 @@ def _serve(loaded: LoadedConfig, listener: socket.socket, api_key: str | None) -
         )
         app = build_app(engine, served, metrics, api_key)
         engine.start()
-        server = uvicorn.Server(
+        server = DrainingServer(
+            engine,
+            STOP_GRACE_S,
             uvicorn.Config(
                 app,
                 log_level="warning",
                 access_log=False,
                 lifespan="off",
-                timeout_graceful_shutdown=int(STOP_GRACE_S),
-            )
+                timeout_graceful_shutdown=int(STOP_GRACE_S + STOP_MARGIN_S),
+            ),
         )
         print(_banner(served.name, listener, first.config, api_key), file=sys.stderr, flush=True)
         # uvicorn stops on Ctrl-C and raises the signal again once stopped: Python's handler

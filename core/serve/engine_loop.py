@@ -99,6 +99,7 @@ class EngineLoop:
         self._active: dict[str, Ticket] = {}
         self._num_waiting = 0  # in the scheduler's queue, as of the engine thread's last look
         self._failure: str | None = None  # why the engine is down; None while it serves
+        self._drain_deadline: float | None = None  # set once the server is told to stop
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="shardline-engine", daemon=True)
         metrics.kv_blocks_total.set(self.engine.load().blocks_total)
@@ -112,7 +113,7 @@ class EngineLoop:
         """Queue ``ticket`` for the engine. Raises ApiError 503 while the engine restarts, the
         server stops, or the waiting queue is full."""
         with self._cond:
-            if self._stopping:
+            if self._stopping or self._drain_deadline is not None:
                 raise unavailable("the server is shutting down", "shutting_down")
             if self._failure is not None:
                 raise unavailable(
@@ -122,8 +123,9 @@ class EngineLoop:
             waiting = self._num_waiting + len(self._inbox)
             if waiting >= self._max_waiting:
                 raise unavailable(
-                    f"{waiting} requests are waiting for the running batch, the most "
-                    f"serve.max_waiting_requests = {self._max_waiting} allows; retry shortly",
+                    f"{waiting} prompts are waiting for the running batch (each input of an "
+                    "embeddings request is one), the most serve.max_waiting_requests = "
+                    f"{self._max_waiting} allows; retry shortly",
                     "queue_full",
                 )
             self._inbox.append(ticket)
@@ -141,7 +143,12 @@ class EngineLoop:
     def healthy(self) -> bool:
         """Whether the engine serves and every rank is alive."""
         with self._cond:
-            if self._failure is not None or self._stopping or not self._thread.is_alive():
+            if (
+                self._failure is not None
+                or self._stopping
+                or self._drain_deadline is not None
+                or not self._thread.is_alive()
+            ):
                 return False
             engine = self.engine
         try:
@@ -149,6 +156,16 @@ class EngineLoop:
         except Exception:
             return False
         return True
+
+    def drain(self, grace_s: float) -> None:
+        """The server was told to stop: refuse new requests (503 shutting_down) and give the
+        open ones ``grace_s`` seconds to finish; then the thread ends those still open with a
+        503 update (a stream: an error event, then ``[DONE]``), as :meth:`stop` would."""
+        with self._cond:
+            deadline = time.monotonic() + grace_s
+            if self._drain_deadline is None or deadline < self._drain_deadline:
+                self._drain_deadline = deadline
+            self._cond.notify()
 
     def stop(self, timeout_s: float) -> None:
         """Stop the thread (open requests end with a 503), waiting up to ``timeout_s`` for
@@ -168,7 +185,7 @@ class EngineLoop:
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work, timeout=HEALTH_POLL_S)
-                if self._stopping:
+                if self._stopping or self._drained():
                     break
                 self._take_arrivals()
             try:
@@ -184,6 +201,10 @@ class EngineLoop:
                 if not self._restart(error):
                     break
         self._fail_open(unavailable("the server is shutting down", "shutting_down"), "abort")
+
+    def _drained(self) -> bool:
+        """Whether the grace :meth:`drain` gave has run out (caller holds the lock)."""
+        return self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
 
     def _has_work(self) -> bool:
         return bool(
