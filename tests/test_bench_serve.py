@@ -19,7 +19,8 @@ from support.server import Server
 from support.tiny_llama import write_tiny_llama
 from support.tiny_tokenizer import add_tiny_tokenizer
 
-pytestmark = pytest.mark.timeout(120)
+# One worker builds the server once (pytest -n runs with --dist loadgroup).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("bench_serve")]
 
 REQUESTS = 6
 TOKENS = 8

@@ -14,7 +14,8 @@ from shardline.launch.comm_world import ParallelSetup
 from shardline.launch.local_world import LocalWorld
 from shardline_gloo.communicator import GlooBackend
 
-pytestmark = pytest.mark.timeout(120)
+# One worker builds the TP=2 x PP=2 world once (pytest -n runs with --dist loadgroup).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("parallel_state")]
 
 
 def test_two_ranks_state_in_one_process():
