@@ -19,8 +19,7 @@ from support.server import Server
 from support.tiny_llama import write_tiny_llama
 from support.tiny_tokenizer import add_tiny_tokenizer
 
-# One worker builds the server once (pytest -n runs with --dist loadgroup).
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("bench_serve")]
+pytestmark = pytest.mark.timeout(120)
 
 REQUESTS = 6
 TOKENS = 8

@@ -16,9 +16,7 @@ from shardline.launch import hosts as simulated
 from shardline.launch.launchers import launcher_environment
 from support.cli import ROOT, shardline
 
-# One worker builds the simulated hosts once (pytest -n runs with --dist loadgroup).
 pytestmark = [
-    pytest.mark.xdist_group("hosts"),
     pytest.mark.timeout(300),
     pytest.mark.skipif(
         simulated.unavailable_reason() is not None, reason=str(simulated.unavailable_reason())

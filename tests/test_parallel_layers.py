@@ -16,8 +16,7 @@ from shardline.layers.linear import (
 )
 from shardline.layers.sharding import ShardSlice, head_shard
 
-# One worker builds the TP=2 and TP=4 worlds once (pytest -n runs with --dist loadgroup).
-pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("parallel_layers")]
+pytestmark = pytest.mark.timeout(180)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 8, 2, 4, 100
 # SmolLM2's head counts: the query heads split unevenly (4, 5 over 2 ranks; 2, 2, 2, 3 over 4).

@@ -14,8 +14,7 @@ from shardline.launch.comm_world import ParallelSetup
 from shardline.launch.local_world import LocalWorld
 from shardline_gloo.communicator import GlooBackend
 
-# One worker builds the TP=2 x PP=2 world once (pytest -n runs with --dist loadgroup).
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("parallel_state")]
+pytestmark = pytest.mark.timeout(120)
 
 
 def test_two_ranks_state_in_one_process():

@@ -34,9 +34,6 @@ from support.greedy_driver import GREEDY_TOKENS, run_script
 RAY_MISSING = importlib.util.find_spec("ray") is None
 needs_ray = pytest.mark.skipif(RAY_MISSING, reason="the ray package is not installed")
 TESTS = ROOT / "tests"
-# One worker builds the Ray instance and the two-host cluster once (pytest -n runs with
-# --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("ray_executor")
 
 # ---- placement -----------------------------------------------------------------------------
 

@@ -17,8 +17,7 @@ from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from shardline.weights.gguf_layout import GGUFLayout
 from support.smollm2 import smollm2_gguf
 
-# One worker builds transformers' reference answers once (pytest -n runs with --dist loadgroup).
-pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("smollm2")]
+pytestmark = pytest.mark.timeout(600)
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
 NEW_TOKENS = 32
