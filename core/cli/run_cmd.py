@@ -134,18 +134,7 @@ def _answer(llm: Any, messages: list[dict[str, str]]) -> str:
     """Stream the answer to stdout (in the reporting process), then one line of figures to
     stderr. Returns the answer. Should the answer stop part-way (a failure, Ctrl-C), its line
     is ended first, so what is said about it starts on a line of its own."""
-    report = llm.reports_results
-    first_token_at: list[float] = []
-    streamed = [False]
-
-    def stream(output: Any, delta: str) -> None:
-        if not first_token_at:
-            first_token_at.append(time.perf_counter())
-        if report and delta:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-            streamed[0] = True
-
+    stream = _Stream(llm.reports_results)
     started = time.perf_counter()
     try:
         if llm.tokenizer is not None and llm.tokenizer.chat_template:
@@ -153,14 +142,34 @@ def _answer(llm: Any, messages: list[dict[str, str]]) -> str:
         else:
             (output,) = llm.generate(messages[-1]["content"], stream=stream)
     except BaseException:
-        if streamed[0]:
+        if stream.wrote:
             print(flush=True)
         raise
     elapsed = time.perf_counter() - started
-    if report:
+    if stream.shown:
         print()
-        print(_figures(llm, output, elapsed, first_token_at[0] - started), file=sys.stderr)
+        first_token_s = stream.first_token_at - started
+        print(_figures(llm, output, elapsed, first_token_s), file=sys.stderr)
     return output.text
+
+
+class _Stream:
+    """The ``stream`` callback of one answer: writes each new piece of text to stdout where
+    ``shown`` (the process that reports results), and notes when the first token came and
+    whether anything was written."""
+
+    def __init__(self, shown: bool) -> None:
+        self.shown = shown
+        self.first_token_at: float | None = None
+        self.wrote = False
+
+    def __call__(self, output: Any, delta: str) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        if self.shown and delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+            self.wrote = True
 
 
 def _figures(llm: Any, output: Any, elapsed: float, first_token_s: float) -> str:
