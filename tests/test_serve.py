@@ -77,9 +77,10 @@ def offline(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    """A server with an API key, shared by the tests that leave it as they found it."""
+    """A server with an API key (from the environment), shared by the tests that leave it as
+    they found it."""
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    running = Server(log, _overrides(model_dir), "--api-key", API_KEY)
+    running = Server(log, _overrides(model_dir), env={"SHARDLINE_API_KEY": API_KEY})
     yield running
     running.stop()
 
@@ -509,19 +510,19 @@ def test_a_killed_worker_fails_open_requests_then_the_server_recovers(
 def test_stopping_lets_open_requests_finish_then_ends_the_rest_with_an_error(
     model_dir, offline, tmp_path
 ):
-    running = Server(tmp_path / "serve.log", _overrides(model_dir))
+    running = Server(tmp_path / "serve.log", _overrides(model_dir), "--api-key", API_KEY)
     url = f"{running.url}/v1/completions"
     long = {"model": str(model_dir), "prompt": "Hello", "max_tokens": LONG, "stream": True}
     short = long | {"max_tokens": 40, "stream": False, "temperature": 0}
 
     async def scenario():
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=30, headers=_auth()) as client:
             async with client.stream("POST", url, json=long) as stream:
                 events = stream.aiter_lines()
                 while not (await anext(events)).startswith("data: "):
                     pass
                 finishing = asyncio.ensure_future(client.post(url, json=short))
-                while running.metric("shardline_requests_running") < 2:
+                while running.metric("shardline_requests_running", key=API_KEY) < 2:
                     await asyncio.sleep(0.02)
                 running.process.send_signal(signal.SIGTERM)
                 told = time.monotonic()
@@ -566,3 +567,16 @@ def test_a_port_in_use_is_one_clear_line(model_dir):
     )
     empty_key = shardline("serve", "--api-key", " ", "--set", f"model.path={model_dir}")
     assert empty_key.returncode == 2 and empty_key.stderr.startswith("error: --api-key is empty")
+    empty_variable = shardline(
+        "serve", "--set", f"model.path={model_dir}", env={"SHARDLINE_API_KEY": ""}
+    )
+    assert empty_variable.returncode == 2
+    assert empty_variable.stderr.startswith("error: SHARDLINE_API_KEY is empty")
+
+
+def test_the_api_key_flag_wins_over_the_environment():
+    from shardline.cli.serve_cmd import api_key_of
+
+    assert api_key_of("from-flag", {"SHARDLINE_API_KEY": "from-env"}) == "from-flag"
+    assert api_key_of(None, {"SHARDLINE_API_KEY": "from-env"}) == "from-env"
+    assert api_key_of(None, {}) is None

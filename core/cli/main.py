@@ -387,7 +387,8 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--api-key",
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+        "$SHARDLINE_API_KEY where set, which keeps the key out of the process list)",
     )
 
 
@@ -531,7 +532,8 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
         return run_cmd.run(loaded, args.question, args.interactive)
     if args.command == "serve":
         loaded = _warned(serve_cmd.load_serve_config(args.config, args.overrides))
-        return serve_cmd.run(loaded, args.host, args.port, args.api_key)
+        api_key = serve_cmd.api_key_of(args.api_key, os.environ)
+        return serve_cmd.run(loaded, args.host, args.port, api_key)
     if args.command == "demo":
         from shardline.cli import demo_cmd
 

@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from shardline.cli.run_cmd import BUILTIN_CONFIG
 from shardline.config.loader import LoadedConfig, load_config
@@ -23,6 +23,9 @@ STOP_GRACE_S = 5.0
 #: Seconds beyond that grace for the engine's last step and the responses' last bytes, before
 #: uvicorn would cancel a response still open.
 STOP_MARGIN_S = 3.0
+#: Where the API key comes from when ``--api-key`` is not given: in the environment it stays
+#: out of the process list, where every user of the host can read a command's flags.
+API_KEY_VARIABLE = "SHARDLINE_API_KEY"
 
 
 def load_serve_config(path: str | None, overrides: Sequence[str]) -> LoadedConfig:
@@ -31,10 +34,23 @@ def load_serve_config(path: str | None, overrides: Sequence[str]) -> LoadedConfi
     return load_config(path, overrides, base=(BUILTIN_SOURCE, BUILTIN_CONFIG))
 
 
+def api_key_of(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key clients must send: ``--api-key`` where given, else ``$SHARDLINE_API_KEY``
+    where set, else None (no key required). ConfigError naming its source when it is blank."""
+    if flag is not None:
+        source, key = "--api-key", flag
+    elif API_KEY_VARIABLE in environ:
+        source, key = API_KEY_VARIABLE, environ[API_KEY_VARIABLE]
+    else:
+        return None
+    if not key.strip():
+        raise ConfigError(f"{source} is empty: give the key clients must send, or leave it out")
+    return key
+
+
 def run(loaded: LoadedConfig, host: str, port: int, api_key: str | None) -> int:
-    """Listen on ``host:port`` (0: a free port), start the engine, serve until interrupted."""
-    if api_key is not None and not api_key.strip():
-        raise ConfigError("--api-key is empty: give the key clients must send, or leave it out")
+    """Listen on ``host:port`` (0: a free port), start the engine, serve until interrupted;
+    ``api_key``: what clients must send (:func:`api_key_of`), None for none."""
     listener = listen(host, port)
     try:
         return _serve(loaded, listener, api_key)

@@ -41,6 +41,7 @@ DEFAULT_SOURCE = "default"
 #: ``SHARDLINE_*`` variables that are not config keys (read by other parts of Shardline).
 OTHER_VARIABLES = frozenset(
     {
+        "SHARDLINE_API_KEY",
         "SHARDLINE_DEBUG",
         "SHARDLINE_JOB_SECRET",
         "SHARDLINE_MODELS",

@@ -23,10 +23,16 @@ START_S = 90.0
 class Server:
     """A ``shardline serve`` process on a free port (``--port 0``; the address is read from
     its banner), stopped at the end (:meth:`stop`). ``background``: started with SIGINT
-    ignored, as a shell starts a background job."""
+    ignored, as a shell starts a background job; ``env``: variables set beside this process's
+    own."""
 
     def __init__(
-        self, log: Path, overrides: list[str], *flags: str, background: bool = False
+        self,
+        log: Path,
+        overrides: list[str],
+        *flags: str,
+        background: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         command = [SHARDLINE, "serve", "--port", "0", *flags]
         for item in overrides:
@@ -38,6 +44,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=self._log_file,
             cwd=ROOT,
+            env={**os.environ, **(env or {})},
             preexec_fn=_ignore_sigint if background else None,
         )
         self.url = self._wait_for_banner()
