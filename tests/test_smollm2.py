@@ -15,6 +15,7 @@ from shardline.launch.launchers import run_launched
 from shardline.tokenizer import Tokenizer
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from shardline.weights.gguf_layout import GGUFLayout
+from support.run_once import computed_once
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(600)
@@ -99,33 +100,38 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def reference_model(gguf_path):
-    from transformers import AutoModelForCausalLM
+def reference(gguf_path, prompts, tokenizer, tmp_path_factory):
+    """What transformers makes of the real model, computed once per run (both pytest workers
+    use it): ``tokens``, the greedy continuation of each prompt (shorter if it stops at EOS),
+    and ``embedding``, the final hidden state of EMBED_TEXT's last token, L2-normalized."""
 
-    return AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    def compute():
+        from transformers import AutoModelForCausalLM
 
-
-@pytest.fixture(scope="module")
-def reference_tokens(reference_model, prompts):
-    """transformers' greedy continuation of each prompt (shorter if it stops at EOS)."""
-    result = []
-    for prompt in prompts:
-        out = reference_model.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
         )
-        result.append(out[0, len(prompt) :].tolist())
-    return result
+        tokens = []
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            tokens.append(out[0, len(prompt) :].tolist())
+        ids = torch.tensor([tokenizer.encode(EMBED_TEXT)])
+        with torch.no_grad():
+            hidden = model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
+        embedding = torch.nn.functional.normalize(hidden, dim=0)
+        return {"tokens": tokens, "embedding": embedding.tolist()}
+
+    return computed_once(tmp_path_factory, "smollm2-reference", compute)
 
 
 @pytest.fixture(scope="module")
-def reference_embedding(reference_model, tokenizer):
-    """transformers' final hidden state of EMBED_TEXT's last token, L2-normalized."""
-    ids = torch.tensor([tokenizer.encode(EMBED_TEXT)])
-    with torch.no_grad():
-        hidden = reference_model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
-    return torch.nn.functional.normalize(hidden, dim=0)
+def reference_tokens(reference):
+    return reference["tokens"]
+
+
+@pytest.fixture(scope="module")
+def reference_embedding(reference):
+    return torch.tensor(reference["embedding"])
 
 
 def test_chat_prompts_tokenize_like_transformers(prompts, reference_tokenizer):
