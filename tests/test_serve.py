@@ -545,6 +545,7 @@ def test_stopping_lets_open_requests_finish_then_ends_the_rest_with_an_error(
     assert finished.status_code == 200, finished.text  # done within the grace: answered whole
     assert finished.json()["choices"][0]["text"] == offline["long"]
     assert error is not None and error["code"] == "shutting_down", running.log.read_text()
+    assert error["message"] == "the server is shutting down; the request was not completed"
     assert 4.0 < error_at < 8.0  # the grace (5 s), then at once
     assert rest == ["data: [DONE]"]
     log = running.log.read_text()

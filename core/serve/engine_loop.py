@@ -200,7 +200,12 @@ class EngineLoop:
             except Exception as error:
                 if not self._restart(error):
                     break
-        self._fail_open(unavailable("the server is shutting down", "shutting_down"), "abort")
+        self._fail_open(
+            unavailable(
+                "the server is shutting down; the request was not completed", "shutting_down"
+            ),
+            "abort",
+        )
 
     def _drained(self) -> bool:
         """Whether the grace :meth:`drain` gave has run out (caller holds the lock)."""
