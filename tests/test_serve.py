@@ -28,8 +28,7 @@ from support.server import Server
 from support.tiny_llama import write_tiny_llama
 from support.tiny_tokenizer import add_tiny_tokenizer
 
-# One worker builds the servers and the offline answers once (pytest -n runs with --dist loadgroup).
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("serve")]
+pytestmark = pytest.mark.timeout(120)
 
 API_KEY = "test-key"
 PROMPTS = ["Hello", "The cat", "x", "Once upon a time"]
