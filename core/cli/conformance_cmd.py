@@ -9,7 +9,8 @@ import types
 
 import pytest
 
-from shardline.cli.flags import check_seconds, checked_world_sizes
+from shardline.cli.flags import check_seconds
+from shardline.config.capacity import checked_world_sizes
 from shardline.errors import ConfigError
 from shardline.interfaces import CommunicatorBackend, Executor
 from shardline.registry import Registry

@@ -7,12 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from shardline.config.capacity import (
-    DEFAULT_MEMORY_FRACTION,
-    HostMemory,
-    check_rank_processes,
-    size_text,
-)
+from shardline.config.capacity import DEFAULT_MEMORY_FRACTION, HostMemory, size_text
 from shardline.config.schema import MAX_TIMEOUT_S
 from shardline.errors import ConfigError
 
@@ -33,22 +28,6 @@ def check_count(flag: str, value: int, low: int, high: int, why: str = "") -> No
     if not low <= value <= high:
         reason = f" ({why})" if why else ""
         raise ConfigError(f"{flag} = {value}: allowed: {low}..{high}{reason}", field=flag)
-
-
-def checked_world_sizes(flag: str, raw: str) -> list[int]:
-    """The world sizes of ``flag`` (``1,2,4``): positive, and as many rank processes as the
-    largest fit this host (:func:`check_rank_processes`); else ConfigError naming ``flag``."""
-    try:
-        sizes = [int(part) for part in raw.split(",") if part.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise ConfigError(
-            f"{flag} = {raw!r}: allowed: comma-separated positive integers, e.g. 1,2,4",
-            field=flag,
-        )
-    check_rank_processes(max(sizes), f"{flag} {raw}")
-    return sizes
 
 
 def check_host_memory(what: str, need: int, allowed: str) -> None:

@@ -97,6 +97,22 @@ def check_rank_processes(count: int, what: str, host: HostMemory | None = None) 
     )
 
 
+def checked_world_sizes(flag: str, raw: str) -> list[int]:
+    """The world sizes of ``flag`` (``1,2,4``): positive, and as many rank processes as the
+    largest fit this host (:func:`check_rank_processes`); else ConfigError naming ``flag``."""
+    try:
+        sizes = [int(part) for part in raw.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(
+            f"{flag} = {raw!r}: allowed: comma-separated positive integers, e.g. 1,2,4",
+            field=flag,
+        )
+    check_rank_processes(max(sizes), f"{flag} {raw}")
+    return sizes
+
+
 @dataclass(frozen=True)
 class HostRanks:
     """The ranks of the world that run on this host, those that are new processes (each

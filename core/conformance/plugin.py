@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shardline.cli.flags import checked_world_sizes
+from shardline.config.capacity import checked_world_sizes
 from shardline.conformance.reporting import case_reason, summary, write_report
 from shardline.errors import CommTimeoutError, ConfigError, PeerLostError, WorkerError
 from shardline.interfaces import Capabilities

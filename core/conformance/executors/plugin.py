@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from shardline.cli.flags import checked_world_sizes
+from shardline.config.capacity import checked_world_sizes
 from shardline.conformance.executors.checks import (
     CHECKS,
     Subject,
