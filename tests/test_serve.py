@@ -102,6 +102,15 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
+async def _error_event(events, since: float) -> tuple[dict | None, float | None]:
+    """The next error event of a stream's lines and the seconds from ``since`` until it came;
+    (None, None) when the stream ends without one."""
+    async for line in events:
+        if line.startswith('data: {"error"'):
+            return json.loads(line[6:])["error"], time.monotonic() - since
+    return None, None
+
+
 def _sse(response: httpx.Response) -> list[str]:
     """The ``data:`` payloads of an event stream, as they arrive."""
     return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
@@ -474,12 +483,7 @@ def test_a_killed_worker_fails_open_requests_then_the_server_recovers(
                 while "shardline_requests_waiting 1.0" not in (await client.get(metrics)).text:
                     await asyncio.sleep(0.02)  # the queued request waits in the engine
                 os.kill(old_workers[1], signal.SIGKILL)
-                killed = time.monotonic()
-                async for line in events:
-                    if line.startswith('data: {"error"'):
-                        error_at = time.monotonic() - killed
-                        error = json.loads(line[6:])["error"]
-                        break
+                error, error_at = await _error_event(events, since=time.monotonic())
                 health = await client.get(f"{url}/health")
                 refused = await client.post(f"{url}/v1/completions", json=long)
                 rest = [line async for line in events if line.startswith("data: ")]
@@ -524,13 +528,7 @@ def test_stopping_lets_open_requests_finish_then_ends_the_rest_with_an_error(
                 while running.metric("shardline_requests_running", key=API_KEY) < 2:
                     await asyncio.sleep(0.02)
                 running.process.send_signal(signal.SIGTERM)
-                told = time.monotonic()
-                error, error_at = None, None
-                async for line in events:
-                    if line.startswith('data: {"error"'):
-                        error_at = time.monotonic() - told
-                        error = json.loads(line[6:])["error"]
-                        break
+                error, error_at = await _error_event(events, since=time.monotonic())
                 rest = [line async for line in events if line.startswith("data: ")]
             return error, error_at, rest, await finishing
 
