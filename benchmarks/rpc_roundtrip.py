@@ -10,9 +10,10 @@ built) and with the pure-Python fallback (``SHARDLINE_NATIVE=0``, inherited by t
 With the C ring the executor is also timed pinned, in the two placements three processes
 have on two cores: the driver on one core with the output rank (the rank that replies) or
 with the other rank (every thread of each process pinned; a placement the scheduler may pick
-for the unpinned run). Prints median and p90 in microseconds and, for the executor, the
-driver's CPU time per call (every thread's, its waits' spinning included), a table, and JSON
-with ``--json``.
+for the unpinned run). Prints median, p90, p99 and mean in microseconds (the mean shows a
+reader that falls behind and catches up in bursts, which percentiles can hide) and, for the
+executor, the driver's CPU time per call (every thread's, its waits' spinning included), a
+table, and JSON with ``--json``.
 
     python benchmarks/rpc_roundtrip.py --model PATH [--iterations 2000] [--repeats 3]
         [--json out.json]
@@ -49,6 +50,8 @@ def _summary(samples: list[float]) -> dict:
     return {
         "median_us": statistics.median(ordered) * 1e6,
         "p90_us": ordered[int(0.9 * (len(ordered) - 1))] * 1e6,
+        "p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
+        "mean_us": statistics.fmean(ordered) * 1e6,
         "iterations": len(ordered),
     }
 
@@ -231,7 +234,7 @@ def main() -> int:
     results = {
         name: {
             key: statistics.median(run[key] for run in repeats)
-            for key in ("median_us", "p90_us", "driver_cpu_us")
+            for key in ("median_us", "p90_us", "p99_us", "mean_us", "driver_cpu_us")
             if key in repeats[0]
         }
         | {"repeats": repeats}
@@ -241,14 +244,14 @@ def main() -> int:
     width = max(len(name) for name in results)
     print(
         f"{'round trip':<{width}} {'median us':>10} {'p90 us':>10} {'p90/median':>11}"
-        f" {'driver CPU us/call':>19}"
+        f" {'p99 us':>10} {'mean us':>10} {'driver CPU us/call':>19}"
     )
     for name, row in results.items():
         ratio = row["p90_us"] / row["median_us"]
         cpu = f"{row['driver_cpu_us']:.1f}" if "driver_cpu_us" in row else "-"
         print(
             f"{name:<{width}} {row['median_us']:>10.1f} {row['p90_us']:>10.1f} {ratio:>11.2f}"
-            f" {cpu:>19}"
+            f" {row['p99_us']:>10.1f} {row['mean_us']:>10.1f} {cpu:>19}"
         )
     if args.json:
         with open(args.json, "w") as handle:
