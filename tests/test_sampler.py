@@ -1,10 +1,11 @@
-"""Sampling: greedy is argmax; seeded draws repeat; top-k and top-p restrict the support."""
+"""Sampling: greedy is argmax; seeded draws repeat; top-k and top-p restrict the support;
+log-probabilities are the model's (before any sampling filter), k most likely first."""
 
 import pytest
 import torch
 
 from shardline.interfaces.step import SamplingParams
-from shardline.worker.sampler import make_generator, sample_rows
+from shardline.worker.sampler import make_generator, sample_rows, token_logprobs
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5, 1.0])
 
@@ -65,8 +66,33 @@ def test_high_temperature_reaches_every_token():
         ({"top_k": -2}, "top_k"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": -1}, "logprobs = -1: must be from 0 to 20"),
+        ({"logprobs": 21}, "logprobs = 21: must be from 0 to 20"),
     ],
 )
 def test_bad_parameters_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_are_the_logits_log_softmax_most_likely_first():
+    rows = torch.stack([LOGITS, LOGITS.flip(0), LOGITS * 3])
+    expected = torch.log_softmax(rows, dim=-1)
+    # Row 0 asks for 2 alternatives, row 1 for none, row 2 for the token's own only.
+    found = token_logprobs(rows, [4, 0, 1], [2, None, 0])
+    assert found[1] is None
+    assert found[0].logprob == pytest.approx(expected[0, 4].item())
+    assert [token for token, _ in found[0].top] == [1, 2]
+    assert [value for _, value in found[0].top] == pytest.approx(expected[0, [1, 2]].tolist())
+    assert found[2].logprob == pytest.approx(expected[2, 1].item())
+    assert found[2].top == ()
+
+
+def test_logprobs_ignore_temperature_and_filters():
+    # A draw with a low temperature and top-k 1 still reports the unfiltered distribution.
+    params = SamplingParams(temperature=0.1, top_k=1, seed=3, logprobs=1)
+    (token,) = sample_rows(LOGITS[None], [params], [make_generator(params)])
+    (found,) = token_logprobs(LOGITS[None], [token], [params.logprobs])
+    assert token == 1
+    assert found.logprob == pytest.approx(torch.log_softmax(LOGITS, dim=0)[1].item())
+    assert found.logprob < -0.5  # 2.0 against 1.9 and the rest: far from probability 1

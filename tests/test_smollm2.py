@@ -1,7 +1,7 @@
 """The real model: SmolLM2-135M-Instruct (Q4_1 GGUF). Its tokenizer and chat template (read
 from GGUF metadata) match transformers'; ``LLM.chat`` gives transformers' greedy answers for
-three questions under TP=1, TP=2 (gloo, custom all-reduce, MPI under mpiexec) and PP=2;
-streamed text adds up to the answer; a stop string cuts it."""
+three questions under TP=1, TP=2 (gloo, custom all-reduce, MPI under mpiexec) and PP=2, and
+its log-probabilities of them; streamed text adds up to the answer; a stop string cuts it."""
 
 import json
 
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(600)
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
 NEW_TOKENS = 32
 EMBED_TEXT = "The lighthouse keeper watched the storm roll in."
+TOP_LOGPROBS = 3
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,10 @@ def prompts(tokenizer):
 def reference(gguf_path, prompts, tokenizer, tmp_path_factory):
     """What transformers makes of the real model, computed once per run (both pytest workers
     use it): ``tokens``, the greedy continuation of each prompt (shorter if it stops at EOS),
-    and ``embedding``, the final hidden state of EMBED_TEXT's last token, L2-normalized."""
+    ``logprobs``, per answer token its log-probability and the TOP_LOGPROBS most likely
+    ``[id, log-probability]`` pairs (log_softmax of the logits of a forward pass over prompt
+    and answer), and ``embedding``, the final hidden state of EMBED_TEXT's last token,
+    L2-normalized."""
 
     def compute():
         from transformers import AutoModelForCausalLM
@@ -111,15 +115,28 @@ def reference(gguf_path, prompts, tokenizer, tmp_path_factory):
         model = AutoModelForCausalLM.from_pretrained(
             gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
         )
-        tokens = []
+        tokens, logprobs = [], []
         for prompt in prompts:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-            tokens.append(out[0, len(prompt) :].tolist())
+            answer = out[0, len(prompt) :].tolist()
+            tokens.append(answer)
+            with torch.no_grad():
+                logits = model(out).logits[0, len(prompt) - 1 : -1]
+            scores = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(scores, TOP_LOGPROBS, dim=-1)
+            logprobs.append(
+                [
+                    [scores[i, token].item(), list(zip(ids, values, strict=True))]
+                    for i, (token, ids, values) in enumerate(
+                        zip(answer, top.indices.tolist(), top.values.tolist(), strict=True)
+                    )
+                ]
+            )
         ids = torch.tensor([tokenizer.encode(EMBED_TEXT)])
         with torch.no_grad():
             hidden = model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
         embedding = torch.nn.functional.normalize(hidden, dim=0)
-        return {"tokens": tokens, "embedding": embedding.tolist()}
+        return {"tokens": tokens, "logprobs": logprobs, "embedding": embedding.tolist()}
 
     return computed_once(tmp_path_factory, "smollm2-reference", compute)
 
@@ -153,20 +170,42 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("overrides", [o for _, o in LAYOUTS], ids=[n for n, _ in LAYOUTS])
-def test_llm_chat_gives_transformers_greedy_answers(
-    gguf_path, tokenizer, reference_tokens, overrides
+def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
+    gguf_path, tokenizer, reference, overrides
 ):
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     with LLM(overrides=[f"model.path={gguf_path}", *overrides], environ={}) as llm:
-        outputs = llm.chat(
-            [[{"role": "user", "content": q}] for q in QUESTIONS],
-            SamplingParams(max_tokens=NEW_TOKENS),
+        outputs = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS))
+        # Asking for log-probabilities takes the gathered logits' path, not the greedy one.
+        scored = llm.chat(
+            conversations, SamplingParams(max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS)
         )
-    for output, reference in zip(outputs, reference_tokens, strict=True):
-        assert len(reference) >= 8
-        assert output.token_ids == reference, tokenizer.decode(output.token_ids)
-        assert output.text == tokenizer.decode(reference)
-        stopped_at_eos = reference[-1] in tokenizer.eos_token_ids
+    for output, reference_answer in zip(outputs, reference["tokens"], strict=True):
+        assert len(reference_answer) >= 8
+        assert output.token_ids == reference_answer, tokenizer.decode(output.token_ids)
+        assert output.text == tokenizer.decode(reference_answer)
+        stopped_at_eos = reference_answer[-1] in tokenizer.eos_token_ids
         assert output.finish_reason == ("stop" if stopped_at_eos else "length")
+        assert output.logprobs is None
+    for output, reference_answer, reference_logprobs in zip(
+        scored, reference["tokens"], reference["logprobs"], strict=True
+    ):
+        assert output.token_ids == reference_answer
+        assert len(output.logprobs) == len(reference_answer)
+        for token, found, (logprob, top) in zip(
+            reference_answer, output.logprobs, reference_logprobs, strict=True
+        ):
+            assert found.logprob == pytest.approx(logprob, abs=2e-3)
+            assert found.top[0][0] == token  # greedy: the most likely
+            assert len(found.top) == TOP_LOGPROBS
+            # Ids may swap only where transformers' own log-probabilities (nearly) tie.
+            for (found_id, found_value), (ref_id, ref_value) in zip(found.top, top, strict=True):
+                assert found_value == pytest.approx(ref_value, abs=2e-3)
+                if found_id != ref_id:
+                    assert any(
+                        other_id == found_id and abs(other_value - ref_value) < 4e-3
+                        for other_id, other_value in top
+                    ), (found.top, top)
 
 
 def test_llm_under_mpiexec_with_mpi_gives_transformers_answers_and_embeddings(

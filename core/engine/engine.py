@@ -20,7 +20,12 @@ from shardline.engine.detokenizer import Detokenizer
 from shardline.engine.scheduler import Request, Scheduler
 from shardline.errors import CommTimeoutError, ConfigError, RequestError
 from shardline.interfaces import Executor
-from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from shardline.interfaces.step import (
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from shardline.profiling import NO_TIMER, StepTimer
 from shardline.registry import Registry
 from shardline.weights import load_tokenizer, open_checkpoint
@@ -34,7 +39,9 @@ STEP_GRACE_S = 5.0
 class RequestOutput:
     """What a request has produced so far. ``text`` excludes special tokens and stop
     strings; ``finish_reason`` is "stop" (end-of-sequence, stop token or stop string),
-    "length" (max_tokens or max_model_len), "pooled" (embedding ready) or None (running)."""
+    "length" (max_tokens or max_model_len), "pooled" (embedding ready) or None (running).
+    ``logprobs``: one entry per token of ``token_ids`` where the request's
+    ``SamplingParams.logprobs`` asks for them, else None."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -42,6 +49,7 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None
     embedding: Any = None
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -195,6 +203,8 @@ class LLMEngine:
         replica.scheduler.add_request(request)
         self._next_id += 1
         output = RequestOutput(req_id, request.prompt_token_ids)
+        if sampling.logprobs is not None and pooling is None:
+            output.logprobs = []
         self._outputs[req_id] = output
         self._detokenizers[req_id] = Detokenizer(self.tokenizer, sampling.stop)
         self._replica_of[req_id] = replica
@@ -242,6 +252,8 @@ class LLMEngine:
         for request in updated:
             output = self._outputs[request.req_id]
             output.token_ids = list(request.output_token_ids)
+            if output.logprobs is not None:
+                output.logprobs += request.output_logprobs[len(output.logprobs) :]
             detokenizer = self._detokenizers[request.req_id]
             with self.timer("detokenize"):
                 delta, stopped = detokenizer.update(output.token_ids)

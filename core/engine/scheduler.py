@@ -27,6 +27,7 @@ from shardline.interfaces.step import (
     NewRequest,
     SamplingParams,
     SchedulerOutput,
+    TokenLogprobs,
 )
 
 
@@ -45,6 +46,8 @@ class Request:
     sampling: SamplingParams
     pooling: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    #: Per output token, where ``sampling.logprobs`` asks for them.
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     embedding: Any = None
@@ -272,6 +275,8 @@ class Scheduler:
             if token is None:
                 continue
             request.output_token_ids.append(token)
+            if runner_output.logprobs is not None and request.sampling.logprobs is not None:
+                request.output_logprobs.append(runner_output.logprobs[index])
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.finish(request, reason)

@@ -12,6 +12,7 @@ from shardline.interfaces.step import (
     NewRequest,
     SamplingParams,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from shardline.interfaces.work import Work
 
@@ -33,5 +34,6 @@ __all__ = [
     "Rendezvous",
     "SamplingParams",
     "SchedulerOutput",
+    "TokenLogprobs",
     "Work",
 ]

@@ -1,11 +1,15 @@
 """The typed step: what the scheduler sends every rank each step (:class:`SchedulerOutput`),
-and what the output rank sends back (:class:`ModelRunnerOutput`, sampled tokens or pooled
-vectors)."""
+and what the output rank sends back (:class:`ModelRunnerOutput`, sampled tokens, with their
+log-probabilities where asked, or pooled vectors)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+#: The most alternatives a request may ask log-probabilities of, per token (vLLM's default
+#: ``max_logprobs``; OpenAI's chat ``top_logprobs`` allows as many).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -16,7 +20,11 @@ class SamplingParams:
 
     A request stops after ``max_tokens`` tokens, at the model's end-of-sequence token (unless
     ``ignore_eos``), at any of ``stop_token_ids``, or when its text contains one of ``stop``
-    (the text is cut before it)."""
+    (the text is cut before it).
+
+    ``logprobs`` k (None: off) asks for each generated token's log-probability and those of
+    the k most likely tokens at its position (0 to :data:`MAX_LOGPROBS`), from the model's
+    distribution before temperature, top-k and top-p (``log_softmax`` of the logits)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -26,6 +34,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -40,6 +49,10 @@ class SamplingParams:
             raise ValueError(f"stop = {self.stop!r}: must be a sequence of non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs = {self.logprobs}: must be from 0 to {MAX_LOGPROBS} (or None: off)"
+            )
 
 
 @dataclass(frozen=True)
@@ -83,11 +96,24 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and, most likely first, the ``(token id,
+    log-probability)`` of the k most likely tokens at its position (k: the request's
+    ``logprobs``)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """Per scheduled request (batch order): the token sampled this step, or None when the
     step only computed part of its prompt. A pooling step has ``pooled`` instead: per request
-    its embedding (float32, ``[hidden]``), or None for a prompt chunk that is not the last."""
+    its embedding (float32, ``[hidden]``), or None for a prompt chunk that is not the last.
+    ``logprobs``, when some request of the step asked for them: per request its token's
+    :class:`TokenLogprobs`, or None (no token, or not asked)."""
 
     req_ids: list[str]
     sampled_token_ids: list[int | None]
     pooled: list[Any] | None = None
+    logprobs: list[TokenLogprobs | None] | None = None

@@ -25,7 +25,7 @@ from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, Schedul
 from shardline.launch.launcher_env import local_rank
 from shardline.layers.attention import AttentionMetadata, KVCache
 from shardline.profiling import NO_TIMER, StepTimer
-from shardline.worker.sampler import make_generator, sample_rows
+from shardline.worker.sampler import make_generator, sample_rows, token_logprobs
 
 
 def rank_device(kind: str, rank: int, environ: Mapping[str, str] = os.environ) -> torch.device:
@@ -132,22 +132,29 @@ class CausalLMRunner(ModelRunner):
             for req_id, row in zip(req_ids, final_rows, strict=True)
             if row is not None
         ]
-        if all(request.sampling.temperature == 0 for request in finishing):
+        asked = [request.sampling.logprobs for request in finishing]
+        found = None
+        if all(r.sampling.temperature == 0 for r in finishing) and all(k is None for k in asked):
             greedy = self.model.greedy_token_ids(output[rows])
             with self.timer("sampling"):
-                drawn = iter(greedy.tolist())
+                tokens = greedy.tolist()
         else:
             logits = self.model.compute_logits(output[rows])
             with self.timer("sampling"):
-                drawn = iter(
-                    sample_rows(
-                        logits,
-                        [request.sampling for request in finishing],
-                        [request.generator for request in finishing],
-                    )
+                tokens = sample_rows(
+                    logits,
+                    [request.sampling for request in finishing],
+                    [request.generator for request in finishing],
                 )
+                if any(k is not None for k in asked):
+                    found = token_logprobs(logits, tokens, asked)
+        drawn = iter(tokens)
         sampled = [None if row is None else next(drawn) for row in final_rows]
-        return ModelRunnerOutput(req_ids, sampled)
+        if found is None:
+            return ModelRunnerOutput(req_ids, sampled)
+        each = iter(found)
+        logprobs = [None if row is None else next(each) for row in final_rows]
+        return ModelRunnerOutput(req_ids, sampled, logprobs=logprobs)
 
     def _pool_hidden(
         self,

@@ -1,7 +1,8 @@
-"""Turning logits into tokens: greedy, or temperature + top-k + top-p with a seeded draw.
+"""Turning logits into tokens: greedy, or temperature + top-k + top-p with a seeded draw;
+and the tokens' log-probabilities where a request asks (:func:`token_logprobs`).
 
-Sampling runs where the logits are (the rank's device); only the chosen token ids come back
-to the host, once per step (:func:`sample_rows`).
+Sampling runs where the logits are (the rank's device); only the chosen token ids (and the
+asked log-probabilities) come back to the host, once per step (:func:`sample_rows`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardline.interfaces.step import SamplingParams
+from shardline.interfaces.step import SamplingParams, TokenLogprobs
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
@@ -49,3 +50,31 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
         scores = scores.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
     probabilities = torch.softmax(scores, dim=-1)
     return torch.multinomial(probabilities, 1, generator=generator)[0]
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int | None]
+) -> list[TokenLogprobs | None]:
+    """Per row of ``[rows, vocab]`` logits with ``ks[i]`` not None: the log-probability of
+    ``token_ids[i]`` and the ``ks[i]`` most likely tokens', from ``log_softmax`` of the
+    row in float32 (the model's distribution, before any sampling filter); None for the
+    other rows. Read back in one transfer."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    if not rows:
+        return [None] * len(ks)
+    index = torch.tensor(rows, device=logits.device)
+    chosen = torch.tensor([token_ids[i] for i in rows], device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    picked = logprobs.gather(1, chosen[:, None])[:, 0]
+    most = max(ks[i] for i in rows)
+    top = torch.topk(logprobs, most, dim=-1) if most else None
+    picked_list = picked.tolist()
+    top_values = top.values.tolist() if top is not None else [[]] * len(rows)
+    top_ids = top.indices.tolist() if top is not None else [[]] * len(rows)
+    found: list[TokenLogprobs | None] = [None] * len(ks)
+    for n, i in enumerate(rows):
+        k = ks[i]
+        found[i] = TokenLogprobs(
+            picked_list[n], tuple(zip(top_ids[n][:k], top_values[n][:k], strict=True))
+        )
+    return found
