@@ -12,6 +12,25 @@ from shardline.errors import ConfigError, RequestError
 _SPECIAL_TOKEN_TYPES = (3, 4)
 
 
+def _byte_of_character() -> dict[str, int]:
+    """Byte-level BPE's alphabet, read backwards: a token is spelled with one character per
+    byte, the byte itself where it is a printable Latin-1 character other than a space
+    (``!``-``~``, ``¡``-``¬``, ``®``-``ÿ``), otherwise the next character from U+0100 on."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    character = {byte: chr(byte) for byte in printable}
+    for byte in range(256):
+        if byte not in character:
+            character[byte] = chr(256 + len(character) - len(printable))
+    return {char: byte for byte, char in character.items()}
+
+
+_BYTE_OF_CHARACTER = _byte_of_character()
+
+
 def unicode_problem(text: str) -> str | None:
     """What keeps ``text`` from being tokenized, or None: a lone surrogate, which is what
     bytes that are not UTF-8 become in Python's arguments and input, and what a JSON escape
@@ -41,6 +60,10 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.add_bos = add_bos
+        from tokenizers import decoders
+
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
 
     @classmethod
     def from_gguf(cls, checkpoint: Any) -> Tokenizer:
@@ -129,6 +152,20 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own, which may be part of a UTF-8 character
+        (a special token: its text, e.g. ``<|im_end|>``; an id outside the vocabulary:
+        nothing)."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id not in self._added_ids and self._byte_level:
+            try:
+                return bytes(_BYTE_OF_CHARACTER[char] for char in token)
+            except KeyError:
+                pass  # not spelled in the byte alphabet: decode it
+        return self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True

@@ -26,7 +26,7 @@ from shardline.conformance.executors.checks import wait_gone
 from support.cli import shardline
 from support.server import Server
 from support.tiny_llama import write_tiny_llama
-from support.tiny_tokenizer import add_tiny_tokenizer
+from support.tiny_tokenizer import CHARACTERS, SPECIAL, add_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,6 +71,7 @@ def offline(model_dir):
             "long": llm.generate("Hello", SamplingParams(max_tokens=40))[0].text,
             "chat": chat.text,
             "embeddings": [v.tolist() for v in llm.embed(["Hello", "abc"])],
+            "scored": llm.generate("Hello", SamplingParams(max_tokens=TOKENS, logprobs=2))[0],
         }
 
 
@@ -195,6 +196,56 @@ def test_streaming_gives_each_token_as_made_and_usage_last(server, model_dir, of
     assert chat[-1].choices[0].finish_reason == "length"
 
 
+def test_logprobs_equal_offline_in_both_shapes_whole_and_streamed(server, model_dir, offline):
+    scored = offline["scored"]  # greedy "Hello", 2 alternatives per token
+    spelled = [[*SPECIAL, *CHARACTERS][token] for token in scored.token_ids]
+    values = [found.logprob for found in scored.logprobs]
+    client = _client(server)
+    asked = {"model": str(model_dir), "max_tokens": TOKENS, "temperature": 0}
+    whole = client.completions.create(prompt="Hello", logprobs=2, **asked).choices[0]
+    assert whole.text == offline["texts"][0]
+    assert whole.logprobs.tokens == spelled
+    assert whole.logprobs.token_logprobs == pytest.approx(values, abs=1e-6)
+    assert whole.logprobs.text_offset == [sum(map(len, spelled[:i])) for i in range(TOKENS)]
+    for top, found, token in zip(
+        whole.logprobs.top_logprobs, scored.logprobs, spelled, strict=True
+    ):
+        # The 2 most likely, the chosen (greedy: the first) among them.
+        assert list(top) == [[*SPECIAL, *CHARACTERS][i] for i, _ in found.top]
+        assert list(top.values()) == pytest.approx([v for _, v in found.top], abs=1e-6)
+        assert top[token] == pytest.approx(found.logprob, abs=1e-6)
+    streamed = [
+        chunk.choices[0].logprobs
+        for chunk in client.completions.create(prompt="Hello", logprobs=2, stream=True, **asked)
+        if chunk.choices and chunk.choices[0].logprobs is not None
+    ]
+    for field in ("tokens", "text_offset", "token_logprobs"):
+        joined = [value for part in streamed for value in getattr(part, field)]
+        assert joined == getattr(whole.logprobs, field), field
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=2, **asked
+    ).choices[0]
+    assert chat.message.content == offline["chat"]
+    assert len(chat.logprobs.content) == TOKENS
+    for entry in chat.logprobs.content:
+        assert bytes(entry.bytes).decode() == entry.token and entry.logprob <= 0
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].token == entry.token  # greedy
+    chunks = client.chat.completions.create(messages=messages, logprobs=True, stream=True, **asked)
+    content = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in content] == [e.token for e in chat.logprobs.content]
+    assert all(e.top_logprobs == [] for e in content)  # top_logprobs left out: none
+    plain = client.chat.completions.create(messages=messages, **asked).choices[0]
+    assert plain.logprobs is None
+
+
 def test_async_clients_share_the_running_batch(server, model_dir, offline):
     async def ask_all():
         client = openai.AsyncOpenAI(
@@ -278,6 +329,15 @@ def test_raw_event_stream(server, model_dir, offline):
         ("completions", {"prompt": 5}, "prompt", "allowed: str, list[int]"),
         ("completions", {"prompt": [7, 100]}, "prompt", "outside the vocabulary"),
         ("completions", {"n": 2}, "n", "one choice per request"),
+        ("completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ("completions", {"logprobs": -1}, "logprobs", "greater than or equal to 0"),
+        ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs = true"),
+        (
+            "chat/completions",
+            {"logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+            "less than or equal to 20",
+        ),
         ("completions", {"stop": [""]}, "stop", "empty stop string"),
         ("completions", {"stop": ["a"] * 17}, "stop", "17 strings; allowed: at most 16"),
         ("completions", {"prompt": None}, "prompt", "allowed"),

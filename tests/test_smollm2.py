@@ -86,6 +86,25 @@ def test_tokenizer_and_chat_template_match_transformers(tokenizer, reference_tok
     assert tokenizer.eos_token_ids == {reference_tokenizer.eos_token_id}
 
 
+def test_token_bytes_spell_the_text_a_character_split_over_tokens_included(tokenizer):
+    text = "Paris, café 🙂 naïve 鑫"
+    ids = tokenizer.encode(text)
+    spelled = [tokenizer.token_bytes(token) for token in ids]
+    assert b"".join(spelled) == text.encode()
+    # Some token holds only part of a character: its bytes are not UTF-8 on their own.
+    assert any(not _is_utf8(part) for part in spelled), spelled
+    (end,) = tokenizer.encode("<|im_end|>")
+    assert tokenizer.token_bytes(end) == b"<|im_end|>"
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_text_that_is_not_unicode_is_a_request_error_not_the_backends_type_error(tokenizer):
     # Bytes that are not UTF-8 reach Python as lone surrogates (arguments, input, JSON).
     with pytest.raises(RequestError, match=r"not Unicode text \(a lone surrogate at character 5\)"):

@@ -100,7 +100,8 @@ def build_app(
         served.check_name(body.model)
         refuse_unsupported(body)
         prompt = inputs.completion_prompt(served, body)
-        shape = outputs.CompletionShape(served.name)
+        texts = None if body.logprobs is None else outputs.TokenTexts(served.tokenizer)
+        shape = outputs.CompletionShape(served.name, texts)
         return await _generate(request, body, prompt, shape)
 
     @api.post("/v1/chat/completions")
@@ -108,7 +109,8 @@ def build_app(
         served.check_name(body.model)
         refuse_unsupported(body)
         prompt = inputs.chat_prompt(served, body)
-        shape = outputs.ChatShape(served.name)
+        texts = outputs.TokenTexts(served.tokenizer) if body.logprobs else None
+        shape = outputs.ChatShape(served.name, texts)
         return await _generate(request, body, prompt, shape)
 
     @api.post("/v1/embeddings")
@@ -132,7 +134,7 @@ def build_app(
             return Response(status_code=499)
         data = [
             {"object": "embedding", "index": i, "embedding": _vector(update, body.encoding_format)}
-            for i, (_, update) in enumerate(done)
+            for i, (_, update, _) in enumerate(done)
         ]
         tokens = sum(len(ids) for ids in batch)
         return JSONResponse(
@@ -158,9 +160,9 @@ def build_app(
         done = await _while_connected(request, outputs.collect(engine, ticket))
         if done is None:
             return Response(status_code=499)
-        text, last = done
+        text, last, scored = done
         counts = outputs.usage(len(prompt), last.num_tokens)
-        return JSONResponse(shape.body(text, last.finish_reason, counts))
+        return JSONResponse(shape.body(text, last.finish_reason, counts, scored))
 
     app.include_router(api)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)

@@ -25,7 +25,7 @@ from typing import Any
 
 from shardline.engine.engine import LLMEngine, RequestOutput
 from shardline.errors import RequestError
-from shardline.interfaces.step import SamplingParams
+from shardline.interfaces.step import SamplingParams, TokenLogprobs
 from shardline.serve.errors import ApiError, bad_request, unavailable
 from shardline.serve.metrics import ServeMetrics
 
@@ -41,13 +41,16 @@ RESTART_DELAY_S = (1.0, 30.0)
 class Update:
     """What a request gained in one step: ``text`` (new text, maybe empty), ``num_tokens``
     (generated so far), and once it ends ``finish_reason`` ("stop", "length", "pooled") and
-    ``embedding``; or ``error``, the last update of a request the engine could not finish."""
+    ``embedding``; or ``error``, the last update of a request the engine could not finish.
+    ``scored``: the step's new tokens with their log-probabilities, where the request asked
+    for them."""
 
     text: str = ""
     num_tokens: int = 0
     finish_reason: str | None = None
     embedding: Any = None
     error: ApiError | None = None
+    scored: tuple[tuple[int, TokenLogprobs], ...] = ()
 
 
 class Ticket:
@@ -244,6 +247,10 @@ class EngineLoop:
         if ticket is None:
             return
         gained = len(output.token_ids) - ticket.num_tokens
+        scored = ()
+        if output.logprobs is not None and gained > 0:
+            new = slice(ticket.num_tokens, None)
+            scored = tuple(zip(output.token_ids[new], output.logprobs[new], strict=True))
         if gained > 0:
             self.metrics.generation_tokens.inc(gained)
             if ticket.last_token_at is None:
@@ -257,7 +264,13 @@ class EngineLoop:
             self.metrics.requests_finished.labels(output.finish_reason).inc()
         if delta or gained > 0 or output.finished:
             ticket.push(
-                Update(delta, len(output.token_ids), output.finish_reason, output.embedding)
+                Update(
+                    delta,
+                    len(output.token_ids),
+                    output.finish_reason,
+                    output.embedding,
+                    scored=scored,
+                )
             )
 
     def _publish(self) -> None:

@@ -143,6 +143,7 @@ def sampling_params(
         raise bad_request(f"stop: {len(stop)} strings; allowed: at most {MAX_STOP_STRINGS}", "stop")
     defaults = served.defaults
     top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)
+    logprobs = _logprobs(body)
     return SamplingParams(
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_k=top_k,
@@ -151,7 +152,21 @@ def sampling_params(
         max_tokens=max_tokens,
         stop=tuple(stop),
         ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
     )
+
+
+def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many alternatives to give each token's log-probability with (None: none): the
+    completion's ``logprobs``; a chat's ``top_logprobs`` (0 by default) once ``logprobs``
+    is true."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request(
+            f"top_logprobs = {body.top_logprobs}: needs logprobs = true", "top_logprobs"
+        )
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _token_ids(served: ServedModel, prompt: str | list[int], field: str) -> list[int]:

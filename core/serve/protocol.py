@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardline.interfaces.step import MAX_LOGPROBS
 from shardline.serve.errors import bad_request
 
 MAX_SEED = (1 << 63) - 1
@@ -50,7 +51,8 @@ class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    #: The log-probability of each token and of the ``logprobs`` most likely at its place.
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
 
 
@@ -72,7 +74,10 @@ class ChatCompletionRequest(_Generation):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = None
+    #: The log-probability of each token, and (``top_logprobs``) of the most likely at its
+    #: place.
     logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
 
 
@@ -93,7 +98,6 @@ _UNSUPPORTED = (
     ("logit_bias", None, "logit_bias is not implemented; leave it out"),
     ("echo", False, "echo is not implemented; send false"),
     ("best_of", None, "best_of is not implemented; leave it out"),
-    ("logprobs", None, "logprobs are not implemented; leave them out"),
     ("suffix", None, "suffix is not implemented; leave it out"),
     ("tools", None, "tool calls are not implemented; leave tools out"),
 )
