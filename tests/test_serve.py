@@ -72,6 +72,17 @@ def offline(model_dir):
             "chat": chat.text,
             "embeddings": [v.tolist() for v in llm.embed(["Hello", "abc"])],
             "scored": llm.generate("Hello", SamplingParams(max_tokens=TOKENS, logprobs=2))[0],
+            # What n = 3 choices with seed 7 draw: seeds 7, 8 and 9, in one batch.
+            "choices": [
+                out.text
+                for out in llm.generate(
+                    ["Hello"] * 3,
+                    [
+                        SamplingParams(max_tokens=TOKENS, temperature=1.0, seed=7 + i)
+                        for i in range(3)
+                    ],
+                )
+            ],
         }
 
 
@@ -246,6 +257,35 @@ def test_logprobs_equal_offline_in_both_shapes_whole_and_streamed(server, model_
     assert plain.logprobs is None
 
 
+def test_n_choices_draw_apart_repeat_with_a_seed_and_stream_by_index(server, model_dir, offline):
+    client = _client(server)
+    asked = {"model": str(model_dir), "max_tokens": TOKENS, "temperature": 1.0, "seed": 7}
+    whole = client.completions.create(prompt="Hello", n=3, **asked)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == offline["choices"]
+    assert len(set(offline["choices"])) > 1  # the choices drew apart
+    assert whole.usage.completion_tokens == 3 * TOKENS
+    streamed = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in client.completions.create(prompt="Hello", n=3, stream=True, **asked):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert list(streamed.values()) == offline["choices"] and finished == {0, 1, 2}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(messages=messages, n=2, **asked)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+    opened = [
+        choice.index
+        for chunk in client.chat.completions.create(messages=messages, n=2, stream=True, **asked)
+        for choice in chunk.choices
+        if choice.delta.role == "assistant"
+    ]
+    assert opened == [0, 1]
+
+
 def test_async_clients_share_the_running_batch(server, model_dir, offline):
     async def ask_all():
         client = openai.AsyncOpenAI(
@@ -328,7 +368,9 @@ def test_raw_event_stream(server, model_dir, offline):
         ("completions", {"temperature": "hot"}, "temperature", "valid number"),
         ("completions", {"prompt": 5}, "prompt", "allowed: str, list[int]"),
         ("completions", {"prompt": [7, 100]}, "prompt", "outside the vocabulary"),
-        ("completions", {"n": 2}, "n", "one choice per request"),
+        ("completions", {"n": 0}, "n", "greater than or equal to 1"),
+        ("completions", {"n": 129}, "n", "n = 129: more prompts than may wait"),
+        ("embeddings", {"input": ["a"] * 129}, "input", "129 inputs: more prompts than may wait"),
         ("completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
         ("completions", {"logprobs": -1}, "logprobs", "greater than or equal to 0"),
         ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs = true"),

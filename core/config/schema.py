@@ -232,9 +232,9 @@ class ServeConfig(Section):
 
     max_waiting_requests: Count = Field(
         default=128,
-        description="prompts that may wait for a place in the running batch (a request is one, "
-        "an embeddings request one per input); beyond them a request is refused at once "
-        "(HTTP 503 with Retry-After)",
+        description="prompts that may wait for a place in the running batch (a request is one "
+        "per choice of n, an embeddings request one per input); beyond them a request is "
+        "refused at once (HTTP 503 with Retry-After)",
     )
 
 

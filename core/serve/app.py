@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException
 from shardline.errors import echo
 from shardline.interfaces.step import SamplingParams
 from shardline.serve import inputs, outputs
-from shardline.serve.engine_loop import EngineLoop, Ticket, Update
-from shardline.serve.errors import ApiError
+from shardline.serve.engine_loop import EngineLoop, Update
+from shardline.serve.errors import ApiError, bad_request
 from shardline.serve.inputs import ServedModel
 from shardline.serve.metrics import ServeMetrics
 from shardline.serve.protocol import (
@@ -117,24 +117,19 @@ def build_app(
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         served.check_name(body.model)
         batch = inputs.embedding_inputs(served, body)
-        tickets = [Ticket(ids, SamplingParams(), served.pooling) for ids in batch]
-        submitted: list[Ticket] = []
-        try:
-            for ticket in tickets:
-                engine.submit(ticket)
-                submitted.append(ticket)
-        except ApiError:
-            for ticket in submitted:
-                engine.abort(ticket)
-            raise
-        done = await _while_connected(
-            request, asyncio.gather(*(outputs.collect(engine, t) for t in tickets))
-        )
+        _check_prompts(len(batch), "input", f"{len(batch)} inputs")
+        tickets = outputs.request_tickets(batch, [SamplingParams()] * len(batch), served.pooling)
+        engine.submit(*tickets)
+        done = await _while_connected(request, outputs.collect(engine, tickets))
         if done is None:
             return Response(status_code=499)
         data = [
-            {"object": "embedding", "index": i, "embedding": _vector(update, body.encoding_format)}
-            for i, (_, update, _) in enumerate(done)
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": _vector(answer.last, body.encoding_format),
+            }
+            for i, answer in enumerate(done)
         ]
         tokens = sum(len(ids) for ids in batch)
         return JSONResponse(
@@ -152,17 +147,29 @@ def build_app(
         prompt: list[int],
         shape: outputs.CompletionShape,
     ) -> Response:
-        ticket = Ticket(prompt, inputs.sampling_params(served, body, len(prompt)))
-        engine.submit(ticket)
+        _check_prompts(body.n, "n", f"n = {body.n}")
+        sampling = inputs.sampling_params(served, body, len(prompt))
+        tickets = outputs.request_tickets(
+            [prompt] * body.n, [inputs.choice_sampling(sampling, i) for i in range(body.n)]
+        )
+        engine.submit(*tickets)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return outputs.EventStream(engine, ticket, shape, include_usage)
-        done = await _while_connected(request, outputs.collect(engine, ticket))
+            return outputs.EventStream(engine, tickets, shape, include_usage)
+        done = await _while_connected(request, outputs.collect(engine, tickets))
         if done is None:
             return Response(status_code=499)
-        text, last, scored = done
-        counts = outputs.usage(len(prompt), last.num_tokens)
-        return JSONResponse(shape.body(text, last.finish_reason, counts, scored))
+        generated = sum(answer.last.num_tokens for answer in done)
+        return JSONResponse(shape.body(done, outputs.usage(len(prompt), generated)))
+
+    def _check_prompts(count: int, param: str, said: str) -> None:
+        """A request whose prompts could never all wait for the running batch is a 400."""
+        if count > engine.max_waiting:
+            raise bad_request(
+                f"{said}: more prompts than may wait for the running batch at once "
+                f"(serve.max_waiting_requests = {engine.max_waiting})",
+                param,
+            )
 
     app.include_router(api)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)

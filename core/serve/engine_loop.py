@@ -54,16 +54,26 @@ class Update:
 
 
 class Ticket:
-    """One request on its way through the engine. Made in the handler's event loop, whose
-    ``updates`` queue receives the request's :class:`Update` objects in order."""
+    """One prompt on its way through the engine. Made in the handler's event loop, whose
+    ``updates`` queue receives ``(choice, Update)`` pairs in order; the tickets of one
+    request's choices (``n``) may share one queue, each with its ``choice`` index."""
 
     def __init__(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, pooling: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        pooling: str | None = None,
+        *,
+        choice: int = 0,
+        updates: asyncio.Queue[tuple[int, Update]] | None = None,
     ) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.pooling = pooling
-        self.updates: asyncio.Queue[Update] = asyncio.Queue()
+        self.choice = choice
+        self.updates: asyncio.Queue[tuple[int, Update]] = (
+            asyncio.Queue() if updates is None else updates
+        )
         self.arrived = time.monotonic()
         self._loop = asyncio.get_running_loop()
         # Kept by the engine thread.
@@ -74,7 +84,7 @@ class Ticket:
     def push(self, update: Update) -> None:
         """Hand ``update`` to the handler's event loop (from any thread)."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
-            self._loop.call_soon_threadsafe(self.updates.put_nowait, update)
+            self._loop.call_soon_threadsafe(self.updates.put_nowait, (self.choice, update))
 
 
 class EngineLoop:
@@ -82,7 +92,7 @@ class EngineLoop:
 
     ``start_engine`` builds an engine (ranks started, model loaded); it is called once here,
     so that a bad config fails before anything is served, and again after each failure.
-    At most ``max_waiting`` requests wait for a place in the running batch; beyond that
+    At most ``max_waiting`` prompts wait for a place in the running batch; beyond that
     :meth:`submit` refuses with 503.
     """
 
@@ -112,9 +122,15 @@ class EngineLoop:
 
     # ---- called from the HTTP event loop ----------------------------------------------------
 
-    def submit(self, ticket: Ticket) -> None:
-        """Queue ``ticket`` for the engine. Raises ApiError 503 while the engine restarts, the
-        server stops, or the waiting queue is full."""
+    @property
+    def max_waiting(self) -> int:
+        """The most prompts that may wait for the running batch (``serve.max_waiting_requests``)."""
+        return self._max_waiting
+
+    def submit(self, *tickets: Ticket) -> None:
+        """Queue ``tickets`` (one request's prompts) for the engine, all or none. Raises
+        ApiError 503 while the engine restarts, the server stops, or the waiting queue has no
+        room for them all."""
         with self._cond:
             if self._stopping or self._drain_deadline is not None:
                 raise unavailable("the server is shutting down", "shutting_down")
@@ -124,14 +140,15 @@ class EngineLoop:
                     "engine_restarting",
                 )
             waiting = self._num_waiting + len(self._inbox)
-            if waiting >= self._max_waiting:
+            if waiting + len(tickets) > self._max_waiting:
+                adds = f"; this request adds {len(tickets)}" if len(tickets) > 1 else ""
                 raise unavailable(
                     f"{waiting} prompts are waiting for the running batch (each input of an "
-                    "embeddings request is one), the most serve.max_waiting_requests = "
-                    f"{self._max_waiting} allows; retry shortly",
+                    f"embeddings request and each of n choices is one){adds}, the most "
+                    f"serve.max_waiting_requests = {self._max_waiting} allows; retry shortly",
                     "queue_full",
                 )
-            self._inbox.append(ticket)
+            self._inbox.extend(tickets)
             self._cond.notify()
 
     def abort(self, ticket: Ticket) -> None:

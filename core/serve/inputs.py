@@ -5,7 +5,7 @@ engine step."""
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardline.config.schema import SamplingConfig
@@ -154,6 +154,12 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
+
+
+def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """The sampling of choice ``choice`` of ``n``: the request's, its seed moved on by the
+    index, so that the choices draw apart and a given seed repeats them all."""
+    return replace(sampling, seed=(sampling.seed + choice) % (MAX_SEED + 1))
 
 
 def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:

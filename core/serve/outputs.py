@@ -12,15 +12,16 @@ written as ``\\xNN`` (``bytes`` has them exactly)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.responses import StreamingResponse
 
-from shardline.interfaces.step import TokenLogprobs
+from shardline.interfaces.step import SamplingParams, TokenLogprobs
 from shardline.serve.engine_loop import EngineLoop, Ticket, Update
 
 DONE = "data: [DONE]\n\n"
@@ -58,9 +59,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+class Answer(NamedTuple):
+    """One choice's whole answer: its text, last update and scored tokens (where asked)."""
+
+    text: str
+    last: Update
+    scored: list[tuple[int, TokenLogprobs]]
+
+
 class CompletionShape:
-    """The bodies of ``/v1/completions`` for one request; ``texts`` set: the request asked
-    for log-probabilities, shown with it."""
+    """The bodies of ``/v1/completions`` for one request (its choices by index); ``texts``
+    set: the request asked for log-probabilities, shown with it."""
 
     prefix = "cmpl"
     obj = "text_completion"
@@ -72,20 +81,23 @@ class CompletionShape:
         #: When the request arrived (Unix seconds), in every body and chunk of its answer.
         self.created = int(time.time())
         self.texts = texts
-        self._text_offset = 0  # where the next token's text starts in the completion
+        self._text_offsets: dict[int, int] = {}  # per choice: where its next token's text starts
 
-    def body(
-        self, text: str, finish_reason: str, counts: dict[str, int], scored: Scored = ()
-    ) -> dict[str, Any]:
-        choice = self._choice(text, finish_reason, scored)
-        return self._envelope(self.obj, [choice]) | {"usage": counts}
+    def body(self, answers: Sequence[Answer], counts: dict[str, int]) -> dict[str, Any]:
+        choices = [
+            self._choice(index, answer.text, answer.last.finish_reason, answer.scored)
+            for index, answer in enumerate(answers)
+        ]
+        return self._envelope(self.obj, choices) | {"usage": counts}
 
-    def opening(self) -> dict[str, Any] | None:
-        """The first chunk of a stream, before any text (None: there is none)."""
+    def opening(self, choice: int) -> dict[str, Any] | None:
+        """The first chunk of a choice's stream, before any text (None: there is none)."""
         return None
 
-    def chunk(self, text: str, finish_reason: str | None, scored: Scored = ()) -> dict[str, Any]:
-        return self._envelope(self.chunk_obj, [self._choice(text, finish_reason, scored)])
+    def chunk(
+        self, choice: int, text: str, finish_reason: str | None, scored: Scored = ()
+    ) -> dict[str, Any]:
+        return self._envelope(self.chunk_obj, [self._choice(choice, text, finish_reason, scored)])
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
@@ -100,20 +112,23 @@ class CompletionShape:
             "choices": choices,
         }
 
-    def _choice(self, text: str, finish_reason: str | None, scored: Scored) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, scored: Scored
+    ) -> dict[str, Any]:
         return {
-            "index": 0,
+            "index": index,
             "text": text,
-            "logprobs": self._logprobs(scored),
+            "logprobs": self._logprobs(index, scored),
             "finish_reason": finish_reason,
         }
 
-    def _logprobs(self, scored: Scored) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, scored: Scored) -> dict[str, Any] | None:
         """The legacy shape: per token its text, value, the most likely (text to value, the
-        chosen token among them) and where its text starts."""
+        chosen token among them) and where its text starts in choice ``index``."""
         if self.texts is None or not scored:
             return None
         tokens, values, tops, offsets = [], [], [], []
+        offset = self._text_offsets.get(index, 0)
         for token_id, found in scored:
             token = self.texts.text_of(token_id)
             tokens.append(token)
@@ -121,8 +136,9 @@ class CompletionShape:
             top = {self.texts.text_of(i): _finite(value) for i, value in found.top}
             top.setdefault(token, _finite(found.logprob))
             tops.append(top)
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": values,
@@ -139,35 +155,43 @@ class ChatShape(CompletionShape):
     obj = "chat.completion"
     chunk_obj = "chat.completion.chunk"
 
-    def body(
-        self, text: str, finish_reason: str, counts: dict[str, int], scored: Scored = ()
+    def body(self, answers: Sequence[Answer], counts: dict[str, int]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": answer.text},
+                "logprobs": self._logprobs(index, answer.scored),
+                "finish_reason": answer.last.finish_reason,
+            }
+            for index, answer in enumerate(answers)
+        ]
+        return self._envelope(self.obj, choices) | {"usage": counts}
+
+    def opening(self, choice: int) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""}
+        return self._envelope(self.chunk_obj, [self._delta(choice, delta)])
+
+    def chunk(
+        self, choice: int, text: str, finish_reason: str | None, scored: Scored = ()
     ) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": self._logprobs(scored),
-            "finish_reason": finish_reason,
-        }
-        return self._envelope(self.obj, [choice]) | {"usage": counts}
-
-    def opening(self) -> dict[str, Any]:
-        return self._envelope(self.chunk_obj, [self._delta({"role": "assistant", "content": ""})])
-
-    def chunk(self, text: str, finish_reason: str | None, scored: Scored = ()) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return self._envelope(self.chunk_obj, [self._delta(delta, finish_reason, scored)])
+        return self._envelope(self.chunk_obj, [self._delta(choice, delta, finish_reason, scored)])
 
     def _delta(
-        self, delta: dict[str, str], finish_reason: str | None = None, scored: Scored = ()
+        self,
+        choice: int,
+        delta: dict[str, str],
+        finish_reason: str | None = None,
+        scored: Scored = (),
     ) -> dict[str, Any]:
         return {
-            "index": 0,
+            "index": choice,
             "delta": delta,
-            "logprobs": self._logprobs(scored),
+            "logprobs": self._logprobs(choice, scored),
             "finish_reason": finish_reason,
         }
 
-    def _logprobs(self, scored: Scored) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, scored: Scored) -> dict[str, Any] | None:
         """The chat shape: per token its text, value, bytes and the most likely tokens."""
         if self.texts is None or not scored:
             return None
@@ -189,73 +213,92 @@ class ChatShape(CompletionShape):
         }
 
 
-async def collect(
-    engine: EngineLoop, ticket: Ticket
-) -> tuple[str, Update, list[tuple[int, TokenLogprobs]]]:
-    """The whole text, the last update and the scored tokens (where asked) of ``ticket``.
-    Raises the update's ApiError when the engine could not finish it; aborts the request
-    when cancelled (client gone)."""
-    parts: list[str] = []
-    scored: list[tuple[int, TokenLogprobs]] = []
-    ended = False
+def request_tickets(
+    prompts: Sequence[list[int]], sampling: Sequence[SamplingParams], pooling: str | None = None
+) -> list[Ticket]:
+    """One ticket per prompt (a choice of ``n``, or an embeddings input), sharing one queue
+    of updates, each with its index."""
+    updates: asyncio.Queue = asyncio.Queue()
+    return [
+        Ticket(prompt, params, pooling, choice=index, updates=updates)
+        for index, (prompt, params) in enumerate(zip(prompts, sampling, strict=True))
+    ]
+
+
+async def collect(engine: EngineLoop, tickets: Sequence[Ticket]) -> list[Answer]:
+    """Every ticket's whole answer, in index order (the tickets of one request, sharing
+    their queue). Raises the first update's ApiError when the engine could not finish one;
+    aborts them all when it fails or is cancelled (client gone)."""
+    parts: dict[int, list[str]] = {ticket.choice: [] for ticket in tickets}
+    scored: dict[int, list[tuple[int, TokenLogprobs]]] = {ticket.choice: [] for ticket in tickets}
+    answers: dict[int, Answer] = {}
     try:
-        while True:
-            update = await ticket.updates.get()
+        while len(answers) < len(tickets):
+            choice, update = await tickets[0].updates.get()
             if update.error is not None:
-                ended = True
                 raise update.error
-            parts.append(update.text)
-            scored += update.scored
+            parts[choice].append(update.text)
+            scored[choice] += update.scored
             if update.finish_reason is not None:
-                ended = True
-                return "".join(parts), update, scored
+                answers[choice] = Answer("".join(parts[choice]), update, scored[choice])
+        return [answers[ticket.choice] for ticket in tickets]
     finally:
-        if not ended:
-            engine.abort(ticket)
+        if len(answers) < len(tickets):
+            for ticket in tickets:
+                engine.abort(ticket)
 
 
 class EventStream(StreamingResponse):
-    """The server-sent events of a streamed request. However the response ends (done, or
-    the client gone before or while it streams) the request is aborted, which leaves a
-    finished one alone."""
+    """The server-sent events of a streamed request (its choices' chunks interleaved as the
+    engine makes them). However the response ends (done, or the client gone before or while
+    it streams) its prompts are aborted, which leaves finished ones alone."""
 
     def __init__(
-        self, engine: EngineLoop, ticket: Ticket, shape: CompletionShape, include_usage: bool
+        self,
+        engine: EngineLoop,
+        tickets: Sequence[Ticket],
+        shape: CompletionShape,
+        include_usage: bool,
     ) -> None:
         super().__init__(
-            _events(ticket, shape, include_usage),
+            _events(tickets, shape, include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._engine = engine
-        self._ticket = ticket
+        self._tickets = tickets
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._engine.abort(self._ticket)
+            for ticket in self._tickets:
+                self._engine.abort(ticket)
 
 
 async def _events(
-    ticket: Ticket, shape: CompletionShape, include_usage: bool
+    tickets: Sequence[Ticket], shape: CompletionShape, include_usage: bool
 ) -> AsyncIterator[str]:
-    """Each chunk as soon as the engine makes its text; an error event if it fails."""
-    opening = shape.opening()
-    if opening is not None:
-        yield event(opening)
-    while True:
-        update = await ticket.updates.get()
+    """Each chunk as soon as the engine makes its text; an error event if one choice fails
+    (which ends them all)."""
+    for ticket in tickets:
+        opening = shape.opening(ticket.choice)
+        if opening is not None:
+            yield event(opening)
+    generated: dict[int, int] = {}
+    while len(generated) < len(tickets):
+        choice, update = await tickets[0].updates.get()
         if update.error is not None:
             yield event(update.error.body())
             break
         if update.text or update.finish_reason is not None or update.scored:
-            yield event(shape.chunk(update.text, update.finish_reason, update.scored))
+            yield event(shape.chunk(choice, update.text, update.finish_reason, update.scored))
         if update.finish_reason is not None:
-            if include_usage:
-                counts = usage(len(ticket.prompt_token_ids), update.num_tokens)
-                yield event(shape.usage_chunk(counts))
-            break
+            generated[choice] = update.num_tokens
+    else:
+        if include_usage:
+            counts = usage(len(tickets[0].prompt_token_ids), sum(generated.values()))
+            yield event(shape.usage_chunk(counts))
     yield DONE
 
 

@@ -38,7 +38,8 @@ class _Generation(_Body):
     stream_options: StreamOptions | None = None
     #: Not OpenAI's: vLLM's extension, which benchmarks send to get exactly max_tokens tokens.
     ignore_eos: bool = False
-    n: int = 1
+    #: Choices (answers drawn apart) per request.
+    n: Annotated[int, Field(ge=1)] = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -92,7 +93,6 @@ class EmbeddingRequest(_Body):
 
 #: Fields the server accepts only at their neutral value: (field, neutral, what to say).
 _UNSUPPORTED = (
-    ("n", 1, "one choice per request; send n = 1 (or leave it out)"),
     ("presence_penalty", 0.0, "penalties are not implemented; send 0"),
     ("frequency_penalty", 0.0, "penalties are not implemented; send 0"),
     ("logit_bias", None, "logit_bias is not implemented; leave it out"),
