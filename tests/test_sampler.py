@@ -1,11 +1,12 @@
 """Sampling: greedy is argmax; seeded draws repeat; top-k and top-p restrict the support;
-log-probabilities are the model's (before any sampling filter), k most likely first."""
+penalties and biases adjust the logits first; log-probabilities are the model's (before any
+adjustment or sampling filter), k most likely first."""
 
 import pytest
 import torch
 
 from shardline.interfaces.step import SamplingParams
-from shardline.worker.sampler import make_generator, sample_rows, token_logprobs
+from shardline.worker.sampler import adjust_logits, make_generator, sample_rows, token_logprobs
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5, 1.0])
 
@@ -68,6 +69,12 @@ def test_high_temperature_reaches_every_token():
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": -1}, "logprobs = -1: must be from 0 to 20"),
         ({"logprobs": 21}, "logprobs = 21: must be from 0 to 20"),
+        ({"repetition_penalty": 0}, "repetition_penalty = 0: must be in"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty = 2.5: must be from -2 to 2"),
+        ({"presence_penalty": -3}, "presence_penalty = -3: must be from -2 to 2"),
+        ({"logit_bias": ((1, 101.0),)}, "logit_bias: token 1 with bias 101.0"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias: token -1"),
+        ({"logit_bias": tuple((t, 1.0) for t in range(1025))}, "1025 tokens; at most 1024"),
     ],
 )
 def test_bad_parameters_name_the_field(kwargs, message):
@@ -96,3 +103,24 @@ def test_logprobs_ignore_temperature_and_filters():
     assert token == 1
     assert found.logprob == pytest.approx(torch.log_softmax(LOGITS, dim=0)[1].item())
     assert found.logprob < -0.5  # 2.0 against 1.9 and the rest: far from probability 1
+
+
+def test_penalties_and_bias_adjust_each_row_as_documented():
+    rows = torch.stack([LOGITS, LOGITS, LOGITS, LOGITS])
+    # Token 0 and 3 in the prompt (2 tokens), 1 twice and 4 once in the output.
+    history = [0, 3, 1, 4, 1]
+    params = [
+        SamplingParams(),  # untouched
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(logit_bias=((1, -100.0), (5, 3.0))),
+    ]
+    adjusted = adjust_logits(rows, params, [history] * 4, [2] * 4)
+    assert torch.equal(adjusted[0], LOGITS)
+    # Seen anywhere (prompt or output): positive logits halved, negative doubled.
+    assert adjusted[1].tolist() == pytest.approx([0.05, 1.0, 1.9, -2.0, 0.25, 1.0])
+    # Output only: 1 seen twice (-2 * 0.5 - 0.25), 4 once (-0.5 - 0.25); prompt tokens not.
+    assert adjusted[2].tolist() == pytest.approx([0.1, 0.75, 1.9, -1.0, -0.25, 1.0])
+    assert adjusted[3].tolist() == pytest.approx([0.1, -98.0, 1.9, -1.0, 0.5, 4.0])
+    greedy = sample_rows(adjusted, params, [make_generator(p) for p in params])
+    assert greedy == [1, 2, 2, 5]  # the bias bans 1 and lifts 5 over it

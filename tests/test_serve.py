@@ -33,6 +33,7 @@ pytestmark = pytest.mark.timeout(120)
 API_KEY = "test-key"
 PROMPTS = ["Hello", "The cat", "x", "Once upon a time"]
 TOKENS = 12
+PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3}
 #: Long enough to still be running when a test acts on it (~20 ms per step on 2 cores).
 LONG = 900
 
@@ -72,6 +73,9 @@ def offline(model_dir):
             "chat": chat.text,
             "embeddings": [v.tolist() for v in llm.embed(["Hello", "abc"])],
             "scored": llm.generate("Hello", SamplingParams(max_tokens=TOKENS, logprobs=2))[0],
+            "penalized": llm.generate("Hello", SamplingParams(max_tokens=TOKENS, **PENALTIES))[
+                0
+            ].text,
             # What n = 3 choices with seed 7 draw: seeds 7, 8 and 9, in one batch.
             "choices": [
                 out.text
@@ -257,6 +261,21 @@ def test_logprobs_equal_offline_in_both_shapes_whole_and_streamed(server, model_
     assert plain.logprobs is None
 
 
+def test_penalties_and_logit_bias_equal_offline(server, model_dir, offline):
+    client = _client(server)
+    asked = {"model": str(model_dir), "prompt": "Hello", "max_tokens": TOKENS, "temperature": 0}
+    penalized = client.completions.create(
+        **asked,
+        frequency_penalty=PENALTIES["frequency_penalty"],
+        presence_penalty=PENALTIES["presence_penalty"],
+        extra_body={"repetition_penalty": PENALTIES["repetition_penalty"]},  # vLLM's
+    )
+    assert penalized.choices[0].text == offline["penalized"] != offline["texts"][0]
+    first = CHARACTERS.index(offline["texts"][0][0]) + len(SPECIAL)
+    banned = client.completions.create(**asked, logit_bias={str(first): -100})
+    assert banned.choices[0].text[0] != offline["texts"][0][0]
+
+
 def test_n_choices_draw_apart_repeat_with_a_seed_and_stream_by_index(server, model_dir, offline):
     client = _client(server)
     asked = {"model": str(model_dir), "max_tokens": TOKENS, "temperature": 1.0, "seed": 7}
@@ -369,6 +388,11 @@ def test_raw_event_stream(server, model_dir, offline):
         ("completions", {"prompt": 5}, "prompt", "allowed: str, list[int]"),
         ("completions", {"prompt": [7, 100]}, "prompt", "outside the vocabulary"),
         ("completions", {"n": 0}, "n", "greater than or equal to 1"),
+        ("completions", {"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+        ("completions", {"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ("completions", {"logit_bias": {"abc": 1}}, "logit_bias", "key 'abc' is not a token id"),
+        ("completions", {"logit_bias": {"100": 1}}, "logit_bias", "allowed: 0 to 99"),
+        ("completions", {"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
         ("completions", {"n": 129}, "n", "n = 129: more prompts than may wait"),
         ("embeddings", {"input": ["a"] * 129}, "input", "129 inputs: more prompts than may wait"),
         ("completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),

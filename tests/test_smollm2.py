@@ -227,6 +227,38 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
                     ), (found.top, top)
 
 
+def test_penalties_and_bias_steer_greedy_answers_as_their_formulas_say(
+    gguf_path, tokenizer, reference
+):
+    conversation = [{"role": "user", "content": QUESTIONS[2]}]
+    first, top = reference["tokens"][2][0], reference["logprobs"][2][0][1]
+    overrides = [f"model.path={gguf_path}", *LAYOUTS[2][1]]  # tp2 custom_ar
+    with LLM(overrides=overrides, environ={}) as llm:
+        (banned,) = llm.chat(
+            [conversation], SamplingParams(max_tokens=2, logit_bias=((first, -100.0),))
+        )
+        (penalized,) = llm.chat(
+            [conversation],
+            SamplingParams(
+                max_tokens=NEW_TOKENS, frequency_penalty=1.5, presence_penalty=0.5, logprobs=20
+            ),
+        )
+    # Without its first token, greedy takes transformers' second most likely.
+    assert top[0][0] == first and banned.token_ids[0] == top[1][0]
+    assert penalized.token_ids != reference["tokens"][2]
+    for step, (token, found) in enumerate(
+        zip(penalized.token_ids, penalized.logprobs, strict=True)
+    ):
+        counts = {t: penalized.token_ids[:step].count(t) for t, _ in found.top}
+        # Log-probabilities differ from logits by one constant per step: the chosen token is
+        # the best of the 20 most likely once penalized (and it is one of them).
+        best = max(
+            found.top,
+            key=lambda pair: pair[1] - 1.5 * counts[pair[0]] - 0.5 * (counts[pair[0]] > 0),
+        )
+        assert best[0] == token, (step, tokenizer.decode(penalized.token_ids[:step]))
+
+
 def test_llm_under_mpiexec_with_mpi_gives_transformers_answers_and_embeddings(
     gguf_path, reference_tokens, reference_embedding
 ):

@@ -190,12 +190,19 @@ class LLMEngine:
     ) -> RequestOutput:
         """Queue a request on the replica with the least outstanding work (the first of
         equals); its output object fills in as steps complete. Raises RequestError for a
-        token id outside the vocabulary (and as the scheduler does)."""
+        token id outside the vocabulary, in the prompt or ``logit_bias`` (and as the
+        scheduler does)."""
         outside = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if outside:
             raise RequestError(
                 f"token id {outside[0]} is outside the vocabulary: ids run from 0 to "
                 f"{self.vocab_size - 1}"
+            )
+        biased = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
+        if biased:
+            raise RequestError(
+                f"logit_bias: token id {biased[0]} is outside the vocabulary: ids run from 0 "
+                f"to {self.vocab_size - 1}"
             )
         replica = min(self.replicas, key=lambda r: (r.outstanding_tokens(), r.index))
         req_id = str(self._next_id)

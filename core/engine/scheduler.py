@@ -242,6 +242,7 @@ class Scheduler:
                     request.sampling,
                     list(request.block_ids),
                     request.pooling,
+                    num_output_tokens=len(request.output_token_ids),
                 )
             )
             self._mark_scheduled(step, request, count)

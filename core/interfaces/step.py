@@ -10,6 +10,10 @@ from typing import Any
 #: The most alternatives a request may ask log-probabilities of, per token (vLLM's default
 #: ``max_logprobs``; OpenAI's chat ``top_logprobs`` allows as many).
 MAX_LOGPROBS = 20
+#: The most tokens one request may bias (OpenAI's limit is 300).
+MAX_LOGIT_BIAS = 1024
+#: The largest repetition penalty (vLLM allows any positive value; past this it only bans).
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -22,9 +26,17 @@ class SamplingParams:
     ``ignore_eos``), at any of ``stop_token_ids``, or when its text contains one of ``stop``
     (the text is cut before it).
 
+    Before any of that the logits are adjusted, as OpenAI's and vLLM's parameters say:
+    ``repetition_penalty`` r (1: off) divides a positive logit by r and multiplies a
+    negative one by r for every token already in the prompt or the output;
+    ``frequency_penalty`` f and ``presence_penalty`` p (0: off, -2 to 2) subtract
+    ``f * count + p * (count > 0)``, ``count`` being how often the token is in the output so
+    far; ``logit_bias`` adds ``(token id, bias)`` pairs (bias -100 to 100) last.
+
     ``logprobs`` k (None: off) asks for each generated token's log-probability and those of
     the k most likely tokens at its position (0 to :data:`MAX_LOGPROBS`), from the model's
-    distribution before temperature, top-k and top-p (``log_softmax`` of the logits)."""
+    own distribution, before any adjustment, temperature, top-k and top-p (``log_softmax``
+    of the logits)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -35,6 +47,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes the logits before the choice."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+        )
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -53,6 +79,24 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs = {self.logprobs}: must be from 0 to {MAX_LOGPROBS} (or None: off)"
             )
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty = {self.repetition_penalty}: must be in "
+                f"(0, {MAX_REPETITION_PENALTY}] (1: off)"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be from -2 to 2 (0: off)")
+        bias = tuple((int(token), float(value)) for token, value in self.logit_bias)
+        for token, value in bias:
+            if token < 0 or not -100 <= value <= 100:
+                raise ValueError(
+                    f"logit_bias: token {token} with bias {value}: token ids are >= 0 and "
+                    "biases from -100 to 100"
+                )
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: {len(bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        object.__setattr__(self, "logit_bias", bias)
 
 
 @dataclass(frozen=True)
@@ -67,6 +111,9 @@ class NewRequest:
     sampling: SamplingParams
     block_ids: list[int]
     pooling: str | None = None
+    #: How many of ``prompt_token_ids`` were generated (a request scheduled again after
+    #: preemption): the penalties count them as output.
+    num_output_tokens: int = 0
 
 
 @dataclass(frozen=True)

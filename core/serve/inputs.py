@@ -10,7 +10,7 @@ from typing import Any
 
 from shardline.config.schema import SamplingConfig
 from shardline.errors import RequestError, echo
-from shardline.interfaces.step import SamplingParams
+from shardline.interfaces.step import MAX_LOGIT_BIAS, SamplingParams
 from shardline.serve.errors import bad_request
 from shardline.serve.protocol import (
     MAX_SEED,
@@ -153,7 +153,30 @@ def sampling_params(
         stop=tuple(stop),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        logit_bias=_logit_bias(served, body.logit_bias or {}),
     )
+
+
+def _logit_bias(served: ServedModel, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as pairs; every key a token id of the vocabulary."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"logit_bias: {len(bias)} tokens; allowed: at most {MAX_LOGIT_BIAS}", "logit_bias"
+        )
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else None
+        if token is None or token >= served.vocab_size:
+            raise bad_request(
+                f"logit_bias: key {echo(key)} is not a token id; allowed: 0 to "
+                f"{served.vocab_size - 1}",
+                "logit_bias",
+            )
+        pairs.append((token, value))
+    return tuple(pairs)
 
 
 def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardline.interfaces.step import MAX_LOGPROBS
+from shardline.interfaces.step import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from shardline.serve.errors import bad_request
 
 MAX_SEED = (1 << 63) - 1
@@ -40,9 +40,16 @@ class _Generation(_Body):
     ignore_eos: bool = False
     #: Choices (answers drawn apart) per request.
     n: Annotated[int, Field(ge=1)] = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    #: Not OpenAI's: vLLM's extension (1: off).
+    repetition_penalty: (
+        Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)] | None
+    ) = None
+    #: Token id (as a string, as OpenAI writes it) to a bias added to its logit.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = (
+        None
+    )
 
 
 class CompletionRequest(_Generation):
@@ -93,9 +100,6 @@ class EmbeddingRequest(_Body):
 
 #: Fields the server accepts only at their neutral value: (field, neutral, what to say).
 _UNSUPPORTED = (
-    ("presence_penalty", 0.0, "penalties are not implemented; send 0"),
-    ("frequency_penalty", 0.0, "penalties are not implemented; send 0"),
-    ("logit_bias", None, "logit_bias is not implemented; leave it out"),
     ("echo", False, "echo is not implemented; send false"),
     ("best_of", None, "best_of is not implemented; leave it out"),
     ("suffix", None, "suffix is not implemented; leave it out"),

@@ -25,7 +25,12 @@ from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, Schedul
 from shardline.launch.launcher_env import local_rank
 from shardline.layers.attention import AttentionMetadata, KVCache
 from shardline.profiling import NO_TIMER, StepTimer
-from shardline.worker.sampler import make_generator, sample_rows, token_logprobs
+from shardline.worker.sampler import (
+    adjust_logits,
+    make_generator,
+    sample_rows,
+    token_logprobs,
+)
 
 
 def rank_device(kind: str, rank: int, environ: Mapping[str, str] = os.environ) -> torch.device:
@@ -69,6 +74,8 @@ class RequestState:
     block_ids: list[int]
     sampling: SamplingParams
     generator: torch.Generator
+    #: The first tokens of ``token_ids`` that are prompt; the rest are output.
+    num_prompt_tokens: int
     num_computed_tokens: int = 0
     pooling: str | None = None
     hidden_sum: torch.Tensor | None = None
@@ -132,19 +139,26 @@ class CausalLMRunner(ModelRunner):
             for req_id, row in zip(req_ids, final_rows, strict=True)
             if row is not None
         ]
-        asked = [request.sampling.logprobs for request in finishing]
+        params = [request.sampling for request in finishing]
+        asked = [p.logprobs for p in params]
         found = None
-        if all(r.sampling.temperature == 0 for r in finishing) and all(k is None for k in asked):
+        if all(p.temperature == 0 and p.logprobs is None and not p.adjusts_logits for p in params):
             greedy = self.model.greedy_token_ids(output[rows])
             with self.timer("sampling"):
                 tokens = greedy.tolist()
         else:
             logits = self.model.compute_logits(output[rows])
             with self.timer("sampling"):
+                chosen_from = logits
+                if any(p.adjusts_logits for p in params):
+                    chosen_from = adjust_logits(
+                        logits,
+                        params,
+                        [request.token_ids for request in finishing],
+                        [request.num_prompt_tokens for request in finishing],
+                    )
                 tokens = sample_rows(
-                    logits,
-                    [request.sampling for request in finishing],
-                    [request.generator for request in finishing],
+                    chosen_from, params, [request.generator for request in finishing]
                 )
                 if any(k is not None for k in asked):
                     found = token_logprobs(logits, tokens, asked)
@@ -195,6 +209,7 @@ class CausalLMRunner(ModelRunner):
                 list(new.block_ids),
                 new.sampling,
                 make_generator(new.sampling, self.device),
+                len(new.prompt_token_ids) - new.num_output_tokens,
                 pooling=new.pooling,
             )
         for cached in scheduler_output.cached_requests:

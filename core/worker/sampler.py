@@ -1,5 +1,6 @@
-"""Turning logits into tokens: greedy, or temperature + top-k + top-p with a seeded draw;
-and the tokens' log-probabilities where a request asks (:func:`token_logprobs`).
+"""Turning logits into tokens: penalties and biases (:func:`adjust_logits`), then greedy,
+or temperature + top-k + top-p with a seeded draw; and the tokens' log-probabilities where a
+request asks (:func:`token_logprobs`).
 
 Sampling runs where the logits are (the rank's device); only the chosen token ids (and the
 asked log-probabilities) come back to the host, once per step (:func:`sample_rows`).
@@ -18,6 +19,40 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     """The request's own random stream on ``device``; every rank that samples creates it
     identically."""
     return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def adjust_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+) -> torch.Tensor:
+    """``[rows, vocab]`` logits with each row's repetition, frequency and presence penalties
+    and logit bias applied (see :class:`SamplingParams`), in float32; row ``i``'s tokens so
+    far are ``histories[i]``, its prompt the first ``prompt_lengths[i]`` of them. A new
+    tensor; rows without adjustments are copied as they are."""
+    adjusted = logits.float().clone()
+    vocab = adjusted.shape[-1]
+    for i, p in enumerate(params):
+        if not p.adjusts_logits:
+            continue
+        row = adjusted[i]
+        if p.repetition_penalty != 1.0 and histories[i]:
+            seen = torch.tensor(sorted(set(histories[i])), device=row.device)
+            values = row[seen]
+            row[seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        output = histories[i][prompt_lengths[i] :]
+        if (p.frequency_penalty or p.presence_penalty) and output:
+            counts = torch.bincount(torch.tensor(output, device=row.device), minlength=vocab)
+            counts = counts[:vocab].float()
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.logit_bias:
+            tokens = torch.tensor([token for token, _ in p.logit_bias], device=row.device)
+            bias = torch.tensor([value for _, value in p.logit_bias], device=row.device)
+            row.index_add_(0, tokens, bias)
+    return adjusted
 
 
 def sample_rows(
