@@ -127,6 +127,10 @@ def test_preemption_frees_blocks_and_resumes_from_the_tokens_so_far():
         assert request.output_token_ids == list(range(i * 100 + 3, i * 100 + 13))
     resumed = [n for s in steps for n in s.new_requests if len(n.prompt_token_ids) > 2]
     assert resumed, "a preempted request was not resumed with its generated tokens"
+    # Its generated tokens are marked as output (penalties count them), the prompt's are not.
+    assert all(new.num_output_tokens == len(new.prompt_token_ids) - 2 for new in resumed)
+    first_sent = [n for s in steps for n in s.new_requests if len(n.prompt_token_ids) == 2]
+    assert all(new.num_output_tokens == 0 for new in first_sent)
     # The runner was told to drop the preempted state before the request came back.
     for new in resumed:
         dropped = [i for i, s in enumerate(steps) if new.req_id in s.finished_req_ids]
