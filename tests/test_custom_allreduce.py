@@ -122,7 +122,9 @@ def test_a_native_run_sums_as_all_reduce_does_and_the_calls_go_on_after_it():
 def test_a_native_run_names_the_rank_that_never_arrives_by_its_deadline():
     pytest.importorskip("shardline_custom_allreduce._native", reason="extension not built")
     pytest.importorskip("shardline.layers._kernels", reason="kernels extension not built")
-    with LocalWorld(3, CommunicatorSetup("custom_ar", 2.0), call_timeout_s=60) as world:
+    # Operations end by 2 s; the ranks' start (3 on 2 cores, a loaded host) gets longer.
+    setup = CommunicatorSetup("custom_ar", 2.0, join_timeout_s=60.0)
+    with LocalWorld(3, setup, call_timeout_s=60) as world:
         results = world.run(allreduce_checks.native_run_with_a_silent_rank, 1)
     assert results[1] is None
     for rank in (0, 2):
@@ -154,7 +156,8 @@ def test_a_native_run_called_more_often_than_made_for_is_a_communication_error()
 def test_the_barrier_is_kept_in_the_segment_and_names_a_rank_that_never_enters():
     """Barriers between all-reduces run on the segment's flags (a late rank is named by
     custom_ar, by the group's deadline), not on the base's barrier."""
-    with LocalWorld(3, CommunicatorSetup("custom_ar", 2.0), call_timeout_s=60) as world:
+    setup = CommunicatorSetup("custom_ar", 2.0, join_timeout_s=60.0)  # a slow start is not it
+    with LocalWorld(3, setup, call_timeout_s=60) as world:
         results = world.run(allreduce_checks.barrier_with_a_silent_rank, 2, 50)
     assert results[2] is None
     for rank in (0, 1):
