@@ -675,6 +675,38 @@ def test_stopping_lets_open_requests_finish_then_ends_the_rest_with_an_error(
     assert "Traceback" not in log and "Cancel" not in log, log
 
 
+def test_an_engine_that_fails_while_the_server_drains_is_not_restarted(model_dir, tmp_path):
+    running = Server(tmp_path / "serve.log", _overrides(model_dir), "--api-key", API_KEY)
+    url = f"{running.url}/v1/completions"
+    long = {"model": str(model_dir), "prompt": "Hello", "max_tokens": LONG, "stream": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30, headers=_auth()) as client:
+            async with client.stream("POST", url, json=long) as stream:
+                events = stream.aiter_lines()
+                while not (await anext(events)).startswith("data: "):
+                    pass
+                running.process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)  # draining: the stream goes on for its grace
+                killed_at = time.monotonic()
+                os.kill(running.workers()[1], signal.SIGKILL)
+                error, error_after = await _error_event(events, since=killed_at)
+                rest = [line async for line in events if line.startswith("data: ")]
+            return error, error_after, rest, killed_at
+
+    try:
+        error, error_after, rest, killed_at = asyncio.run(scenario())
+        assert running.process.wait(15) == 128 + signal.SIGTERM
+        exited_after = time.monotonic() - killed_at
+    finally:
+        running.stop()
+    log = running.log.read_text()
+    assert error is not None and error["code"] == "engine_failed", log
+    assert error_after < 3.0 and rest == ["data: [DONE]"]
+    assert exited_after < 4.0  # before the 5 s grace ran out: nothing left to wait for
+    assert "the server is stopping: no restart" in log and "restarted" not in log, log
+
+
 # ---- the command line ------------------------------------------------------------------------
 
 

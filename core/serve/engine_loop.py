@@ -132,7 +132,7 @@ class EngineLoop:
         ApiError 503 while the engine restarts, the server stops, or the waiting queue has no
         room for them all."""
         with self._cond:
-            if self._stopping or self._drain_deadline is not None:
+            if self._leaving():
                 raise unavailable("the server is shutting down", "shutting_down")
             if self._failure is not None:
                 raise unavailable(
@@ -227,6 +227,10 @@ class EngineLoop:
             "abort",
         )
 
+    def _leaving(self) -> bool:
+        """Whether the server is stopping or draining (caller holds the lock)."""
+        return self._stopping or self._drain_deadline is not None
+
     def _drained(self) -> bool:
         """Whether the grace :meth:`drain` gave has run out (caller holds the lock)."""
         return self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
@@ -301,13 +305,16 @@ class EngineLoop:
 
     def _restart(self, error: Exception) -> bool:
         """After a failed step or a dead rank: fail every open request, start a new engine
-        (retrying with growing delays). False when the server is stopping."""
+        (retrying with growing delays). False when the server is stopping or draining (no
+        new engine for a server on its way out)."""
         reason = f"{type(error).__name__}: {error}"
         with self._cond:
             if self._stopping:
                 return False
             self._failure = reason
-        log.error("engine failed: %s; restarting the engine and its ranks", reason)
+            leaving = self._drain_deadline is not None
+        then = "the server is stopping: no restart" if leaving else "restarting the engine"
+        log.error("engine failed: %s; %s", reason, then)
         self._fail_open(
             unavailable(
                 f"the engine failed while serving this request ({reason}); the request was "
@@ -324,6 +331,8 @@ class EngineLoop:
             gauge.set(0)
         with contextlib.suppress(Exception):
             self.engine.shutdown()
+        if leaving:
+            return False
         delay, longest = RESTART_DELAY_S
         started = time.monotonic()
         while True:
@@ -333,15 +342,15 @@ class EngineLoop:
             except Exception as failure:
                 log.error("engine restart failed: %s; next try in %.0f s", failure, delay)
             with self._cond:
-                if self._cond.wait_for(lambda: self._stopping, timeout=delay):
+                if self._cond.wait_for(self._leaving, timeout=delay):
                     return False
             delay = min(2 * delay, longest)
         with self._cond:
-            stopping = self._stopping
-            if not stopping:
+            leaving = self._leaving()
+            if not leaving:
                 self.engine = engine
                 self._failure = None
-        if stopping:
+        if leaving:
             engine.shutdown()
             return False
         self.metrics.engine_restarts.inc()
