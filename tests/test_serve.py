@@ -72,7 +72,9 @@ def offline(model_dir):
             "long": llm.generate("Hello", SamplingParams(max_tokens=40))[0].text,
             "chat": chat.text,
             "embeddings": [v.tolist() for v in llm.embed(["Hello", "abc"])],
-            "scored": llm.generate("Hello", SamplingParams(max_tokens=TOKENS, logprobs=2))[0],
+            "scored": llm.generate(
+                "Hello", SamplingParams(max_tokens=TOKENS, logprobs=2, prompt_logprobs=2)
+            )[0],
             "penalized": llm.generate("Hello", SamplingParams(max_tokens=TOKENS, **PENALTIES))[
                 0
             ].text,
@@ -259,6 +261,36 @@ def test_logprobs_equal_offline_in_both_shapes_whole_and_streamed(server, model_
     assert all(e.top_logprobs == [] for e in content)  # top_logprobs left out: none
     plain = client.chat.completions.create(messages=messages, **asked).choices[0]
     assert plain.logprobs is None
+
+
+def test_echo_begins_the_answer_with_the_prompt_and_its_logprobs(server, model_dir, offline):
+    scored = offline["scored"]  # "Hello" with its prompt's scores
+    client = _client(server)
+    asked = {"model": str(model_dir), "prompt": "Hello", "max_tokens": TOKENS, "temperature": 0}
+    plain = client.completions.create(echo=True, **asked).choices[0]
+    assert plain.text == "Hello" + offline["texts"][0] and plain.logprobs is None
+    whole = client.completions.create(echo=True, logprobs=2, **asked).choices[0]
+    assert whole.text == plain.text
+    assert whole.logprobs.tokens[:5] == list("Hello")
+    assert whole.logprobs.token_logprobs[0] is None and whole.logprobs.top_logprobs[0] is None
+    expected = [found.logprob for found in scored.prompt_logprobs[1:]]
+    assert whole.logprobs.token_logprobs[1:5] == pytest.approx(expected, abs=1e-6)
+    assert [len(top) for top in whole.logprobs.top_logprobs[1:5]] == [
+        len({i for i, _ in found.top} | {token})
+        for found, token in zip(
+            scored.prompt_logprobs[1:], scored.prompt_token_ids[1:], strict=True
+        )
+    ]
+    assert len(whole.logprobs.tokens) == 5 + TOKENS
+    assert whole.logprobs.text_offset == list(range(5 + TOKENS))  # a character a token
+    streamed = list(client.completions.create(echo=True, logprobs=2, stream=True, **asked))
+    assert "".join(c.choices[0].text for c in streamed) == whole.text
+    assert [
+        value
+        for c in streamed
+        if c.choices[0].logprobs
+        for value in c.choices[0].logprobs.token_logprobs
+    ] == whole.logprobs.token_logprobs
 
 
 def test_penalties_and_logit_bias_equal_offline(server, model_dir, offline):

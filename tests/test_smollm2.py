@@ -123,6 +123,7 @@ def prompts(tokenizer):
 def reference(gguf_path, prompts, tokenizer, tmp_path_factory):
     """What transformers makes of the real model, computed once per run (both pytest workers
     use it): ``tokens``, the greedy continuation of each prompt (shorter if it stops at EOS),
+    ``prompt_logprobs``, per prompt token after the first its log-probability;
     ``logprobs``, per answer token its log-probability and the TOP_LOGPROBS most likely
     ``[id, log-probability]`` pairs (log_softmax of the logits of a forward pass over prompt
     and answer), and ``embedding``, the final hidden state of EMBED_TEXT's last token,
@@ -134,14 +135,16 @@ def reference(gguf_path, prompts, tokenizer, tmp_path_factory):
         model = AutoModelForCausalLM.from_pretrained(
             gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
         )
-        tokens, logprobs = [], []
+        tokens, logprobs, prompt_logprobs = [], [], []
         for prompt in prompts:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
             answer = out[0, len(prompt) :].tolist()
             tokens.append(answer)
             with torch.no_grad():
-                logits = model(out).logits[0, len(prompt) - 1 : -1]
-            scores = torch.log_softmax(logits.float(), dim=-1)
+                every = torch.log_softmax(model(out).logits[0].float(), dim=-1)
+            # Position q's distribution scores token q + 1.
+            prompt_logprobs.append([every[q, prompt[q + 1]].item() for q in range(len(prompt) - 1)])
+            scores = every[len(prompt) - 1 : -1]
             top = torch.topk(scores, TOP_LOGPROBS, dim=-1)
             logprobs.append(
                 [
@@ -155,7 +158,12 @@ def reference(gguf_path, prompts, tokenizer, tmp_path_factory):
         with torch.no_grad():
             hidden = model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
         embedding = torch.nn.functional.normalize(hidden, dim=0)
-        return {"tokens": tokens, "logprobs": logprobs, "embedding": embedding.tolist()}
+        return {
+            "tokens": tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "embedding": embedding.tolist(),
+        }
 
     return computed_once(tmp_path_factory, "smollm2-reference", compute)
 
@@ -197,7 +205,8 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
         outputs = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS))
         # Asking for log-probabilities takes the gathered logits' path, not the greedy one.
         scored = llm.chat(
-            conversations, SamplingParams(max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS)
+            conversations,
+            SamplingParams(max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS, prompt_logprobs=1),
         )
     for output, reference_answer in zip(outputs, reference["tokens"], strict=True):
         assert len(reference_answer) >= 8
@@ -206,9 +215,17 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
         stopped_at_eos = reference_answer[-1] in tokenizer.eos_token_ids
         assert output.finish_reason == ("stop" if stopped_at_eos else "length")
         assert output.logprobs is None
-    for output, reference_answer, reference_logprobs in zip(
-        scored, reference["tokens"], reference["logprobs"], strict=True
+    for output, reference_answer, reference_logprobs, reference_prompt in zip(
+        scored,
+        reference["tokens"],
+        reference["logprobs"],
+        reference["prompt_logprobs"],
+        strict=True,
     ):
+        assert output.prompt_logprobs[0] is None  # nothing predicts the first token
+        found_prompt = [found.logprob for found in output.prompt_logprobs[1:]]
+        assert found_prompt == pytest.approx(reference_prompt, abs=2e-3)
+        assert all(len(found.top) == 1 for found in output.prompt_logprobs[1:])
         assert output.token_ids == reference_answer
         assert len(output.logprobs) == len(reference_answer)
         for token, found, (logprob, top) in zip(
@@ -225,6 +242,21 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
                         other_id == found_id and abs(other_value - ref_value) < 4e-3
                         for other_id, other_value in top
                     ), (found.top, top)
+
+
+def test_prompt_logprobs_of_a_prompt_run_in_chunks(gguf_path, prompts, reference):
+    # 16 tokens a step: each ~40-token prompt is run in 3 chunks, scored a chunk at a time.
+    overrides = [f"model.path={gguf_path}", "scheduler.max_num_batched_tokens=16"]
+    with LLM(overrides=overrides, environ={}) as llm:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    for output, prompt, expected in zip(
+        outputs, prompts, reference["prompt_logprobs"], strict=True
+    ):
+        assert len(prompt) > 32
+        assert len(output.prompt_logprobs) == len(prompt)
+        found = [scored.logprob for scored in output.prompt_logprobs[1:]]
+        assert found == pytest.approx(expected, abs=2e-3)
+        assert all(scored.top == () for scored in output.prompt_logprobs[1:])
 
 
 def test_penalties_and_bias_steer_greedy_answers_as_their_formulas_say(

@@ -41,7 +41,8 @@ class RequestOutput:
     strings; ``finish_reason`` is "stop" (end-of-sequence, stop token or stop string),
     "length" (max_tokens or max_model_len), "pooled" (embedding ready) or None (running).
     ``logprobs``: one entry per token of ``token_ids`` where the request's
-    ``SamplingParams.logprobs`` asks for them, else None."""
+    ``SamplingParams.logprobs`` asks for them, else None; ``prompt_logprobs`` likewise, one
+    per prompt token (None for the first), once the prompt has been run."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -50,6 +51,7 @@ class RequestOutput:
     finish_reason: str | None = None
     embedding: Any = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -212,6 +214,8 @@ class LLMEngine:
         output = RequestOutput(req_id, request.prompt_token_ids)
         if sampling.logprobs is not None and pooling is None:
             output.logprobs = []
+        if sampling.prompt_logprobs is not None and pooling is None:
+            output.prompt_logprobs = []
         self._outputs[req_id] = output
         self._detokenizers[req_id] = Detokenizer(self.tokenizer, sampling.stop)
         self._replica_of[req_id] = replica
@@ -261,6 +265,8 @@ class LLMEngine:
             output.token_ids = list(request.output_token_ids)
             if output.logprobs is not None:
                 output.logprobs += request.output_logprobs[len(output.logprobs) :]
+            if output.prompt_logprobs is not None:
+                output.prompt_logprobs += request.prompt_logprobs[len(output.prompt_logprobs) :]
             detokenizer = self._detokenizers[request.req_id]
             with self.timer("detokenize"):
                 delta, stopped = detokenizer.update(output.token_ids)

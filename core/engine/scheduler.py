@@ -48,6 +48,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     #: Per output token, where ``sampling.logprobs`` asks for them.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    #: Per prompt token scored so far, where ``sampling.prompt_logprobs`` asks for them (the
+    #: first is None: nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     embedding: Any = None
@@ -265,6 +268,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.finished:
                 continue  # aborted while its step was in flight
+            if runner_output.prompt_logprobs is not None:
+                _add_prompt_logprobs(request, runner_output.prompt_logprobs[index])
             if runner_output.pooled is not None:
                 vector = runner_output.pooled[index]
                 if vector is not None:
@@ -352,3 +357,14 @@ class Scheduler:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+def _add_prompt_logprobs(request: Request, scored: tuple[int, list[TokenLogprobs]] | None) -> None:
+    """Keep the prompt scores of one step (``(first index, scores)``) beyond those held: a
+    prompt computed again after preemption scores its tokens again."""
+    if scored is None or request.sampling.prompt_logprobs is None:
+        return
+    first, scores = scored
+    held = len(request.prompt_logprobs)
+    if first <= held < first + len(scores):
+        request.prompt_logprobs += scores[held - first :]

@@ -36,7 +36,8 @@ class SamplingParams:
     ``logprobs`` k (None: off) asks for each generated token's log-probability and those of
     the k most likely tokens at its position (0 to :data:`MAX_LOGPROBS`), from the model's
     own distribution, before any adjustment, temperature, top-k and top-p (``log_softmax``
-    of the logits)."""
+    of the logits); ``prompt_logprobs`` k the same for every prompt token but the first
+    (which nothing predicts)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -47,6 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -75,10 +77,12 @@ class SamplingParams:
             raise ValueError(f"stop = {self.stop!r}: must be a sequence of non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"logprobs = {self.logprobs}: must be from 0 to {MAX_LOGPROBS} (or None: off)"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            if asked is not None and not 0 <= asked <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name} = {asked}: must be from 0 to {MAX_LOGPROBS} (or None: off)"
+                )
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(
                 f"repetition_penalty = {self.repetition_penalty}: must be in "
@@ -158,9 +162,12 @@ class ModelRunnerOutput:
     step only computed part of its prompt. A pooling step has ``pooled`` instead: per request
     its embedding (float32, ``[hidden]``), or None for a prompt chunk that is not the last.
     ``logprobs``, when some request of the step asked for them: per request its token's
-    :class:`TokenLogprobs`, or None (no token, or not asked)."""
+    :class:`TokenLogprobs`, or None (no token, or not asked). ``prompt_logprobs``, likewise:
+    per request ``(i, scores)``, the scores of its prompt tokens ``i``, ``i + 1``, ... that
+    this step's part of the prompt predicts, or None."""
 
     req_ids: list[str]
     sampled_token_ids: list[int | None]
     pooled: list[Any] | None = None
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None] | None = None

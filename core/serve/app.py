@@ -101,7 +101,8 @@ def build_app(
         refuse_unsupported(body)
         prompt = inputs.completion_prompt(served, body)
         texts = None if body.logprobs is None else outputs.TokenTexts(served.tokenizer)
-        shape = outputs.CompletionShape(served.name, texts)
+        echo = inputs.echoed_prompt(served, body, prompt)
+        shape = outputs.CompletionShape(served.name, texts, echo)
         return await _generate(request, body, prompt, shape)
 
     @api.post("/v1/chat/completions")

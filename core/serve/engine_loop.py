@@ -43,7 +43,8 @@ class Update:
     (generated so far), and once it ends ``finish_reason`` ("stop", "length", "pooled") and
     ``embedding``; or ``error``, the last update of a request the engine could not finish.
     ``scored``: the step's new tokens with their log-probabilities, where the request asked
-    for them."""
+    for them; ``prompt_scored``, in the update with the first token, the prompt's tokens with
+    theirs (None for the first), where asked."""
 
     text: str = ""
     num_tokens: int = 0
@@ -51,6 +52,7 @@ class Update:
     embedding: Any = None
     error: ApiError | None = None
     scored: tuple[tuple[int, TokenLogprobs], ...] = ()
+    prompt_scored: tuple[tuple[int, TokenLogprobs | None], ...] = ()
 
 
 class Ticket:
@@ -268,10 +270,12 @@ class EngineLoop:
         if ticket is None:
             return
         gained = len(output.token_ids) - ticket.num_tokens
-        scored = ()
+        scored, prompt_scored = (), ()
         if output.logprobs is not None and gained > 0:
             new = slice(ticket.num_tokens, None)
             scored = tuple(zip(output.token_ids[new], output.logprobs[new], strict=True))
+        if output.prompt_logprobs is not None and gained > 0 and ticket.num_tokens == 0:
+            prompt_scored = tuple(zip(output.prompt_token_ids, output.prompt_logprobs, strict=True))
         if gained > 0:
             self.metrics.generation_tokens.inc(gained)
             if ticket.last_token_at is None:
@@ -291,6 +295,7 @@ class EngineLoop:
                     output.finish_reason,
                     output.embedding,
                     scored=scored,
+                    prompt_scored=prompt_scored,
                 )
             )
 

@@ -48,6 +48,19 @@ class ServedModel:
             )
 
 
+def echoed_prompt(served: ServedModel, body: CompletionRequest, ids: list[int]) -> str | None:
+    """The text a completion with ``echo`` begins with: the prompt as given, or its token ids'
+    text (None: no echo)."""
+    if not body.echo:
+        return None
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return served.tokenizer.decode(ids) if served.tokenizer is not None else ""
+
+
 def completion_prompt(served: ServedModel, body: CompletionRequest) -> list[int]:
     """The prompt's token ids: text is encoded; a list holding one prompt is that prompt."""
     prompt = body.prompt
@@ -153,6 +166,7 @@ def sampling_params(
         stop=tuple(stop),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=logprobs if getattr(body, "echo", False) else None,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,

@@ -28,7 +28,8 @@ DONE = "data: [DONE]\n\n"
 #: What a log-probability of minus infinity is written as (JSON has no infinity).
 LOWEST_LOGPROB = -9999.0
 
-Scored = Sequence[tuple[int, TokenLogprobs]]
+#: Tokens with their scores (None: the prompt's first token, which nothing predicts).
+Scored = Sequence[tuple[int, TokenLogprobs | None]]
 
 
 class TokenTexts:
@@ -60,32 +61,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 class Answer(NamedTuple):
-    """One choice's whole answer: its text, last update and scored tokens (where asked)."""
+    """One choice's whole answer: its text, last update, scored tokens and scored prompt
+    tokens (where asked)."""
 
     text: str
     last: Update
     scored: list[tuple[int, TokenLogprobs]]
+    prompt_scored: Scored = ()
 
 
 class CompletionShape:
     """The bodies of ``/v1/completions`` for one request (its choices by index); ``texts``
-    set: the request asked for log-probabilities, shown with it."""
+    set: the request asked for log-probabilities, shown with it; ``echo`` set: each choice's
+    text begins with this prompt text (and its logprobs with the prompt's tokens)."""
 
     prefix = "cmpl"
     obj = "text_completion"
     chunk_obj = "text_completion"
 
-    def __init__(self, model: str, texts: TokenTexts | None = None) -> None:
+    def __init__(
+        self, model: str, texts: TokenTexts | None = None, echo: str | None = None
+    ) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model = model
         #: When the request arrived (Unix seconds), in every body and chunk of its answer.
         self.created = int(time.time())
         self.texts = texts
+        self.echo = echo
+        self._echoed: set[int] = set()  # the choices whose text began with the echo
         self._text_offsets: dict[int, int] = {}  # per choice: where its next token's text starts
 
     def body(self, answers: Sequence[Answer], counts: dict[str, int]) -> dict[str, Any]:
         choices = [
-            self._choice(index, answer.text, answer.last.finish_reason, answer.scored)
+            self._choice(
+                index, answer.text, answer.last.finish_reason, answer.scored, answer.prompt_scored
+            )
             for index, answer in enumerate(answers)
         ]
         return self._envelope(self.obj, choices) | {"usage": counts}
@@ -95,9 +105,15 @@ class CompletionShape:
         return None
 
     def chunk(
-        self, choice: int, text: str, finish_reason: str | None, scored: Scored = ()
+        self,
+        choice: int,
+        text: str,
+        finish_reason: str | None,
+        scored: Scored = (),
+        prompt_scored: Scored = (),
     ) -> dict[str, Any]:
-        return self._envelope(self.chunk_obj, [self._choice(choice, text, finish_reason, scored)])
+        answer = self._choice(choice, text, finish_reason, scored, prompt_scored)
+        return self._envelope(self.chunk_obj, [answer])
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
@@ -113,8 +129,16 @@ class CompletionShape:
         }
 
     def _choice(
-        self, index: int, text: str, finish_reason: str | None, scored: Scored
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        scored: Scored,
+        prompt_scored: Scored = (),
     ) -> dict[str, Any]:
+        if self.echo is not None and index not in self._echoed:
+            self._echoed.add(index)
+            text, scored = self.echo + text, (*prompt_scored, *scored)
         return {
             "index": index,
             "text": text,
@@ -132,10 +156,14 @@ class CompletionShape:
         for token_id, found in scored:
             token = self.texts.text_of(token_id)
             tokens.append(token)
-            values.append(_finite(found.logprob))
-            top = {self.texts.text_of(i): _finite(value) for i, value in found.top}
-            top.setdefault(token, _finite(found.logprob))
-            tops.append(top)
+            if found is None:  # the prompt's first token
+                values.append(None)
+                tops.append(None)
+            else:
+                values.append(_finite(found.logprob))
+                top = {self.texts.text_of(i): _finite(value) for i, value in found.top}
+                top.setdefault(token, _finite(found.logprob))
+                tops.append(top)
             offsets.append(offset)
             offset += len(token)
         self._text_offsets[index] = offset
@@ -172,7 +200,12 @@ class ChatShape(CompletionShape):
         return self._envelope(self.chunk_obj, [self._delta(choice, delta)])
 
     def chunk(
-        self, choice: int, text: str, finish_reason: str | None, scored: Scored = ()
+        self,
+        choice: int,
+        text: str,
+        finish_reason: str | None,
+        scored: Scored = (),
+        prompt_scored: Scored = (),
     ) -> dict[str, Any]:
         delta = {"content": text} if text else {}
         return self._envelope(self.chunk_obj, [self._delta(choice, delta, finish_reason, scored)])
@@ -231,6 +264,7 @@ async def collect(engine: EngineLoop, tickets: Sequence[Ticket]) -> list[Answer]
     aborts them all when it fails or is cancelled (client gone)."""
     parts: dict[int, list[str]] = {ticket.choice: [] for ticket in tickets}
     scored: dict[int, list[tuple[int, TokenLogprobs]]] = {ticket.choice: [] for ticket in tickets}
+    prompt_scored: dict[int, Scored] = {}
     answers: dict[int, Answer] = {}
     try:
         while len(answers) < len(tickets):
@@ -239,8 +273,13 @@ async def collect(engine: EngineLoop, tickets: Sequence[Ticket]) -> list[Answer]
                 raise update.error
             parts[choice].append(update.text)
             scored[choice] += update.scored
+            if update.prompt_scored:
+                prompt_scored[choice] = update.prompt_scored
             if update.finish_reason is not None:
-                answers[choice] = Answer("".join(parts[choice]), update, scored[choice])
+                text = "".join(parts[choice])
+                answers[choice] = Answer(
+                    text, update, scored[choice], prompt_scored.get(choice, ())
+                )
         return [answers[ticket.choice] for ticket in tickets]
     finally:
         if len(answers) < len(tickets):
@@ -292,7 +331,11 @@ async def _events(
             yield event(update.error.body())
             break
         if update.text or update.finish_reason is not None or update.scored:
-            yield event(shape.chunk(choice, update.text, update.finish_reason, update.scored))
+            yield event(
+                shape.chunk(
+                    choice, update.text, update.finish_reason, update.scored, update.prompt_scored
+                )
+            )
         if update.finish_reason is not None:
             generated[choice] = update.num_tokens
     else:

@@ -57,6 +57,7 @@ class CompletionRequest(_Generation):
     prompt is taken too)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    #: The answer's text begins with the prompt's (and its logprobs with the prompt tokens').
     echo: bool = False
     best_of: int | None = None
     #: The log-probability of each token and of the ``logprobs`` most likely at its place.
@@ -100,7 +101,6 @@ class EmbeddingRequest(_Body):
 
 #: Fields the server accepts only at their neutral value: (field, neutral, what to say).
 _UNSUPPORTED = (
-    ("echo", False, "echo is not implemented; send false"),
     ("best_of", None, "best_of is not implemented; leave it out"),
     ("suffix", None, "suffix is not implemented; leave it out"),
     ("tools", None, "tool calls are not implemented; leave tools out"),

@@ -21,7 +21,12 @@ import torch
 from shardline.config.schema import EngineConfig
 from shardline.distributed import ParallelState
 from shardline.interfaces import IntermediateTensors, ModelRunner
-from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from shardline.interfaces.step import (
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from shardline.launch.launcher_env import local_rank
 from shardline.layers.attention import AttentionMetadata, KVCache
 from shardline.profiling import NO_TIMER, StepTimer
@@ -64,6 +69,10 @@ class CausalLM(Protocol):
 
     def make_kv_caches(self, num_blocks: int, block_size: int) -> dict[int, KVCache]:
         """An empty paged cache for every layer of this stage."""
+
+
+#: Prompt rows whose full-vocabulary logits are made at once (a bound on the memory they take).
+_PROMPT_ROWS_AT_ONCE = 256
 
 
 @dataclass
@@ -131,9 +140,10 @@ class CausalLMRunner(ModelRunner):
             if not all(pooling):
                 raise ValueError("a step mixes embedding (pooling) and generating requests")
             return self._pool_hidden(output, req_ids, metadata.query_start_loc, final_rows)
+        prompt_scores = self._score_prompts(output, req_ids, metadata)
         rows = [row for row in final_rows if row is not None]
         if not rows:
-            return ModelRunnerOutput(req_ids, [None] * len(req_ids))
+            return ModelRunnerOutput(req_ids, [None] * len(req_ids), prompt_logprobs=prompt_scores)
         finishing = [
             self.requests[req_id]
             for req_id, row in zip(req_ids, final_rows, strict=True)
@@ -164,11 +174,44 @@ class CausalLMRunner(ModelRunner):
                     found = token_logprobs(logits, tokens, asked)
         drawn = iter(tokens)
         sampled = [None if row is None else next(drawn) for row in final_rows]
-        if found is None:
-            return ModelRunnerOutput(req_ids, sampled)
-        each = iter(found)
-        logprobs = [None if row is None else next(each) for row in final_rows]
-        return ModelRunnerOutput(req_ids, sampled, logprobs=logprobs)
+        logprobs = None
+        if found is not None:
+            each = iter(found)
+            logprobs = [None if row is None else next(each) for row in final_rows]
+        return ModelRunnerOutput(req_ids, sampled, logprobs=logprobs, prompt_logprobs=prompt_scores)
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, req_ids: list[str], metadata: AttentionMetadata
+    ) -> list[tuple[int, list[TokenLogprobs]] | None] | None:
+        """For the requests that ask for prompt log-probabilities: the scores of the prompt
+        tokens this step's rows predict (the row of position q predicts token q + 1), with
+        the index of the first; None when no request of the step asks."""
+        asking = [self.requests[r].sampling.prompt_logprobs is not None for r in req_ids]
+        if not any(asking):
+            return None
+        starts, seq_lens = metadata.query_start_loc, metadata.seq_lens
+        found: list[tuple[int, list[TokenLogprobs]] | None] = [None] * len(req_ids)
+        with self.timer("sampling"):
+            for i, req_id in enumerate(req_ids):
+                request = self.requests[req_id]
+                if not asking[i]:
+                    continue
+                first = seq_lens[i] - (starts[i + 1] - starts[i])  # this step's first position
+                count = min(seq_lens[i], request.num_prompt_tokens - 1) - first
+                if count <= 0:
+                    continue
+                targets = request.token_ids[first + 1 : first + 1 + count]
+                k = request.sampling.prompt_logprobs
+                scores: list[TokenLogprobs] = []
+                for block in range(0, count, _PROMPT_ROWS_AT_ONCE):
+                    rows = slice(
+                        starts[i] + block, starts[i] + min(count, block + _PROMPT_ROWS_AT_ONCE)
+                    )
+                    logits = self.model.compute_logits(hidden[rows])
+                    chunk = targets[block : block + _PROMPT_ROWS_AT_ONCE]
+                    scores += token_logprobs(logits, chunk, [k] * len(chunk))
+                found[i] = (first + 1, scores)
+        return found
 
     def _pool_hidden(
         self,
