@@ -85,6 +85,20 @@ def test_generate_and_embed_match_transformers(tiny_llama_dir, reference, tp, pp
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_sampled_answer_is_the_same_whether_or_not_it_was_preempted(tiny_llama_dir):
+    sampling = [
+        SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0, seed=seed)
+        for seed in range(len(PROMPTS))
+    ]
+    with _llm(tiny_llama_dir) as llm:  # 24 cache blocks: requests are preempted
+        preempted = [o.token_ids for o in llm.generate(PROMPTS, sampling)]
+        assert llm.engine.scheduler.num_preemptions > 0
+    with _llm(tiny_llama_dir, 1, 1, "cache.num_blocks=256") as llm:
+        alone = [o.token_ids for o in llm.generate(PROMPTS, sampling)]
+        assert llm.engine.scheduler.num_preemptions == 0
+    assert preempted == alone
+
+
 @pytest.mark.parametrize("pp", [1, 2], ids=["one-stage", "pp2"])
 def test_a_tied_lm_head_is_planned_as_held_and_gives_transformers_tokens(tmp_path, pp):
     """The packed head of a tied model holds its own copy of the table (the embedding keeps

@@ -20,7 +20,8 @@ MAX_REPETITION_PENALTY = 100.0
 class SamplingParams:
     """How to pick each next token and when to stop. ``temperature == 0`` is greedy;
     otherwise top-k (0: off) then top-p (1.0: off) filtering and a draw from a generator
-    seeded with ``seed``, so every rank that samples draws the same token.
+    seeded with ``seed`` and the output token's index, so every rank that samples draws the
+    same token, and a request computed again after preemption draws what it would have.
 
     A request stops after ``max_tokens`` tokens, at the model's end-of-sequence token (unless
     ``ignore_eos``), at any of ``stop_token_ids``, or when its text contains one of ``stop``

@@ -168,7 +168,10 @@ class CausalLMRunner(ModelRunner):
                         [request.num_prompt_tokens for request in finishing],
                     )
                 tokens = sample_rows(
-                    chosen_from, params, [request.generator for request in finishing]
+                    chosen_from,
+                    params,
+                    [request.generator for request in finishing],
+                    [len(r.token_ids) - r.num_prompt_tokens for r in finishing],
                 )
                 if any(k is not None for k in asked):
                     found = token_logprobs(logits, tokens, asked)

@@ -14,11 +14,23 @@ import torch
 
 from shardline.interfaces.step import SamplingParams, TokenLogprobs
 
+_MASK_64 = (1 << 64) - 1
+
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
-    """The request's own random stream on ``device``; every rank that samples creates it
-    identically."""
+    """The request's own generator on ``device`` (seeded again for every draw, see
+    :func:`draw_seed`); every rank that samples creates it identically."""
     return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of the draw of a request's output token ``index``: a mix (SplitMix64's) of
+    the request's seed and the index, so that each token's draw depends on them alone: a
+    request computed again after preemption draws what it would have drawn."""
+    mixed = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK_64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return mixed ^ (mixed >> 31)
 
 
 def adjust_logits(
@@ -59,20 +71,28 @@ def sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    indexes: Sequence[int],
 ) -> list[int]:
     """One token id per row of ``[rows, vocab]`` logits (row ``i`` with ``params[i]`` and
-    ``generators[i]``), drawn on the logits' device and read back in one transfer."""
+    ``generators[i]``, for the request's output token ``indexes[i]``), drawn on the logits'
+    device and read back in one transfer."""
     if all(p.temperature == 0 for p in params):
         return torch.argmax(logits, dim=-1).tolist()
-    drawn = [_draw(row, p, g) for row, p, g in zip(logits, params, generators, strict=True)]
+    drawn = [
+        _draw(row, p, g, i)
+        for row, p, g, i in zip(logits, params, generators, indexes, strict=True)
+    ]
     return torch.stack(drawn).tolist()
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """The token id drawn from ``[vocab]`` logits, as a 0-d tensor on their device;
-    deterministic given the generator's state."""
+def _draw(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, index: int
+) -> torch.Tensor:
+    """The token id drawn from ``[vocab]`` logits for output token ``index``, as a 0-d
+    tensor on their device; the same for the same seed and index."""
     if params.temperature == 0:
         return torch.argmax(logits)
+    generator.manual_seed(draw_seed(params.seed, index))
     scores = logits.float() / params.temperature
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
