@@ -120,6 +120,15 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
+async def _streaming(stream: httpx.Response):
+    """The lines of an event stream, once its first ``data:`` line has come (the request is
+    in the running batch)."""
+    events = stream.aiter_lines()
+    while not (await anext(events)).startswith("data: "):
+        pass
+    return events
+
+
 async def _error_event(events, since: float) -> tuple[dict | None, float | None]:
     """The next error event of a stream's lines and the seconds from ``since`` until it came;
     (None, None) when the stream ends without one."""
@@ -632,9 +641,7 @@ def test_a_killed_worker_fails_open_requests_then_the_server_recovers(
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
             async with client.stream("POST", f"{url}/v1/completions", json=long) as stream:
-                events = stream.aiter_lines()
-                while not (await anext(events)).startswith("data: "):
-                    pass
+                events = await _streaming(stream)
                 queued = asyncio.ensure_future(
                     client.post(f"{url}/v1/completions", json=long | {"stream": False})
                 )
@@ -679,9 +686,7 @@ def test_stopping_lets_open_requests_finish_then_ends_the_rest_with_an_error(
     async def scenario():
         async with httpx.AsyncClient(timeout=30, headers=_auth()) as client:
             async with client.stream("POST", url, json=long) as stream:
-                events = stream.aiter_lines()
-                while not (await anext(events)).startswith("data: "):
-                    pass
+                events = await _streaming(stream)
                 finishing = asyncio.ensure_future(client.post(url, json=short))
                 while running.metric("shardline_requests_running", key=API_KEY) < 2:
                     await asyncio.sleep(0.02)
@@ -715,9 +720,7 @@ def test_an_engine_that_fails_while_the_server_drains_is_not_restarted(model_dir
     async def scenario():
         async with httpx.AsyncClient(timeout=30, headers=_auth()) as client:
             async with client.stream("POST", url, json=long) as stream:
-                events = stream.aiter_lines()
-                while not (await anext(events)).startswith("data: "):
-                    pass
+                events = await _streaming(stream)
                 running.process.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)  # draining: the stream goes on for its grace
                 killed_at = time.monotonic()
