@@ -45,7 +45,12 @@ class TokenTexts:
         return self._tokenizer.token_bytes(token_id)
 
     def text_of(self, token_id: int) -> str:
-        return self.bytes_of(token_id).decode("utf-8", errors="backslashreplace")
+        return _shown(self.bytes_of(token_id))
+
+
+def _shown(raw: bytes) -> str:
+    """A token's bytes as text: UTF-8, a byte that is only part of a character as ``\\xNN``."""
+    return raw.decode("utf-8", errors="backslashreplace")
 
 
 def _finite(logprob: float) -> float:
@@ -92,28 +97,16 @@ class CompletionShape:
         self._text_offsets: dict[int, int] = {}  # per choice: where its next token's text starts
 
     def body(self, answers: Sequence[Answer], counts: dict[str, int]) -> dict[str, Any]:
-        choices = [
-            self._choice(
-                index, answer.text, answer.last.finish_reason, answer.scored, answer.prompt_scored
-            )
-            for index, answer in enumerate(answers)
-        ]
+        choices = [self._whole(index, answer) for index, answer in enumerate(answers)]
         return self._envelope(self.obj, choices) | {"usage": counts}
 
     def opening(self, choice: int) -> dict[str, Any] | None:
         """The first chunk of a choice's stream, before any text (None: there is none)."""
         return None
 
-    def chunk(
-        self,
-        choice: int,
-        text: str,
-        finish_reason: str | None,
-        scored: Scored = (),
-        prompt_scored: Scored = (),
-    ) -> dict[str, Any]:
-        answer = self._choice(choice, text, finish_reason, scored, prompt_scored)
-        return self._envelope(self.chunk_obj, [answer])
+    def chunk(self, choice: int, update: Update) -> dict[str, Any]:
+        """The chunk of what choice ``choice`` gained in ``update``."""
+        return self._envelope(self.chunk_obj, [self._part(choice, update)])
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
@@ -128,13 +121,23 @@ class CompletionShape:
             "choices": choices,
         }
 
+    def _whole(self, index: int, answer: Answer) -> dict[str, Any]:
+        return self._choice(
+            index, answer.text, answer.last.finish_reason, answer.scored, answer.prompt_scored
+        )
+
+    def _part(self, choice: int, update: Update) -> dict[str, Any]:
+        return self._choice(
+            choice, update.text, update.finish_reason, update.scored, update.prompt_scored
+        )
+
     def _choice(
         self,
         index: int,
         text: str,
         finish_reason: str | None,
         scored: Scored,
-        prompt_scored: Scored = (),
+        prompt_scored: Scored,
     ) -> dict[str, Any]:
         if self.echo is not None and index not in self._echoed:
             self._echoed.add(index)
@@ -183,39 +186,24 @@ class ChatShape(CompletionShape):
     obj = "chat.completion"
     chunk_obj = "chat.completion.chunk"
 
-    def body(self, answers: Sequence[Answer], counts: dict[str, int]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": answer.text},
-                "logprobs": self._logprobs(index, answer.scored),
-                "finish_reason": answer.last.finish_reason,
-            }
-            for index, answer in enumerate(answers)
-        ]
-        return self._envelope(self.obj, choices) | {"usage": counts}
-
     def opening(self, choice: int) -> dict[str, Any]:
         delta = {"role": "assistant", "content": ""}
-        return self._envelope(self.chunk_obj, [self._delta(choice, delta)])
+        return self._envelope(self.chunk_obj, [self._delta(choice, delta, None, ())])
 
-    def chunk(
-        self,
-        choice: int,
-        text: str,
-        finish_reason: str | None,
-        scored: Scored = (),
-        prompt_scored: Scored = (),
-    ) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
-        return self._envelope(self.chunk_obj, [self._delta(choice, delta, finish_reason, scored)])
+    def _whole(self, index: int, answer: Answer) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": answer.text},
+            "logprobs": self._logprobs(index, answer.scored),
+            "finish_reason": answer.last.finish_reason,
+        }
+
+    def _part(self, choice: int, update: Update) -> dict[str, Any]:
+        delta = {"content": update.text} if update.text else {}
+        return self._delta(choice, delta, update.finish_reason, update.scored)
 
     def _delta(
-        self,
-        choice: int,
-        delta: dict[str, str],
-        finish_reason: str | None = None,
-        scored: Scored = (),
+        self, choice: int, delta: dict[str, str], finish_reason: str | None, scored: Scored
     ) -> dict[str, Any]:
         return {
             "index": choice,
@@ -240,7 +228,7 @@ class ChatShape(CompletionShape):
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw = self.texts.bytes_of(token_id)
         return {
-            "token": raw.decode("utf-8", errors="backslashreplace"),
+            "token": _shown(raw),
             "logprob": _finite(logprob),
             "bytes": list(raw),
         }
@@ -331,11 +319,7 @@ async def _events(
             yield event(update.error.body())
             break
         if update.text or update.finish_reason is not None or update.scored:
-            yield event(
-                shape.chunk(
-                    choice, update.text, update.finish_reason, update.scored, update.prompt_scored
-                )
-            )
+            yield event(shape.chunk(choice, update))
         if update.finish_reason is not None:
             generated[choice] = update.num_tokens
     else:
