@@ -6,30 +6,30 @@ import pytest
 import torch
 
 from shardline.interfaces.step import SamplingParams
-from shardline.worker.sampler import adjust_logits, make_generator, sample_rows, token_logprobs
+from shardline.worker.sampler import adjust_logits, sample_rows, token_logprobs
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5, 1.0])
 
 
 def sample(logits, params, generator, index=0):
-    return sample_rows(logits[None], [params], [generator], [index])[0]
+    return sample_rows(logits[None], [params], [index], generator)[0]
 
 
 def _draws(params, count=300):
     """What ``count`` output tokens of a request draw, one after the other."""
-    generator = make_generator(params)
+    generator = torch.Generator()
     return [sample(LOGITS, params, generator, index) for index in range(count)]
 
 
 def test_greedy_is_argmax():
-    assert sample(LOGITS, SamplingParams(), make_generator(SamplingParams())) == 1
+    assert sample(LOGITS, SamplingParams(), torch.Generator()) == 1
 
 
 def test_a_batch_of_rows_draws_as_each_row_alone():
     rows = torch.stack([LOGITS, LOGITS.flip(0), LOGITS * 3])
     params = [SamplingParams(), SamplingParams(temperature=1.0, seed=5), SamplingParams()]
-    batched = sample_rows(rows, params, [make_generator(p) for p in params], [0, 0, 0])
-    alone = [sample(row, p, make_generator(p)) for row, p in zip(rows, params, strict=True)]
+    batched = sample_rows(rows, params, [0, 0, 0], torch.Generator())
+    alone = [sample(row, p, torch.Generator()) for row, p in zip(rows, params, strict=True)]
     assert batched == alone
     assert batched[0] == 1 and batched[2] == 1
 
@@ -99,7 +99,7 @@ def test_logprobs_are_the_logits_log_softmax_most_likely_first():
 def test_logprobs_ignore_temperature_and_filters():
     # A draw with a low temperature and top-k 1 still reports the unfiltered distribution.
     params = SamplingParams(temperature=0.1, top_k=1, seed=3, logprobs=1)
-    (token,) = sample_rows(LOGITS[None], [params], [make_generator(params)], [0])
+    (token,) = sample_rows(LOGITS[None], [params], [0], torch.Generator())
     (found,) = token_logprobs(LOGITS[None], [token], [params.logprobs])
     assert token == 1
     assert found.logprob == pytest.approx(torch.log_softmax(LOGITS, dim=0)[1].item())
@@ -123,7 +123,7 @@ def test_penalties_and_bias_adjust_each_row_as_documented():
     # Output only: 1 seen twice (-2 * 0.5 - 0.25), 4 once (-0.5 - 0.25); prompt tokens not.
     assert adjusted[2].tolist() == pytest.approx([0.1, 0.75, 1.9, -1.0, -0.25, 1.0])
     assert adjusted[3].tolist() == pytest.approx([0.1, -98.0, 1.9, -1.0, 0.5, 4.0])
-    greedy = sample_rows(adjusted, params, [make_generator(p) for p in params], [0] * 4)
+    greedy = sample_rows(adjusted, params, [0] * 4, torch.Generator())
     assert greedy == [1, 2, 2, 5]  # the bias bans 1 and lifts 5 over it
 
 
@@ -131,7 +131,7 @@ def test_a_draw_depends_on_the_seed_and_the_token_index_alone():
     params = SamplingParams(temperature=1.0, seed=11)
     sequence = _draws(params, 40)
     # Any generator, in any state, draws token i as the sequence did.
-    worn = make_generator(params)
+    worn = torch.Generator()
     for index in (0, 3, 3, 17):
         sample(LOGITS, params, worn, 39 - index)
     assert [sample(LOGITS, params, worn, i) for i in range(20, 40)] == sequence[20:]

@@ -360,9 +360,9 @@ class Scheduler:
 
 
 def _add_prompt_logprobs(request: Request, scored: tuple[int, list[TokenLogprobs]] | None) -> None:
-    """Keep the prompt scores of one step (``(first index, scores)``) beyond those held: a
-    prompt computed again after preemption scores its tokens again."""
-    if scored is None or request.sampling.prompt_logprobs is None:
+    """Keep the prompt scores of one step (``(first index, scores)``; None: not asked)
+    beyond those held: a prompt computed again after preemption scores its tokens again."""
+    if scored is None:
         return
     first, scores = scored
     held = len(request.prompt_logprobs)

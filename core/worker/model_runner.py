@@ -32,7 +32,6 @@ from shardline.layers.attention import AttentionMetadata, KVCache
 from shardline.profiling import NO_TIMER, StepTimer
 from shardline.worker.sampler import (
     adjust_logits,
-    make_generator,
     sample_rows,
     token_logprobs,
 )
@@ -82,7 +81,6 @@ class RequestState:
     token_ids: list[int]
     block_ids: list[int]
     sampling: SamplingParams
-    generator: torch.Generator
     #: The first tokens of ``token_ids`` that are prompt; the rest are output.
     num_prompt_tokens: int
     num_computed_tokens: int = 0
@@ -103,6 +101,8 @@ class CausalLMRunner(ModelRunner):
         self.model: CausalLM | None = None
         self.kv_caches: dict[int, KVCache] = {}
         self.device = rank_device(config.parallel.device, state.rank)
+        #: Draws every sampled token (seeded for each draw from its request's seed).
+        self.generator = torch.Generator(device=self.device)
         self.timer: StepTimer = NO_TIMER
 
     @abc.abstractmethod
@@ -170,8 +170,8 @@ class CausalLMRunner(ModelRunner):
                 tokens = sample_rows(
                     chosen_from,
                     params,
-                    [request.generator for request in finishing],
                     [len(r.token_ids) - r.num_prompt_tokens for r in finishing],
+                    self.generator,
                 )
                 if any(k is not None for k in asked):
                     found = token_logprobs(logits, tokens, asked)
@@ -254,7 +254,6 @@ class CausalLMRunner(ModelRunner):
                 list(new.prompt_token_ids),
                 list(new.block_ids),
                 new.sampling,
-                make_generator(new.sampling, self.device),
                 len(new.prompt_token_ids) - new.num_output_tokens,
                 pooling=new.pooling,
             )

@@ -17,12 +17,6 @@ from shardline.interfaces.step import SamplingParams, TokenLogprobs
 _MASK_64 = (1 << 64) - 1
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
-    """The request's own generator on ``device`` (seeded again for every draw, see
-    :func:`draw_seed`); every rank that samples creates it identically."""
-    return torch.Generator(device=device).manual_seed(params.seed)
-
-
 def draw_seed(seed: int, index: int) -> int:
     """The seed of the draw of a request's output token ``index``: a mix (SplitMix64's) of
     the request's seed and the index, so that each token's draw depends on them alone: a
@@ -70,18 +64,16 @@ def adjust_logits(
 def sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator],
     indexes: Sequence[int],
+    generator: torch.Generator,
 ) -> list[int]:
-    """One token id per row of ``[rows, vocab]`` logits (row ``i`` with ``params[i]`` and
-    ``generators[i]``, for the request's output token ``indexes[i]``), drawn on the logits'
-    device and read back in one transfer."""
+    """One token id per row of ``[rows, vocab]`` logits (row ``i`` with ``params[i]``, for
+    its request's output token ``indexes[i]``), drawn on the logits' device with
+    ``generator`` (on that device; seeded for each draw by :func:`draw_seed`, so any
+    generator draws the same) and read back in one transfer."""
     if all(p.temperature == 0 for p in params):
         return torch.argmax(logits, dim=-1).tolist()
-    drawn = [
-        _draw(row, p, g, i)
-        for row, p, g, i in zip(logits, params, generators, indexes, strict=True)
-    ]
+    drawn = [_draw(row, p, generator, i) for row, p, i in zip(logits, params, indexes, strict=True)]
     return torch.stack(drawn).tolist()
 
 
@@ -113,7 +105,7 @@ def token_logprobs(
     """Per row of ``[rows, vocab]`` logits with ``ks[i]`` not None: the log-probability of
     ``token_ids[i]`` and the ``ks[i]`` most likely tokens', from ``log_softmax`` of the
     row in float32 (the model's distribution, before any sampling filter); None for the
-    other rows. Read back in one transfer."""
+    other rows. Read back once per step (three small tensors)."""
     rows = [i for i, k in enumerate(ks) if k is not None]
     if not rows:
         return [None] * len(ks)
