@@ -317,7 +317,7 @@ class EngineLoop:
             if self._stopping:
                 return False
             self._failure = reason
-            leaving = self._drain_deadline is not None
+            leaving = self._leaving()
         then = "the server is stopping: no restart" if leaving else "restarting the engine"
         log.error("engine failed: %s; %s", reason, then)
         self._fail_open(

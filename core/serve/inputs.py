@@ -50,12 +50,10 @@ class ServedModel:
 
 def echoed_prompt(served: ServedModel, body: CompletionRequest, ids: list[int]) -> str | None:
     """The text a completion with ``echo`` begins with: the prompt as given, or its token ids'
-    text (None: no echo)."""
+    (``ids``) text (None: no echo)."""
     if not body.echo:
         return None
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    prompt = _the_prompt(body)
     if isinstance(prompt, str):
         return prompt
     return served.tokenizer.decode(ids) if served.tokenizer is not None else ""
@@ -63,6 +61,13 @@ def echoed_prompt(served: ServedModel, body: CompletionRequest, ids: list[int]) 
 
 def completion_prompt(served: ServedModel, body: CompletionRequest) -> list[int]:
     """The prompt's token ids: text is encoded; a list holding one prompt is that prompt."""
+    ids = _token_ids(served, _the_prompt(body), "prompt")
+    _check_context(served, ids, "prompt", room_for_answer=True)
+    return ids
+
+
+def _the_prompt(body: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion: text or token ids (a list holding one is that one)."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -72,9 +77,7 @@ def completion_prompt(served: ServedModel, body: CompletionRequest) -> list[int]
                 "unsupported_value",
             )
         prompt = prompt[0]
-    ids = _token_ids(served, prompt, "prompt")
-    _check_context(served, ids, "prompt", room_for_answer=True)
-    return ids
+    return prompt
 
 
 def chat_prompt(served: ServedModel, body: ChatCompletionRequest) -> list[int]:
@@ -166,7 +169,7 @@ def sampling_params(
         stop=tuple(stop),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
-        prompt_logprobs=logprobs if getattr(body, "echo", False) else None,
+        prompt_logprobs=logprobs if isinstance(body, CompletionRequest) and body.echo else None,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
