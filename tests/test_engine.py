@@ -99,6 +99,47 @@ def test_a_sampled_answer_is_the_same_whether_or_not_it_was_preempted(tiny_llama
     assert preempted == alone
 
 
+SHARED = PROMPTS[0] + PROMPTS[1]  # 11 tokens: two whole blocks of 4, then 3
+PREFIXED = [[*SHARED, 2, 3], [*SHARED, 11, 12, 13], SHARED + [7] * 5, SHARED]
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["uni", "tp2", "pp2"])
+def test_prompts_that_begin_alike_share_cached_blocks_and_keep_transformers_tokens(
+    tiny_llama_dir, tp, pp
+):
+    """Requests admitted in one step, in steps in flight behind it (pp2) and in a later
+    call start after the blocks cached before them; prompts in chunks, and preemption."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    expected = [
+        model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False
+        )[0, len(prompt) :].tolist()
+        for prompt in PREFIXED
+    ]
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    with _llm(tiny_llama_dir, tp, pp, "cache.num_blocks=16") as llm:  # preemption
+        scheduler = llm.engine.scheduler
+        first = [o.token_ids for o in llm.generate(PREFIXED, sampling)]
+        hits_first = scheduler.prefix_cache_hits
+        again = [o.token_ids for o in llm.generate(PREFIXED, sampling)]
+        hits_again = scheduler.prefix_cache_hits - hits_first
+        assert scheduler.num_preemptions > 0
+    assert first == expected
+    assert again == expected
+    assert hits_first > 0
+    # Every prompt again: at least the two shared blocks each (freed blocks still cached).
+    assert hits_again >= 8 * len(PREFIXED)
+
+
+def test_requests_that_no_step_can_advance_are_an_error_not_a_busy_wait(tiny_llama_dir):
+    with _llm(tiny_llama_dir, 1, 1, "model.runner=support.tokenless_runner:TokenlessRunner") as llm:
+        with pytest.raises(RuntimeError, match="no step can be scheduled"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+        assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("pp", [1, 2], ids=["one-stage", "pp2"])
 def test_a_tied_lm_head_is_planned_as_held_and_gives_transformers_tokens(tmp_path, pp):
     """The packed head of a tied model holds its own copy of the table (the embedding keeps

@@ -14,14 +14,17 @@ EOS = 99
 
 
 class RunnerView:
-    """What a model runner would know: each request's tokens, blocks and computed count;
-    checks every step is computable, and samples ``last + 1`` when a prompt is complete."""
+    """What a model runner would know: each request's tokens, blocks and computed count, and
+    which token each cache slot holds. Checks every step is computable and that each
+    scheduled request would read its own tokens from its blocks (cached blocks it shares
+    included), and samples ``last + 1`` when a prompt is complete."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.slots: dict[int, int] = {}
 
     def run(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         for req_id in step.finished_req_ids:
@@ -31,35 +34,46 @@ class RunnerView:
             assert new.req_id not in self.tokens, "a request was sent as new twice"
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             self.blocks[new.req_id] = list(new.block_ids)
-            self.computed[new.req_id] = 0
+            self.computed[new.req_id] = new.num_computed_tokens
         for cached in step.cached_requests:
             self.tokens[cached.req_id] += cached.new_token_ids
             self.blocks[cached.req_id] += cached.new_block_ids
             assert self.computed[cached.req_id] == cached.num_computed_tokens
-        owners: dict[int, str] = {}
         for req_id, table in self.blocks.items():
-            for block in table:
-                assert block not in owners, (
-                    f"block {block} owned by {owners.get(block)} and {req_id}"
-                )
-                owners[block] = req_id
+            assert len(set(table)) == len(table), f"{req_id} holds a block twice: {table}"
         if not step.num_scheduled_tokens:
             return None
-        sampled = []
+        # Like attention: the step writes every scheduled token's slot, then each request
+        # reads all of its positions so far.
         for req_id, count in step.num_scheduled_tokens.items():
             done = self.computed[req_id] + count
             assert done <= len(self.tokens[req_id])
             assert done <= len(self.blocks[req_id]) * self.block_size
+            for position in range(self.computed[req_id], done):
+                self.slots[self._slot(req_id, position)] = self.tokens[req_id][position]
             self.computed[req_id] = done
-            complete = done == len(self.tokens[req_id])
-            sampled.append(self.tokens[req_id][-1] + 1 if complete else None)
+        sampled = []
+        for req_id in step.num_scheduled_tokens:
+            done, tokens = self.computed[req_id], self.tokens[req_id]
+            read = [self.slots.get(self._slot(req_id, p)) for p in range(done)]
+            assert read == tokens[:done], f"{req_id} would read {read}, not {tokens[:done]}"
+            sampled.append(tokens[-1] + 1 if done == len(tokens) else None)
         return ModelRunnerOutput(list(step.num_scheduled_tokens), sampled)
 
+    def _slot(self, req_id: str, position: int) -> int:
+        block = self.blocks[req_id][position // self.block_size]
+        return block * self.block_size + position % self.block_size
 
-def _scheduler(budget=16, seqs=8, blocks=32, block_size=4, max_len=64):
+
+def _scheduler(budget=16, seqs=8, blocks=32, block_size=4, max_len=64, prefix_caching=True):
     config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget)
     return Scheduler(
-        config, block_size=block_size, num_blocks=blocks, max_model_len=max_len, eos_token_ids={EOS}
+        config,
+        block_size=block_size,
+        num_blocks=blocks,
+        max_model_len=max_len,
+        eos_token_ids={EOS},
+        prefix_caching=prefix_caching,
     )
 
 
@@ -189,3 +203,123 @@ def test_bad_requests_are_refused_with_the_reason():
     scheduler.add_request(Request("x", [1], SamplingParams()))
     with pytest.raises(RequestError, match="already in use"):
         scheduler.add_request(Request("x", [1], SamplingParams()))
+
+
+# ---- prefix caching -------------------------------------------------------------------------
+
+
+def _first_sent(steps, req_id):
+    return next(new for step in steps for new in step.new_requests if new.req_id == req_id)
+
+
+def test_a_prompt_starts_after_the_whole_blocks_an_earlier_one_cached():
+    scheduler, view = _scheduler(), RunnerView(4)
+    steps = []
+    first = Request("first", list(range(1, 11)), SamplingParams(max_tokens=2))
+    scheduler.add_request(first)
+    _drive(scheduler, view, steps)
+    # The same 9 tokens, then others: two whole blocks (8 tokens) are found.
+    second = Request("second", [*range(1, 10), 50, 51], SamplingParams(max_tokens=2))
+    scheduler.add_request(second)
+    _drive(scheduler, view, steps)
+    sent = _first_sent(steps, "second")
+    assert sent.num_computed_tokens == 8
+    assert sent.block_ids[:2] == _first_sent(steps, "first").block_ids[:2]
+    assert next(s for s in steps if "second" in s.num_scheduled_tokens).num_scheduled_tokens == {
+        "second": 3
+    }
+    assert second.output_token_ids == [52, 53]
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (10 + 11, 8)
+    assert scheduler.blocks.num_used == 0
+
+
+def test_requests_admitted_in_one_step_share_what_the_first_computes():
+    scheduler, view = _scheduler(budget=32), RunnerView(4)
+    for name in ("a", "b"):
+        scheduler.add_request(Request(name, list(range(1, 10)), SamplingParams(max_tokens=3)))
+    steps = []
+    _drive(scheduler, view, steps)
+    assert steps[0].num_scheduled_tokens == {"a": 9, "b": 1}
+    assert _first_sent(steps, "b").num_computed_tokens == 8
+
+
+def test_the_last_token_is_always_computed():
+    scheduler, view = _scheduler(), RunnerView(4)
+    steps = []
+    for name in ("a", "b"):  # exactly two blocks: the second must be computed again
+        scheduler.add_request(Request(name, list(range(1, 9)), SamplingParams(max_tokens=1)))
+        _drive(scheduler, view, steps)
+    assert _first_sent(steps, "b").num_computed_tokens == 4
+    assert [s.num_scheduled_tokens for s in steps] == [{"a": 8}, {"b": 4}]
+
+
+def test_free_cached_blocks_are_taken_last_and_forgotten_when_taken():
+    scheduler, view = _scheduler(blocks=4, max_len=16), RunnerView(4)
+    steps = []
+    cached = list(range(1, 10))
+    scheduler.add_request(Request("a", cached, SamplingParams(max_tokens=1)))
+    _drive(scheduler, view, steps)
+    a_blocks = _first_sent(steps, "a").block_ids
+    # One block for a new prompt: a block that never held anything is taken first.
+    scheduler.add_request(Request("b", [70, 71], SamplingParams(max_tokens=1)))
+    _drive(scheduler, view, steps)
+    assert not set(_first_sent(steps, "b").block_ids) & set(a_blocks)
+    scheduler.add_request(Request("c", [*cached, 80], SamplingParams(max_tokens=1)))
+    _drive(scheduler, view, steps)
+    assert _first_sent(steps, "c").num_computed_tokens == 8
+    # Four blocks of other tokens take every block: what "a" cached is gone.
+    scheduler.add_request(Request("d", list(range(200, 215)), SamplingParams(max_tokens=1)))
+    scheduler.add_request(Request("e", cached, SamplingParams(max_tokens=1)))
+    _drive(scheduler, view, steps)
+    assert _first_sent(steps, "e").num_computed_tokens == 0
+    assert scheduler.blocks.num_free == 4
+
+
+def test_a_preempted_request_comes_back_from_its_blocks_still_cached():
+    scheduler, view = _scheduler(blocks=6, max_len=24), RunnerView(4)
+    requests = [
+        Request(f"r{i}", [i * 100 + t for t in range(1, 9)], SamplingParams(max_tokens=12))
+        for i in range(2)
+    ]
+    for request in requests:
+        scheduler.add_request(request)
+    steps = []
+    _drive(scheduler, view, steps)
+    assert scheduler.num_preemptions > 0
+    resumed = [n for s in steps for n in s.new_requests if len(n.prompt_token_ids) > 8]
+    # Its first block is still cached (a freed request's last blocks are taken first).
+    assert resumed and all(new.num_computed_tokens >= 4 for new in resumed)
+    for i, request in enumerate(requests):
+        assert request.output_token_ids == list(range(i * 100 + 9, i * 100 + 21))
+
+
+def test_requests_that_need_every_position_computed_do_not_start_from_the_cache():
+    scheduler, view = _scheduler(), RunnerView(4)
+    steps = []
+    prompt = list(range(1, 10))
+    for name, kind in (("gen", {}), ("scored", {"prompt_logprobs": 0}), ("embed", None)):
+        if kind is None:
+            request = Request(name, prompt, SamplingParams(), pooling="mean")
+        else:
+            request = Request(name, prompt, SamplingParams(max_tokens=1, **kind))
+        scheduler.add_request(request)
+        _drive(scheduler, view, steps)
+    assert _first_sent(steps, "scored").num_computed_tokens == 0
+    assert _first_sent(steps, "embed").num_computed_tokens == 0
+    # What they computed is still offered to the others.
+    scheduler.add_request(Request("after", prompt, SamplingParams(max_tokens=1)))
+    _drive(scheduler, view, steps)
+    assert _first_sent(steps, "after").num_computed_tokens == 8
+
+
+@pytest.mark.parametrize("how", ["disabled", "reset"])
+def test_nothing_is_shared_when_disabled_or_after_a_reset(how):
+    scheduler, view = _scheduler(prefix_caching=how != "disabled"), RunnerView(4)
+    steps = []
+    for name in ("a", "b"):
+        scheduler.add_request(Request(name, list(range(1, 10)), SamplingParams(max_tokens=1)))
+        _drive(scheduler, view, steps)
+        if how == "reset":
+            scheduler.reset_prefix_cache()
+    assert _first_sent(steps, "b").num_computed_tokens == 0
+    assert scheduler.prefix_cache_hits == 0

@@ -606,6 +606,22 @@ def test_metrics_report_tokens_and_latencies(server):
     assert server.metric("shardline_engine_restarts_total", key=API_KEY) == 0
 
 
+def test_a_repeated_prompt_is_counted_in_the_prefix_cache_metrics(server, model_dir):
+    queries, hits = "shardline_prefix_cache_queries_total", "shardline_prefix_cache_hits_total"
+    before = (server.metric(queries, key=API_KEY), server.metric(hits, key=API_KEY))
+    body = {"model": str(model_dir), "prompt": "the same long beginning " * 8, "max_tokens": 2}
+    answers = [
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=_auth(), timeout=60).json()
+        for _ in range(2)
+    ]
+    assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
+    prompt_tokens = answers[0]["usage"]["prompt_tokens"]
+    assert prompt_tokens > 16  # one whole block of 16 at least
+    assert server.metric(queries, key=API_KEY) - before[0] == 2 * prompt_tokens
+    # The second found every whole block short of its last token.
+    assert server.metric(hits, key=API_KEY) - before[1] >= (prompt_tokens - 1) // 16 * 16
+
+
 # ---- limits and failures ---------------------------------------------------------------------
 
 

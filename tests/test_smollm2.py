@@ -198,16 +198,32 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("overrides", [o for _, o in LAYOUTS], ids=[n for n, _ in LAYOUTS])
 def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
-    gguf_path, tokenizer, reference, overrides
+    gguf_path, tokenizer, prompts, reference, overrides
 ):
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     with LLM(overrides=[f"model.path={gguf_path}", *overrides], environ={}) as llm:
+        scheduler = llm.engine.scheduler
         outputs = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS))
-        # Asking for log-probabilities takes the gathered logits' path, not the greedy one.
+        # The prompts share the chat template's system prompt: the later ones start from the
+        # blocks the first fills in the same step.
+        assert scheduler.prefix_cache_hits > 0
+        # Asking for log-probabilities takes the gathered logits' path, not the greedy one;
+        # prompt log-probabilities compute every prompt position (no cached blocks).
+        hits = scheduler.prefix_cache_hits
         scored = llm.chat(
             conversations,
             SamplingParams(max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS, prompt_logprobs=1),
         )
+        assert scheduler.prefix_cache_hits == hits
+        # Again without: each prompt starts from its blocks cached by the first call.
+        cached = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS, logprobs=0))
+        size = scheduler.block_size
+        whole_blocks = sum((len(p) - 1) // size * size for p in prompts)
+        assert scheduler.prefix_cache_hits >= hits + whole_blocks
+    for output, scored_output in zip(cached, scored, strict=True):
+        assert output.token_ids == scored_output.token_ids
+        found = [token.logprob for token in output.logprobs]
+        assert found == pytest.approx([token.logprob for token in scored_output.logprobs], abs=1e-4)
     for output, reference_answer in zip(outputs, reference["tokens"], strict=True):
         assert len(reference_answer) >= 8
         assert output.token_ids == reference_answer, tokenizer.decode(output.token_ids)

@@ -89,6 +89,11 @@ class CacheConfig(Section):
         description="cache blocks per rank and layer; auto: as many as the memory budget "
         "leaves, at most what scheduler.max_num_seqs sequences of max_model_len can use",
     )
+    prefix_caching: bool = Field(
+        default=True,
+        description="share the cache blocks of a prompt's beginning between requests that "
+        "begin the same way (whole blocks; a request computes from the first block not found)",
+    )
     memory_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = Field(
         default=0.9,
         description="the most of this host's available memory the job's ranks on it may use "

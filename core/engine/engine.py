@@ -167,6 +167,7 @@ class LLMEngine:
             num_blocks=config.cache.num_blocks,
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else set(),
+            prefix_caching=config.cache.prefix_caching,
         )
 
     @property
@@ -236,6 +237,10 @@ class LLMEngine:
             replica.fill(self.timer)
         busy = [replica for replica in self.replicas if replica.in_flight]
         if not busy:
+            if self.has_unfinished_requests():
+                # Nothing in flight, so nothing can free blocks or add tokens: waiting would
+                # never end (a runner that did not return a token it was scheduled to give).
+                raise RuntimeError("unfinished requests, but no step can be scheduled for them")
             return []
         ready = busy
         if len(busy) > 1:
@@ -298,11 +303,13 @@ class LLMEngine:
         self._forget(req_id)
 
     def abort_all(self) -> None:
-        """Drop every request (e.g. after a failed step or an interrupt)."""
+        """Drop every request (e.g. after a failed step or an interrupt), and the prefix
+        cache: a step left behind may not have written the blocks it was to fill."""
         for replica in self.replicas:
             for req_id in list(replica.scheduler.requests):
                 replica.scheduler.abort(req_id)
             replica.in_flight.clear()
+            replica.scheduler.reset_prefix_cache()
         self._outputs.clear()
         self._detokenizers.clear()
         self._replica_of.clear()
@@ -313,14 +320,16 @@ class LLMEngine:
             replica.executor.check_health()
 
     def load(self) -> EngineLoad:
-        """Requests waiting and running, and KV-cache blocks used and in all, over the
-        replicas."""
+        """Requests waiting and running, KV-cache blocks used and in all, and the prefix
+        cache's tokens looked up and found since the engine started, over the replicas."""
         schedulers = [replica.scheduler for replica in self.replicas]
         return EngineLoad(
             waiting=sum(len(s.waiting) for s in schedulers),
             running=sum(len(s.running) for s in schedulers),
             blocks_used=sum(s.blocks.num_used for s in schedulers),
             blocks_total=sum(s.blocks.num_blocks for s in schedulers),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in schedulers),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in schedulers),
         )
 
     def shutdown(self) -> None:
@@ -361,6 +370,8 @@ class EngineLoad:
     running: int
     blocks_used: int
     blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 def _max_model_len(loaded: LoadedConfig, model_positions: int) -> int:

@@ -8,6 +8,11 @@ steps). A request leaves the moment it finishes. When the cache runs out, the mo
 admitted request is preempted: its blocks are freed and it is recomputed later from its
 tokens so far.
 
+With prefix caching, a block that holds a whole block of tokens is remembered by its tokens
+and every token before them (a hash chain). A request admitted later whose tokens begin the
+same way shares those blocks and starts computing after them; a freed block keeps what it
+holds until it is taken for something else, the least recently freed first.
+
 The scheduler is deterministic: the same requests and the same outputs give the same steps,
 which is what lets every process of a launched world run its own copy.
 """
@@ -15,7 +20,9 @@ which is what lets every process of a launched world run its own copy.
 from __future__ import annotations
 
 import enum
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +64,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     #: Tokens whose keys and values are in the cache (or are being computed in flight).
     num_computed_tokens: int = 0
+    #: The prefix-cache hash of each whole block of tokens so far (made as blocks fill).
+    block_hashes: list[bytes] = field(default_factory=list)
+    #: The first blocks of ``block_ids`` offered to the prefix cache.
+    num_blocks_remembered: int = 0
     #: Tokens and blocks the model runner has been told about.
     num_tokens_sent: int = 0
     num_blocks_sent: int = 0
@@ -77,28 +88,87 @@ class Request:
 
 
 class BlockPool:
-    """The free KV-cache blocks (the same block ids index every rank's cache)."""
+    """The KV-cache blocks (the same block ids index every rank's cache): how many requests
+    share each, which are free, and, with prefix caching, which hold a known run of tokens.
+
+    A free block that holds a known run stays findable (:meth:`cached`) until
+    :meth:`allocate` takes it for something else; free blocks are taken in the order they
+    were freed. Deterministic, like the scheduler."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._block_of: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
 
     @property
     def num_free(self) -> int:
+        """Blocks no request holds (those remembered by the prefix cache included)."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
-        """Blocks some request owns (0 when no request holds any)."""
+        """Blocks some request holds (0 when no request holds any)."""
         return self.num_blocks - len(self._free)
 
     def allocate(self, count: int) -> list[int]:
+        """``count`` free blocks for one request, the least recently freed first (what a
+        block held is forgotten)."""
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} cache blocks, {len(self._free)} are free")
-        return [self._free.popleft() for _ in range(count)]
+        taken = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            digest = self._hash_of.pop(block, None)
+            if digest is not None:
+                del self._block_of[digest]
+            self._refs[block] = 1
+            taken.append(block)
+        return taken
 
     def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+        """One holder fewer for each block; a block nobody holds is free. A request's last
+        blocks are freed first, so they are taken before its first ones (which more
+        requests share)."""
+        for block in reversed(block_ids):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    def cached(self, hashes: list[bytes]) -> list[int]:
+        """The blocks holding the longest run of ``hashes`` from the first."""
+        found = []
+        for digest in hashes:
+            block = self._block_of.get(digest)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def num_unheld(self, block_ids: list[int]) -> int:
+        """How many of ``block_ids`` no request holds (sharing them takes them off the free
+        list)."""
+        return sum(1 for block in block_ids if self._refs[block] == 0)
+
+    def share(self, block_ids: list[int]) -> None:
+        """One holder more for each of ``block_ids`` (cached blocks a request now reads)."""
+        for block in block_ids:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+
+    def remember(self, block: int, digest: bytes) -> None:
+        """``block`` holds the run ``digest`` names (ignored when another block already
+        does)."""
+        if digest not in self._block_of and block not in self._hash_of:
+            self._block_of[digest] = block
+            self._hash_of[block] = digest
+
+    def forget_all(self) -> None:
+        """Drop what the prefix cache knows (e.g. a step failed before writing its blocks)."""
+        self._block_of.clear()
+        self._hash_of.clear()
 
 
 @dataclass
@@ -135,9 +205,11 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         eos_token_ids: set[int],
+        prefix_caching: bool,
     ) -> None:
         self.config = config
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.blocks = BlockPool(num_blocks)
@@ -146,6 +218,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._released_ids: set[str] = set()
         self.num_preemptions = 0
+        #: Tokens of admitted requests looked up in the prefix cache, and those found there.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``. Raises RequestError for an empty prompt, a prompt that leaves
@@ -171,6 +246,13 @@ class Scheduler:
         request = self.requests.get(req_id)
         if request is not None and not request.finished:
             self.finish(request, "abort")
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (what a failed or abandoned step should have written
+        may be missing)."""
+        self.blocks.forget_all()
+        for request in self.running:
+            request.num_blocks_remembered = len(request.block_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -230,12 +312,19 @@ class Scheduler:
             request = self.waiting[0]
             if not step.takes_kind_of(request):
                 break
-            count = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            needed = self._blocks_for(request.num_computed_tokens + count) - len(request.block_ids)
-            if needed > self.blocks.num_free:
+            hits = self._cached_blocks(request)
+            computed = len(hits) * self.block_size
+            count = min(request.num_tokens - computed, step.budget)
+            needed = self._blocks_for(computed + count) - len(hits)
+            if needed + self.blocks.num_unheld(hits) > self.blocks.num_free:
                 break
             self.waiting.popleft()
-            request.block_ids += self.blocks.allocate(needed)
+            if self._looks_up(request):
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += computed
+            self.blocks.share(hits)
+            request.block_ids = hits + self.blocks.allocate(needed)
+            request.num_computed_tokens = computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new.append(
@@ -246,6 +335,7 @@ class Scheduler:
                     list(request.block_ids),
                     request.pooling,
                     num_output_tokens=len(request.output_token_ids),
+                    num_computed_tokens=computed,
                 )
             )
             self._mark_scheduled(step, request, count)
@@ -340,6 +430,7 @@ class Scheduler:
         """Free the request's blocks; a runner that has its state drops it next step."""
         self.blocks.free(request.block_ids)
         request.block_ids = []
+        request.num_blocks_remembered = 0
         if request.num_tokens_sent:
             self._released_ids.add(request.req_id)
         request.num_tokens_sent = 0
@@ -354,6 +445,51 @@ class Scheduler:
         request.num_tokens_sent = request.num_tokens
         request.num_blocks_sent = len(request.block_ids)
         request.in_flight = True
+        if self.prefix_caching:
+            self._remember_blocks(request)
+
+    def _looks_up(self, request: Request) -> bool:
+        """Whether ``request`` may start from cached blocks: not when it needs every prompt
+        position computed (prompt log-probabilities, an embedding)."""
+        return (
+            self.prefix_caching
+            and request.pooling is None
+            and request.sampling.prompt_logprobs is None
+        )
+
+    def _cached_blocks(self, request: Request) -> list[int]:
+        """The cached blocks ``request`` can start from: its longest cached run of whole
+        blocks, short of its last token (which must be computed to give logits)."""
+        if not self._looks_up(request):
+            return []
+        whole = (request.num_tokens - 1) // self.block_size
+        return self.blocks.cached(self._block_hashes(request, whole))
+
+    def _remember_blocks(self, request: Request) -> None:
+        """Offer the prefix cache each block of ``request`` that this step fills. A step's
+        blocks are cached as it is scheduled: a request admitted into the same step or a
+        later one reads them after this step wrote them (ranks run steps in order, and a
+        step writes its keys and values before it attends)."""
+        full = request.num_computed_tokens // self.block_size
+        if full <= request.num_blocks_remembered:
+            return
+        hashes = self._block_hashes(request, full)
+        for index in range(request.num_blocks_remembered, full):
+            self.blocks.remember(request.block_ids[index], hashes[index])
+        request.num_blocks_remembered = full
+
+    def _block_hashes(self, request: Request, count: int) -> list[bytes]:
+        """The hashes of ``request``'s first ``count`` whole blocks: each one's digest of the
+        one before and its own tokens (so equal hashes mean equal tokens from the start)."""
+        hashes, size = request.block_hashes, self.block_size
+        if len(hashes) < count:
+            tokens = request.all_token_ids
+            while len(hashes) < count:
+                start = len(hashes) * size
+                digest = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
+                digest.update(array("q", tokens[start : start + size]).tobytes())
+                hashes.append(digest.digest())
+        return hashes[:count]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

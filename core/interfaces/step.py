@@ -107,7 +107,8 @@ class SamplingParams:
 @dataclass(frozen=True)
 class NewRequest:
     """A request scheduled for the first time (or again after preemption): its tokens so far
-    and the cache blocks it owns. ``pooling`` ("last" or "mean") makes it an embedding
+    and the cache blocks it holds (the first ones may be shared with other requests: read
+    them, never write them). ``pooling`` ("last" or "mean") makes it an embedding
     request: its prompt is run, nothing is sampled, and the step that completes the prompt
     returns one vector of the final hidden states in :attr:`ModelRunnerOutput.pooled`."""
 
@@ -119,6 +120,9 @@ class NewRequest:
     #: How many of ``prompt_token_ids`` were generated (a request scheduled again after
     #: preemption): the penalties count them as output.
     num_output_tokens: int = 0
+    #: How many of ``prompt_token_ids`` already have their keys and values in the first of
+    #: ``block_ids`` (blocks found in the prefix cache): computing starts after them.
+    num_computed_tokens: int = 0
 
 
 @dataclass(frozen=True)

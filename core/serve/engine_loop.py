@@ -113,6 +113,7 @@ class EngineLoop:
         self._aborts: list[Ticket] = []
         self._active: dict[str, Ticket] = {}
         self._num_waiting = 0  # in the scheduler's queue, as of the engine thread's last look
+        self._cache_counted = (0, 0)  # the engine's prefix-cache queries and hits published
         self._failure: str | None = None  # why the engine is down; None while it serves
         self._drain_deadline: float | None = None  # set once the server is told to stop
         self._stopping = False
@@ -307,6 +308,10 @@ class EngineLoop:
         self.metrics.requests_running.set(load.running)
         self.metrics.requests_waiting.set(waiting)
         self.metrics.kv_blocks_used.set(load.blocks_used)
+        queries, hits = self._cache_counted
+        self.metrics.prefix_cache_queries.inc(load.prefix_cache_queries - queries)
+        self.metrics.prefix_cache_hits.inc(load.prefix_cache_hits - hits)
+        self._cache_counted = (load.prefix_cache_queries, load.prefix_cache_hits)
 
     def _restart(self, error: Exception) -> bool:
         """After a failed step or a dead rank: fail every open request, start a new engine
@@ -355,6 +360,7 @@ class EngineLoop:
             if not leaving:
                 self.engine = engine
                 self._failure = None
+                self._cache_counted = (0, 0)
         if leaving:
             engine.shutdown()
             return False

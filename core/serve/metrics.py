@@ -59,6 +59,16 @@ class ServeMetrics:
         self.kv_blocks_total = Gauge(
             "shardline_kv_cache_blocks_total", "KV-cache blocks of the engine", registry=registry
         )
+        self.prefix_cache_queries = Counter(
+            "shardline_prefix_cache_queries",
+            "tokens of admitted requests looked up in the prefix cache",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "shardline_prefix_cache_hits",
+            "tokens of admitted requests found in the prefix cache (not computed again)",
+            registry=registry,
+        )
         self.engine_restarts = Counter(
             "shardline_engine_restarts",
             "times the engine and its ranks were restarted after a failure",

@@ -255,6 +255,7 @@ class CausalLMRunner(ModelRunner):
                 list(new.block_ids),
                 new.sampling,
                 len(new.prompt_token_ids) - new.num_output_tokens,
+                num_computed_tokens=new.num_computed_tokens,
                 pooling=new.pooling,
             )
         for cached in scheduler_output.cached_requests:
