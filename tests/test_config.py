@@ -266,6 +266,25 @@ def test_the_settings_that_run_are_accepted():
     assert decisions["parallel.data_parallel_size"].problem is None
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], True),
+        (["cache.prefix_caching=false"], False),
+        # A runner that does not start requests from cached blocks: off, and explained.
+        (["model.runner=support.slow_runner:SlowCollectiveRunner"], False),
+    ],
+    ids=["default", "configured-off", "runner-without-it"],
+)
+def test_prefix_caching_runs_only_with_a_runner_that_declares_it(overrides, expected):
+    checked = check_config(load_config(overrides=overrides, environ={}), Registry.load(), {})
+    decision = {d.field: d for d in checked.decisions}["cache.prefix_caching"]
+    assert checked.config.cache.prefix_caching is expected
+    assert decision.chosen == str(expected).lower() and decision.problem is None
+    if "model.runner" in " ".join(overrides):
+        assert "does not start requests from cached blocks" in decision.reason
+
+
 def test_uni_executor_with_several_ranks_is_refused():
     loaded = load_config(
         overrides=[

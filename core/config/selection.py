@@ -109,6 +109,26 @@ def choose_model_runner(config: EngineConfig, registry: Registry) -> Decision:
     return Decision(field_name, requested, "configured", alternatives, problem)
 
 
+def choose_prefix_caching(config: EngineConfig, registry: Registry, runner: Decision) -> Decision:
+    """``cache.prefix_caching``: as configured, but off with a model runner that does not
+    declare it (:attr:`~shardline.interfaces.ModelRunner.prefix_caching`)."""
+    field_name = "cache.prefix_caching"
+    if not config.cache.prefix_caching:
+        return Decision(field_name, "false", "configured", [("false", "chosen")])
+    if runner.problem is not None:
+        return Decision(field_name, "true", "configured", [("true", "chosen")])
+    runner_class = registry.get("model_runner", runner.chosen, "model.runner").load()
+    if runner_class.prefix_caching:
+        return Decision(field_name, "true", "configured", [("true", "chosen")])
+    return Decision(
+        field_name,
+        "false",
+        f"model runner {runner.chosen!r} does not start requests from cached blocks "
+        "(ModelRunner.prefix_caching is False)",
+        [("true", "not supported by the model runner"), ("false", "chosen")],
+    )
+
+
 def _load_problem(registry: Registry, kind: str, name: str, field_name: str) -> str | None:
     """Why ``name`` cannot be used for ``field_name`` (unknown, fails to import, not the
     kind's class, or unavailable here), or None."""
@@ -217,7 +237,7 @@ def _launch_problem(
 
 def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
     """The device, data-parallel size, data-plane communicator, control-plane communicator,
-    executor and model runner decisions."""
+    executor, model runner and prefix caching decisions."""
     executor = choose_executor(config, registry, environ)
     communicators = []
     for field_name in ("parallel.communicator", "parallel.control_communicator"):
@@ -230,7 +250,8 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
         choose_data_parallel_size(config, registry, executor),
         *communicators,
         executor,
-        choose_model_runner(config, registry),
+        runner := choose_model_runner(config, registry),
+        choose_prefix_caching(config, registry, runner),
     ]
 
 
@@ -344,7 +365,8 @@ def _choose_auto_communicator(
 
 def resolved(config: EngineConfig, decisions: list[Decision]) -> EngineConfig:
     """``config`` with ``auto`` fields replaced by the decisions' choices (what rank
-    processes are given, so that every rank runs the same components)."""
+    processes are given, so that every rank runs the same components), and prefix caching
+    as decided."""
     chosen = {d.field: d.chosen for d in decisions}
     update = {
         "communicator": chosen.get("parallel.communicator", config.parallel.communicator),
@@ -352,7 +374,16 @@ def resolved(config: EngineConfig, decisions: list[Decision]) -> EngineConfig:
             "parallel.distributed_executor_backend", config.parallel.distributed_executor_backend
         ),
     }
-    return config.model_copy(update={"parallel": config.parallel.model_copy(update=update)})
+    cache = config.cache.model_copy(
+        update={
+            "prefix_caching": chosen.get(
+                "cache.prefix_caching", str(config.cache.prefix_caching).lower()
+            )
+            == "true"
+        }
+    )
+    parallel = config.parallel.model_copy(update=update)
+    return config.model_copy(update={"parallel": parallel, "cache": cache})
 
 
 def is_error(decision: Decision, config: EngineConfig, starts_here: bool = False) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from shardline.interfaces.intermediate import IntermediateTensors
 from shardline.interfaces.step import ModelRunnerOutput, SchedulerOutput
@@ -51,6 +51,12 @@ class ModelRunner(abc.ABC):
     A ModelRunner is built by the rank's Worker with the rank's ``ParallelState`` and the
     engine config; it never looks up groups through globals.
     """
+
+    #: Whether :meth:`execute_model` starts a new request after its first
+    #: ``NewRequest.num_computed_tokens`` tokens, whose keys and values are already in the
+    #: first of its blocks (shared with other requests: read, never written). Without it the
+    #: engine runs with ``cache.prefix_caching`` off.
+    prefix_caching: ClassVar[bool] = False
 
     @classmethod
     def plan(cls, config: EngineConfig) -> ModelPlan | None:

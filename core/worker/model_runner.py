@@ -94,6 +94,8 @@ class CausalLMRunner(ModelRunner):
     ``timer`` marks the parts of a step outside the model ("prepare inputs", "sampling");
     a profiler sets it (:meth:`shardline.worker.worker.Worker.start_profile`)."""
 
+    prefix_caching = True
+
     def __init__(self, config: EngineConfig, state: ParallelState) -> None:
         self.config = config
         self.state = state
