@@ -434,8 +434,8 @@ def test_raw_event_stream(server, model_dir, offline):
         ("completions", {"logit_bias": {"abc": 1}}, "logit_bias", "key 'abc' is not a token id"),
         ("completions", {"logit_bias": {"100": 1}}, "logit_bias", "allowed: 0 to 99"),
         ("completions", {"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
-        ("completions", {"n": 129}, "n", "n = 129: more prompts than may wait"),
-        ("embeddings", {"input": ["a"] * 129}, "input", "129 inputs: more prompts than may wait"),
+        ("completions", {"n": 129}, "n", "less than or equal to 128"),
+        ("embeddings", {"input": ["a"] * 2049}, "input", "2049 inputs: allowed: at most 2048"),
         ("completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
         ("completions", {"logprobs": -1}, "logprobs", "greater than or equal to 0"),
         ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs = true"),
@@ -636,13 +636,22 @@ def test_a_full_queue_answers_503_with_retry_after(narrow_server, model_dir):
             with client.stream("POST", url, json=long) as waiting:
                 assert waiting.status_code == 200  # queued: the one place in the queue
                 refused = client.post(url, json=long | {"stream": False})
-        assert refused.status_code == 503
-        assert refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["code"] == "queue_full"
+                # More prompts than the queue holds wait only alone.
+                embeddings = {"model": str(model_dir), "input": ["a", "b", "c"]}
+                refused_too = client.post(f"{narrow_server.url}/v1/embeddings", json=embeddings)
+        for answer in (refused, refused_too):
+            assert answer.status_code == 503
+            assert answer.headers["retry-after"] == "1"
+            assert answer.json()["error"]["code"] == "queue_full"
     deadline = time.monotonic() + 3.0
     while narrow_server.metric("shardline_kv_cache_blocks_used") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert narrow_server.metric("shardline_kv_cache_blocks_used") == 0
+    # Nothing waits now: they are queued, and served.
+    vectors = httpx.post(f"{narrow_server.url}/v1/embeddings", json=embeddings, timeout=60)
+    assert vectors.status_code == 200 and len(vectors.json()["data"]) == 3
+    choices = httpx.post(url, json=long | {"stream": False, "n": 3, "max_tokens": 2}, timeout=60)
+    assert choices.status_code == 200 and len(choices.json()["choices"]) == 3
 
 
 def test_a_killed_worker_fails_open_requests_then_the_server_recovers(

@@ -238,8 +238,8 @@ class ServeConfig(Section):
     max_waiting_requests: Count = Field(
         default=128,
         description="prompts that may wait for a place in the running batch (a request is one "
-        "per choice of n, an embeddings request one per input); beyond them a request is "
-        "refused at once (HTTP 503 with Retry-After)",
+        "per choice of n, an embeddings request one per input; one with more waits alone); "
+        "beyond them a request is refused at once (HTTP 503 with Retry-After)",
     )
 
 

@@ -30,6 +30,7 @@ from shardline.serve.errors import ApiError, bad_request
 from shardline.serve.inputs import ServedModel
 from shardline.serve.metrics import ServeMetrics
 from shardline.serve.protocol import (
+    MAX_EMBEDDING_INPUTS,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -118,7 +119,10 @@ def build_app(
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         served.check_name(body.model)
         batch = inputs.embedding_inputs(served, body)
-        _check_prompts(len(batch), "input", f"{len(batch)} inputs")
+        if len(batch) > MAX_EMBEDDING_INPUTS:
+            raise bad_request(
+                f"{len(batch)} inputs: allowed: at most {MAX_EMBEDDING_INPUTS}", "input"
+            )
         tickets = outputs.request_tickets(batch, [SamplingParams()] * len(batch), served.pooling)
         engine.submit(*tickets)
         done = await _while_connected(request, outputs.collect(engine, tickets))
@@ -148,7 +152,6 @@ def build_app(
         prompt: list[int],
         shape: outputs.CompletionShape,
     ) -> Response:
-        _check_prompts(body.n, "n", f"n = {body.n}")
         sampling = inputs.sampling_params(served, body, len(prompt))
         tickets = outputs.request_tickets(
             [prompt] * body.n, [inputs.choice_sampling(sampling, i) for i in range(body.n)]
@@ -162,15 +165,6 @@ def build_app(
             return Response(status_code=499)
         generated = sum(answer.last.num_tokens for answer in done)
         return JSONResponse(shape.body(done, outputs.usage(len(prompt), generated)))
-
-    def _check_prompts(count: int, param: str, said: str) -> None:
-        """A request whose prompts could never all wait for the running batch is a 400."""
-        if count > engine.max_waiting:
-            raise bad_request(
-                f"{said}: more prompts than may wait for the running batch at once "
-                f"(serve.max_waiting_requests = {engine.max_waiting})",
-                param,
-            )
 
     app.include_router(api)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)

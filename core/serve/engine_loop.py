@@ -94,8 +94,8 @@ class EngineLoop:
 
     ``start_engine`` builds an engine (ranks started, model loaded); it is called once here,
     so that a bad config fails before anything is served, and again after each failure.
-    At most ``max_waiting`` prompts wait for a place in the running batch; beyond that
-    :meth:`submit` refuses with 503.
+    At most ``max_waiting`` prompts wait for a place in the running batch (or one request's,
+    when it has more); beyond that :meth:`submit` refuses with 503.
     """
 
     def __init__(
@@ -125,15 +125,11 @@ class EngineLoop:
 
     # ---- called from the HTTP event loop ----------------------------------------------------
 
-    @property
-    def max_waiting(self) -> int:
-        """The most prompts that may wait for the running batch (``serve.max_waiting_requests``)."""
-        return self._max_waiting
-
     def submit(self, *tickets: Ticket) -> None:
         """Queue ``tickets`` (one request's prompts) for the engine, all or none. Raises
         ApiError 503 while the engine restarts, the server stops, or the waiting queue has no
-        room for them all."""
+        room for them all (a request with more prompts than the queue holds is queued when
+        nothing waits: then it waits alone)."""
         with self._cond:
             if self._leaving():
                 raise unavailable("the server is shutting down", "shutting_down")
@@ -143,7 +139,7 @@ class EngineLoop:
                     "engine_restarting",
                 )
             waiting = self._num_waiting + len(self._inbox)
-            if waiting + len(tickets) > self._max_waiting:
+            if waiting and waiting + len(tickets) > self._max_waiting:
                 adds = f"; this request adds {len(tickets)}" if len(tickets) > 1 else ""
                 raise unavailable(
                     f"{waiting} prompts are waiting for the running batch (each input of an "

@@ -15,6 +15,12 @@ from shardline.serve.errors import bad_request
 MAX_SEED = (1 << 63) - 1
 
 
+#: The most choices (``n``) of one request, and inputs of one embeddings request (OpenAI's
+#: limits). A request with more prompts than ``serve.max_waiting_requests`` waits alone.
+MAX_CHOICES = 128
+MAX_EMBEDDING_INPUTS = 2048
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -39,7 +45,7 @@ class _Generation(_Body):
     #: Not OpenAI's: vLLM's extension, which benchmarks send to get exactly max_tokens tokens.
     ignore_eos: bool = False
     #: Choices (answers drawn apart) per request.
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
     #: Not OpenAI's: vLLM's extension (1: off).
