@@ -88,6 +88,15 @@ def _drive(scheduler, view, steps_log=None, limit=500):
     raise AssertionError("requests did not finish")
 
 
+def _run_all(scheduler, view, requests):
+    """Add ``requests`` and drive them to the end; the steps taken."""
+    for request in requests:
+        scheduler.add_request(request)
+    steps = []
+    _drive(scheduler, view, steps)
+    return steps
+
+
 def test_prefill_is_chunked_under_the_budget_and_shares_steps_with_decode():
     scheduler, view = _scheduler(budget=8), RunnerView(4)
     short = Request("short", [1, 2, 3], SamplingParams(max_tokens=6))
@@ -132,10 +141,7 @@ def test_preemption_frees_blocks_and_resumes_from_the_tokens_so_far():
         Request(f"r{i}", [i * 100 + 1, i * 100 + 2], SamplingParams(max_tokens=10))
         for i in range(3)
     ]
-    for request in requests:
-        scheduler.add_request(request)
-    steps = []
-    _drive(scheduler, view, steps)
+    steps = _run_all(scheduler, view, requests)
     assert scheduler.num_preemptions > 0
     for i, request in enumerate(requests):
         assert request.output_token_ids == list(range(i * 100 + 3, i * 100 + 13))
@@ -281,10 +287,7 @@ def test_a_preempted_request_comes_back_from_its_blocks_still_cached():
         Request(f"r{i}", [i * 100 + t for t in range(1, 9)], SamplingParams(max_tokens=12))
         for i in range(2)
     ]
-    for request in requests:
-        scheduler.add_request(request)
-    steps = []
-    _drive(scheduler, view, steps)
+    steps = _run_all(scheduler, view, requests)
     assert scheduler.num_preemptions > 0
     resumed = [n for s in steps for n in s.new_requests if len(n.prompt_token_ids) > 8]
     # Its first block is still cached (a freed request's last blocks are taken first).
