@@ -374,14 +374,10 @@ def resolved(config: EngineConfig, decisions: list[Decision]) -> EngineConfig:
             "parallel.distributed_executor_backend", config.parallel.distributed_executor_backend
         ),
     }
-    cache = config.cache.model_copy(
-        update={
-            "prefix_caching": chosen.get(
-                "cache.prefix_caching", str(config.cache.prefix_caching).lower()
-            )
-            == "true"
-        }
-    )
+    caching = chosen.get("cache.prefix_caching")
+    cache = config.cache
+    if caching is not None:
+        cache = cache.model_copy(update={"prefix_caching": caching == "true"})
     parallel = config.parallel.model_copy(update=update)
     return config.model_copy(update={"parallel": parallel, "cache": cache})
 
