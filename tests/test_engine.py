@@ -133,6 +133,23 @@ def test_prompts_that_begin_alike_share_cached_blocks_and_keep_transformers_toke
     assert hits_again >= 8 * len(PREFIXED)
 
 
+def test_a_call_that_fails_leaves_nothing_cached_and_the_next_answers_alike(
+    tiny_llama_dir, reference
+):
+    tokens, _ = reference
+
+    def interrupt(output, delta):
+        raise KeyboardInterrupt
+
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with _llm(tiny_llama_dir, 1, 2, "cache.num_blocks=64") as llm:  # pp2: a step left in flight
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:1], sampling, stream=interrupt)
+        (output,) = llm.generate(PROMPTS[:1], sampling)
+        assert llm.engine.scheduler.prefix_cache_hits == 0
+    assert output.token_ids == tokens[0]
+
+
 def test_requests_that_no_step_can_advance_are_an_error_not_a_busy_wait(tiny_llama_dir):
     with _llm(tiny_llama_dir, 1, 1, "model.runner=support.tokenless_runner:TokenlessRunner") as llm:
         with pytest.raises(RuntimeError, match="no step can be scheduled"):
