@@ -256,6 +256,10 @@ def test_a_new_request_goes_to_the_replica_with_the_least_outstanding_work(tiny_
         while engine.has_unfinished_requests():
             engine.step()
         assert engine.load().blocks_used == 0
+        # Both idle: a prompt that begins as one answered on replica 1 goes where it is cached.
+        llm.generate([[9] * 9, [*PROMPTS[0], 3]], SamplingParams(max_tokens=2))
+        llm.generate([[*PROMPTS[0], 4]], SamplingParams(max_tokens=2))
+        assert [r.scheduler.prefix_cache_hits for r in engine.replicas] == [0, 8]
 
 
 def test_mean_pooling_and_unnormalized_embeddings(tiny_llama_dir, reference):

@@ -191,8 +191,9 @@ class LLMEngine:
         sampling: SamplingParams,
         pooling: str | None = None,
     ) -> RequestOutput:
-        """Queue a request on the replica with the least outstanding work (the first of
-        equals); its output object fills in as steps complete. Raises RequestError for a
+        """Queue a request on the replica with the least outstanding work once the prompt
+        tokens it holds in its prefix cache are counted off (the first of equals); its output
+        object fills in as steps complete. Raises RequestError for a
         token id outside the vocabulary, in the prompt or ``logit_bias`` (and as the
         scheduler does)."""
         outside = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -207,9 +208,13 @@ class LLMEngine:
                 f"logit_bias: token id {biased[0]} is outside the vocabulary: ids run from 0 "
                 f"to {self.vocab_size - 1}"
             )
-        replica = min(self.replicas, key=lambda r: (r.outstanding_tokens(), r.index))
         req_id = str(self._next_id)
         request = Request(req_id, list(prompt_token_ids), sampling, pooling)
+        # The work a replica would have with it: what it has, less the tokens it has cached.
+        replica = min(
+            self.replicas,
+            key=lambda r: (r.outstanding_tokens() - r.scheduler.cached_tokens(request), r.index),
+        )
         replica.scheduler.add_request(request)
         self._next_id += 1
         output = RequestOutput(req_id, request.prompt_token_ids)

@@ -254,6 +254,11 @@ class Scheduler:
         for request in self.running:
             request.num_blocks_remembered = len(request.block_ids)
 
+    def cached_tokens(self, request: Request) -> int:
+        """How many of ``request``'s tokens it would find in this scheduler's prefix cache if
+        it were admitted now."""
+        return len(self._cached_blocks(request)) * self.block_size
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
