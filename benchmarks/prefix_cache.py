@@ -70,8 +70,8 @@ def measure(model: str, caching: bool, args) -> dict:
             start = time.perf_counter()
             llm.generate(prompts.take(args.batch), batch)
             whole.append(time.perf_counter() - start)
-        scheduler = llm.engine.scheduler
-        counts = {"queried": scheduler.prefix_cache_queries, "found": scheduler.prefix_cache_hits}
+        load = llm.engine.load()  # over every replica
+        counts = {"queried": load.prefix_cache_queries, "found": load.prefix_cache_hits}
     return {"one request": single, "batch": whole, "tokens": counts}
 
 
