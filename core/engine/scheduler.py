@@ -249,10 +249,12 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (what a failed or abandoned step should have written
-        may be missing)."""
+        may be missing), once every request is dropped: none may hold such a block."""
+        if self.requests:
+            raise RuntimeError(
+                f"reset_prefix_cache with {len(self.requests)} requests held; drop them first"
+            )
         self.blocks.forget_all()
-        for request in self.running:
-            request.num_blocks_remembered = len(request.block_ids)
 
     def cached_tokens(self, request: Request) -> int:
         """How many of ``request``'s tokens it would find in this scheduler's prefix cache if
