@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from shardline.layers import attention as attention_module
 from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
 from shardline.layers.kernels import (
     TORCH_KERNELS,
@@ -140,6 +141,29 @@ def test_decode_attention_over_the_paged_cache(kv_index, grouped, d, block_size)
         NATIVE.decode_attention(q, cache, decode, 0.3, kv_index),
         TORCH_KERNELS.decode_attention(q, cache, decode, 0.3, kv_index),
     )
+
+
+@pytest.mark.parametrize("kernels", [NATIVE, TORCH_KERNELS], ids=["C", "torch"])
+def test_short_runs_of_queries_attend_row_by_row_as_causal_attention(kernels, monkeypatch):
+    """A sequence adding up to ROW_WISE_QUERIES queries in a step (a decode, a speculative
+    step's drafts, a short chunk) goes to the decode path, one row per query ending at its
+    position; a longer run to the prompt path. Both give what causal attention over the
+    cache gives, which the prompt path alone computes (ROW_WISE_QUERIES 0)."""
+    kv_index = KVHeadIndex.of(torch.arange(6) // 3)
+    cache = _filled_cache(2, 64, block_size=16)
+    query_lens = [1, 5, attention_module.ROW_WISE_QUERIES, attention_module.ROW_WISE_QUERIES + 1]
+    metadata = _metadata(query_lens, [9, 23, 40, 70], cache.block_size)
+    decode = metadata.decode_batch(cache.block_size)
+    row_wise = sum(query_lens[:3])
+    assert decode.rows.tolist() == list(range(row_wise))
+    assert decode.lengths.tolist() == [9, *range(19, 24), *range(25, 41)]
+    q = torch.randn(sum(query_lens), 6, 64)
+    got = paged_attention(q, cache, metadata, 0.3, kv_index, kernels)
+    monkeypatch.setattr(attention_module, "ROW_WISE_QUERIES", 0)
+    reference = _metadata(query_lens, [9, 23, 40, 70], cache.block_size)
+    reference.block_tables = metadata.block_tables
+    assert reference.decode_batch(cache.block_size) is None
+    _close(got, paged_attention(q, cache, reference, 0.3, kv_index, kernels), rel=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,14 +29,22 @@ def attention_kernels():
     )
 
 
+#: A sequence that adds at most this many query tokens in a step (a decode, a speculative
+#: step's drafts, a prompt's short last chunk) attends row by row: each of its queries as a
+#: one-token sequence ending at that query's position, in the decode path (its keys and
+#: values are all stored before any row attends, so each row sees exactly what causal
+#: attention shows it). Longer runs of queries go to the prompt path.
+ROW_WISE_QUERIES = 16
+
+
 @dataclass
 class DecodeBatch:
-    """The sequences of a step that add one query token each, gathered for one batched
-    attention call: their query rows (None when they are all the batch's rows, in order: a
-    step of decodes only), their cache blocks (``[B * blocks_per_seq]``, each sequence's
-    table padded with block 0), the longest sequence's length and which of the first
-    ``length`` positions are real (``[B, 1, 1, length]``; None when none is padding) and
-    each sequence's length (``[B]``, int64, in host memory)."""
+    """The query rows of a step that attend row by row (see :data:`ROW_WISE_QUERIES`),
+    gathered for one batched attention call, each as a one-token sequence: their rows in the
+    batch (None when they are all the batch's rows, in order: e.g. a step of decodes only),
+    their cache blocks (``[B * blocks_per_seq]``, each table padded with block 0), the longest
+    length and which of the first ``length`` positions are real (``[B, 1, 1, length]``; None
+    when none is padding) and each row's length (``[B]``, int64, in host memory)."""
 
     rows: torch.Tensor | None
     blocks: torch.Tensor
@@ -59,31 +67,43 @@ class AttentionMetadata:
     _decode: dict[int, DecodeBatch | None] = field(default_factory=dict, repr=False)
 
     def decode_batch(self, block_size: int) -> DecodeBatch | None:
-        """The one-token sequences of this step (None when there are none), built once per
-        step and shared by every layer."""
+        """The query rows of this step that attend row by row (None when there are none),
+        built once per step and shared by every layer."""
         if block_size not in self._decode:
             self._decode[block_size] = self._build_decode_batch(block_size)
         return self._decode[block_size]
 
+    def row_wise(self, sequence: int) -> bool:
+        """Whether sequence ``sequence``'s queries attend row by row (in the decode batch)."""
+        starts = self.query_start_loc
+        return 0 < starts[sequence + 1] - starts[sequence] <= ROW_WISE_QUERIES
+
     def _build_decode_batch(self, block_size: int) -> DecodeBatch | None:
         starts = self.query_start_loc
-        single = [i for i in range(len(self.seq_lens)) if starts[i + 1] - starts[i] == 1]
-        if not single:
+        rows: list[int] = []
+        row_lengths: list[int] = []
+        row_tables: list[list[int]] = []
+        for i, seq_len in enumerate(self.seq_lens):
+            if not self.row_wise(i):
+                continue
+            count = starts[i + 1] - starts[i]
+            rows += range(starts[i], starts[i + 1])
+            row_lengths += range(seq_len - count + 1, seq_len + 1)
+            row_tables += [self.block_tables[i]] * count
+        if not rows:
             return None
-        longest = max(self.seq_lens[i] for i in single)
+        longest = max(row_lengths)
         per_seq = -(-longest // block_size)
         blocks = []
-        for i in single:
-            table = self.block_tables[i][:per_seq]
+        for table in row_tables:
+            table = table[:per_seq]
             blocks += table + [0] * (per_seq - len(table))
-        lengths = torch.tensor([self.seq_lens[i] for i in single], device="cpu")
+        lengths = torch.tensor(row_lengths, device="cpu")
         visible_mask = (torch.arange(longest, device="cpu") < lengths[:, None])[:, None, None, :]
-        every_row = starts[-1] == len(single)
+        every_row = starts[-1] == len(rows)
         # Built on the host from the lists, then moved to the device once per step.
         return DecodeBatch(
-            None
-            if every_row
-            else torch.tensor([starts[i] for i in single], dtype=torch.long, device=self.device),
+            None if every_row else torch.tensor(rows, dtype=torch.long, device=self.device),
             torch.tensor(blocks, dtype=torch.long, device=self.device),
             per_seq,
             longest,
@@ -152,7 +172,7 @@ def paged_attention(
         out[decode.rows] = kernels.decode_attention(q, cache, decode, scale, kv_index)
     for i, seq_len in enumerate(metadata.seq_lens):
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
-        if end == start or (decode is not None and end - start == 1):
+        if end == start or metadata.row_wise(i):
             continue
         keys, values = cache.read(metadata.block_tables[i], seq_len)
         # [1, heads, n, d]: with a batch dimension torch's fused attention kernels run (on the
