@@ -285,6 +285,37 @@ def test_prefix_caching_runs_only_with_a_runner_that_declares_it(overrides, expe
         assert "does not start requests from cached blocks" in decision.reason
 
 
+def test_speculative_decoding_needs_a_runner_that_verifies_drafts():
+    loaded = load_config(overrides=["speculative.method=ngram"], environ={})
+    chosen = check_config(loaded, Registry.load(), {})
+    assert chosen.config.speculative.method == "ngram"
+    loaded = load_config(
+        overrides=[
+            "speculative.method=ngram",
+            "model.runner=support.slow_runner:SlowCollectiveRunner",
+        ],
+        environ={},
+    )
+    with pytest.raises(ConfigError) as refused:
+        check_config(loaded, Registry.load(), {})
+    message = str(refused.value)
+    assert "speculative.method = 'ngram'" in message
+    assert "does not verify drafts" in message and "allowed: 'none'" in message
+
+
+@pytest.mark.parametrize(
+    ("assignment", "fragment"),
+    [
+        ("speculative.method=eagle", "speculative.method"),
+        ("speculative.num_speculative_tokens=16", "less than or equal to 15"),
+        ("speculative.prompt_lookup_min=5", "prompt_lookup_min = 5: must be at most"),
+    ],
+)
+def test_speculative_settings_out_of_range_are_refused(assignment, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(overrides=[assignment], environ={})
+
+
 def test_uni_executor_with_several_ranks_is_refused():
     loaded = load_config(
         overrides=[
@@ -323,6 +354,7 @@ def test_schema_describes_every_section():
         "cache",
         "scheduler",
         "sampling",
+        "speculative",
         "parallel",
         "serve",
         "plugins",

@@ -99,6 +99,27 @@ def test_a_sampled_answer_is_the_same_whether_or_not_it_was_preempted(tiny_llama
     assert preempted == alone
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["uni", "tp2", "pp2"])
+def test_speculative_drafts_keep_transformers_tokens(tiny_llama_dir, reference, tp, pp):
+    """n-gram drafts checked in the decode step: some accepted, some rejected (their cache
+    positions written and then overwritten), with chunked prompts, preemption and prefix
+    caching; every token is transformers' greedy one."""
+    tokens, _ = reference
+    with _llm(
+        tiny_llama_dir, tp, pp, "speculative.method=ngram", "speculative.prompt_lookup_min=1"
+    ) as llm:
+        scheduler = llm.engine.scheduler
+        steps = []
+        execute = llm.engine.executor.execute_model
+        llm.engine.executor.execute_model = lambda step: steps.append(step) or execute(step)
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == tokens
+        assert scheduler.num_preemptions > 0
+    drafted = [c.spec_token_ids for step in steps for c in step.cached_requests]
+    assert sum(map(len, drafted)) == scheduler.spec_draft_tokens
+    assert 0 < scheduler.spec_accepted_tokens < scheduler.spec_draft_tokens
+
+
 SHARED = PROMPTS[0] + PROMPTS[1]  # 11 tokens: two whole blocks of 4, then 3
 PREFIXED = [[*SHARED, 2, 3], [*SHARED, 11, 12, 13], SHARED + [7] * 5, SHARED]
 

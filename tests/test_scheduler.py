@@ -1,12 +1,14 @@
 """The continuous-batching scheduler on its own: admission under the token budget, chunked
 prefill mixed with decode, block accounting, preemption and resumption, stop conditions.
-Steps are answered by a stand-in for the output rank that samples ``last token + 1``; every
-scheduled token count and block table is checked against what a runner could compute."""
+Steps are answered by a stand-in for the output rank that samples ``last token + 1`` (or
+another rule of the tokens so far) and checks drafts as a model would; every scheduled token
+count and block table is checked against what a runner could compute."""
 
 import pytest
 
-from shardline.config.schema import SchedulerConfig
+from shardline.config.schema import SchedulerConfig, SpeculativeConfig
 from shardline.engine.scheduler import Request, Scheduler
+from shardline.engine.speculative import NgramProposer
 from shardline.errors import RequestError
 from shardline.interfaces.step import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
@@ -17,10 +19,13 @@ class RunnerView:
     """What a model runner would know: each request's tokens, blocks and computed count, and
     which token each cache slot holds. Checks every step is computable and that each
     scheduled request would read its own tokens from its blocks (cached blocks it shares
-    included), and samples ``last + 1`` when a prompt is complete."""
+    included), and samples ``model(tokens)`` (default ``last + 1``) when a prompt is
+    complete; a request's drafts are accepted up to the first that differs from the model's
+    choice at its place."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, model=lambda tokens: tokens[-1] + 1) -> None:
         self.block_size = block_size
+        self.model = model
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
@@ -35,10 +40,12 @@ class RunnerView:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             self.blocks[new.req_id] = list(new.block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
+        drafts = {}
         for cached in step.cached_requests:
             self.tokens[cached.req_id] += cached.new_token_ids
             self.blocks[cached.req_id] += cached.new_block_ids
             assert self.computed[cached.req_id] == cached.num_computed_tokens
+            drafts[cached.req_id] = list(cached.spec_token_ids)
         for req_id, table in self.blocks.items():
             assert len(set(table)) == len(table), f"{req_id} holds a block twice: {table}"
         if not step.num_scheduled_tokens:
@@ -47,25 +54,42 @@ class RunnerView:
         # reads all of its positions so far.
         for req_id, count in step.num_scheduled_tokens.items():
             done = self.computed[req_id] + count
-            assert done <= len(self.tokens[req_id])
+            known = self.tokens[req_id] + drafts.get(req_id, [])
+            assert done <= len(known)
+            assert done == len(known) or not drafts.get(req_id), "drafts are computed whole"
             assert done <= len(self.blocks[req_id]) * self.block_size
             for position in range(self.computed[req_id], done):
-                self.slots[self._slot(req_id, position)] = self.tokens[req_id][position]
+                self.slots[self._slot(req_id, position)] = known[position]
             self.computed[req_id] = done
-        sampled = []
+        sampled, accepted = [], []
         for req_id in step.num_scheduled_tokens:
             done, tokens = self.computed[req_id], self.tokens[req_id]
+            guesses = drafts.get(req_id, [])
+            known = tokens + guesses
             read = [self.slots.get(self._slot(req_id, p)) for p in range(done)]
-            assert read == tokens[:done], f"{req_id} would read {read}, not {tokens[:done]}"
-            sampled.append(tokens[-1] + 1 if done == len(tokens) else None)
-        return ModelRunnerOutput(list(step.num_scheduled_tokens), sampled)
+            assert read == known[:done], f"{req_id} would read {read}, not {known[:done]}"
+            kept = 0
+            while kept < len(guesses) and guesses[kept] == self.model(tokens + guesses[:kept]):
+                kept += 1
+            self.computed[req_id] -= len(guesses) - kept
+            accepted.append(kept)
+            complete = done == len(known)
+            sampled.append(self.model(tokens + guesses[:kept]) if complete else None)
+        return ModelRunnerOutput(
+            list(step.num_scheduled_tokens),
+            sampled,
+            num_accepted_drafts=accepted if any(drafts.values()) else None,
+        )
 
     def _slot(self, req_id: str, position: int) -> int:
         block = self.blocks[req_id][position // self.block_size]
         return block * self.block_size + position % self.block_size
 
 
-def _scheduler(budget=16, seqs=8, blocks=32, block_size=4, max_len=64, prefix_caching=True):
+def _scheduler(
+    budget=16, seqs=8, blocks=32, block_size=4, max_len=64, prefix_caching=True, drafts=None
+):
+    """``drafts``: a SpeculativeConfig for an n-gram proposer (None: no speculation)."""
     config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget)
     return Scheduler(
         config,
@@ -74,6 +98,7 @@ def _scheduler(budget=16, seqs=8, blocks=32, block_size=4, max_len=64, prefix_ca
         max_model_len=max_len,
         eos_token_ids={EOS},
         prefix_caching=prefix_caching,
+        proposer=None if drafts is None else NgramProposer(drafts),
     )
 
 
@@ -326,3 +351,102 @@ def test_nothing_is_shared_when_disabled_or_after_a_reset(how):
             scheduler.reset_prefix_cache()
     assert _first_sent(steps, "b").num_computed_tokens == 0
     assert scheduler.prefix_cache_hits == 0
+
+
+def _cycle(tokens):
+    """A stand-in model whose text repeats (10, 11, 12, 13, 14, 10, ...) and breaks the
+    cycle at every position that is a multiple of 9 (the next token is then 30 to 33)."""
+    if len(tokens) % 9 == 0:
+        return 30 + len(tokens) % 4
+    last = tokens[-1]
+    return last + 1 if 10 <= last < 14 else 10
+
+
+DRAFTS = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+
+
+def _generate(scheduler, prompts, sampling, model=_cycle, block_size=4):
+    requests = [Request(f"r{i}", list(p), sampling) for i, p in enumerate(prompts)]
+    steps = _run_all(scheduler, RunnerView(block_size, model), requests)
+    return [r.output_token_ids for r in requests], steps
+
+
+def test_drafts_are_kept_up_to_the_first_the_model_would_not_choose():
+    """Greedy requests with n-gram drafts produce the tokens they produce without, in fewer
+    steps; rejected drafts' cache positions stop counting as computed (the stand-in runner
+    checks each later step starts where the scheduler says and reads its own tokens)."""
+    prompts = [[10, 11, 12, 13, 14, 10, 11], [12, 13, 14, 10], [5, 6, 7]]
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain, plain_steps = _generate(_scheduler(), prompts, sampling)
+    scheduler = _scheduler(drafts=DRAFTS)
+    drafted, steps = _generate(scheduler, prompts, sampling)
+    assert drafted == plain
+    assert all(len(tokens) == 30 for tokens in drafted)
+    assert len(steps) < len(plain_steps)
+    proposed = [len(c.spec_token_ids) for step in steps for c in step.cached_requests]
+    assert max(proposed) == 3 and sum(proposed) == scheduler.spec_draft_tokens
+    assert 0 < scheduler.spec_accepted_tokens < scheduler.spec_draft_tokens
+    for step in steps:  # a request's step holds its last token and its drafts
+        for cached in step.cached_requests:
+            assert step.num_scheduled_tokens[cached.req_id] >= 1 + len(cached.spec_token_ids)
+    assert scheduler.blocks.num_used == 0
+
+
+def test_drafts_stay_within_max_tokens_the_model_length_and_the_budget():
+    sampling = SamplingParams(max_tokens=11, ignore_eos=True)
+    scheduler = _scheduler(budget=3, max_len=24, drafts=DRAFTS)
+    outputs, steps = _generate(scheduler, [[10, 11, 12, 13, 14, 10], [12] * 8], sampling)
+    assert [len(tokens) for tokens in outputs] == [11, 11]
+    assert all(step.total_num_scheduled_tokens <= 3 for step in steps)
+    assert scheduler.spec_accepted_tokens > 0
+    # At the model's length: a 20-token prompt may reach 24 tokens, so at most 3 drafts
+    # before its first token and none once one token is left.
+    scheduler = _scheduler(max_len=24, drafts=DRAFTS)
+    (tokens,), steps = _generate(scheduler, [[10, 11, 12, 13, 14] * 4], sampling)
+    assert len(tokens) == 4 and scheduler.spec_accepted_tokens > 0
+    assert all(
+        len(c.spec_token_ids) <= 24 - 20 - len(tokens[: c.num_computed_tokens - 19]) - 1
+        for step in steps
+        for c in step.cached_requests
+    )
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7),
+        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=0.5),
+    ],
+    ids=["sampled", "logprobs", "penalty"],
+)
+def test_only_plain_greedy_requests_get_drafts(sampling):
+    """A draft is checked against the model's greedy choice alone: requests that sample,
+    ask for log-probabilities or adjust the logits decode one token a step."""
+    scheduler = _scheduler(drafts=DRAFTS)
+    _, steps = _generate(scheduler, [[10, 11, 12, 13, 14, 10, 11]], sampling)
+    assert scheduler.spec_draft_tokens == 0
+    assert all(not c.spec_token_ids for step in steps for c in step.cached_requests)
+
+
+def test_drafts_never_preempt_and_blocks_they_fill_are_not_cached():
+    """With the cache nearly full, drafts are cut to the blocks at hand rather than preempting
+    a request; only blocks of a request's own tokens are offered to the prefix cache, so a
+    later request that begins with a whole answer (rejected drafts were written in its
+    blocks) reads what it should (the stand-in runner checks every read)."""
+    prompts = [[10, 11, 12, 13, 14, 10, 11], [12, 13, 14, 10, 11, 12]]
+    sampling = SamplingParams(max_tokens=14, ignore_eos=True)
+    plain_scheduler = _scheduler(blocks=8)
+    plain, _ = _generate(plain_scheduler, prompts, sampling)
+    assert plain_scheduler.num_preemptions == 1
+    scheduler, view = _scheduler(blocks=8, drafts=DRAFTS), RunnerView(4, _cycle)
+    requests = [Request(f"r{i}", list(p), sampling) for i, p in enumerate(prompts)]
+    _run_all(scheduler, view, requests)
+    drafted = [r.output_token_ids for r in requests]
+    assert drafted == plain
+    # Fewer steps may even spare a preemption; drafts taking blocks would add one here.
+    assert scheduler.num_preemptions <= plain_scheduler.num_preemptions
+    assert scheduler.spec_accepted_tokens < scheduler.spec_draft_tokens
+    again = Request("again", prompts[0] + drafted[0], SamplingParams(max_tokens=4))
+    _run_all(scheduler, view, [again])
+    assert scheduler.prefix_cache_hits >= 16

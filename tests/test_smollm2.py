@@ -201,9 +201,13 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
     gguf_path, tokenizer, prompts, reference, overrides
 ):
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    with LLM(overrides=[f"model.path={gguf_path}", *overrides], environ={}) as llm:
+    # Greedy answers are checked with n-gram drafts (the calls that ask for log-probabilities
+    # decode one token a step).
+    drafts = ["speculative.method=ngram", "speculative.prompt_lookup_min=1"]
+    with LLM(overrides=[f"model.path={gguf_path}", *overrides, *drafts], environ={}) as llm:
         scheduler = llm.engine.scheduler
         outputs = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS))
+        assert 0 < scheduler.spec_accepted_tokens < scheduler.spec_draft_tokens
         # The prompts share the chat template's system prompt: the later ones start from the
         # blocks the first fills in the same step.
         assert scheduler.prefix_cache_hits > 0

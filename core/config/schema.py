@@ -117,6 +117,40 @@ class SchedulerConfig(Section):
     )
 
 
+#: The most draft tokens a speculative step may propose for a request: with its last token
+#: they stay a short run of queries (shardline.layers.attention.ROW_WISE_QUERIES).
+MAX_SPECULATIVE_TOKENS = 15
+
+
+class SpeculativeConfig(Section):
+    """Speculative decoding: a step checks a request's guessed next tokens (drafts) along with
+    its last one, and keeps those the model itself would have produced (greedy requests)."""
+
+    method: Literal["none", "ngram"] = Field(
+        default="none",
+        description="none: off; ngram: draft the tokens that followed the latest earlier "
+        "occurrence of the request's last tokens in its prompt and output (prompt lookup)",
+    )
+    num_speculative_tokens: Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)] = Field(
+        default=4, description="draft tokens a request proposes per step at most"
+    )
+    prompt_lookup_max: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=4, description="longest run of last tokens looked up (tried first)"
+    )
+    prompt_lookup_min: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=2, description="shortest run of last tokens looked up"
+    )
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min = {self.prompt_lookup_min}: must be at most "
+                f"prompt_lookup_max = {self.prompt_lookup_max}"
+            )
+        return self
+
+
 class SamplingConfig(Section):
     """Default sampling of ``LLM.generate`` and ``shardline run`` (a call may pass its own)."""
 
@@ -261,6 +295,7 @@ class EngineConfig(Section):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     sampling: SamplingConfig = SamplingConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
     serve: ServeConfig = ServeConfig()
     plugins: PluginsConfig = PluginsConfig()

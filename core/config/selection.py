@@ -129,6 +129,26 @@ def choose_prefix_caching(config: EngineConfig, registry: Registry, runner: Deci
     )
 
 
+def choose_speculative(config: EngineConfig, registry: Registry, runner: Decision) -> Decision:
+    """``speculative.method``: as configured; a method other than ``none`` needs a model
+    runner that verifies drafts (:attr:`~shardline.interfaces.ModelRunner.speculative_decoding`)."""
+    field_name = "speculative.method"
+    method = config.speculative.method
+    if method == "none" or runner.problem is not None:
+        return Decision(field_name, method, "configured", [(method, "chosen")])
+    runner_class = registry.get("model_runner", runner.chosen, "model.runner").load()
+    if runner_class.speculative_decoding:
+        return Decision(field_name, method, "configured", [(method, "chosen")])
+    return Decision(
+        field_name,
+        method,
+        "configured",
+        [(method, "not supported by the model runner"), ("none", "allowed")],
+        problem=f"speculative.method = {method!r}: model runner {runner.chosen!r} does not "
+        "verify drafts (ModelRunner.speculative_decoding is False); allowed: 'none'",
+    )
+
+
 def _load_problem(registry: Registry, kind: str, name: str, field_name: str) -> str | None:
     """Why ``name`` cannot be used for ``field_name`` (unknown, fails to import, not the
     kind's class, or unavailable here), or None."""
@@ -252,6 +272,7 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
         executor,
         runner := choose_model_runner(config, registry),
         choose_prefix_caching(config, registry, runner),
+        choose_speculative(config, registry, runner),
     ]
 
 

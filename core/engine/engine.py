@@ -18,6 +18,7 @@ from shardline.config.loader import LoadedConfig
 from shardline.config.selection import check_config
 from shardline.engine.detokenizer import Detokenizer
 from shardline.engine.scheduler import Request, Scheduler
+from shardline.engine.speculative import NgramProposer
 from shardline.errors import CommTimeoutError, ConfigError, RequestError
 from shardline.interfaces import Executor
 from shardline.interfaces.step import (
@@ -168,6 +169,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else set(),
             prefix_caching=config.cache.prefix_caching,
+            proposer=(
+                NgramProposer(config.speculative) if config.speculative.method == "ngram" else None
+            ),
         )
 
     @property

@@ -13,6 +13,11 @@ and every token before them (a hash chain). A request admitted later whose token
 same way shares those blocks and starts computing after them; a freed block keeps what it
 holds until it is taken for something else, the least recently freed first.
 
+With a proposer (speculative decoding), a greedy request's decode step also carries its drafts,
+guessed next tokens (:mod:`shardline.engine.speculative`), as far as the budget and its blocks
+allow; the output says how many the model accepted, and the cache positions of the rest stop
+counting as computed (they are overwritten later).
+
 The scheduler is deterministic: the same requests and the same outputs give the same steps,
 which is what lets every process of a launched world run its own copy.
 """
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.config.schema import SchedulerConfig
+from shardline.engine.speculative import NgramIndex, NgramProposer
 from shardline.errors import RequestError
 from shardline.interfaces.step import (
     CachedRequest,
@@ -73,6 +79,9 @@ class Request:
     num_blocks_sent: int = 0
     #: A step holding this request is in flight; it cannot be scheduled again until it returns.
     in_flight: bool = False
+    #: The drafts of the step in flight (speculative decoding), and the request's lookup state.
+    spec_token_ids: list[int] = field(default_factory=list)
+    ngram_index: NgramIndex | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -206,8 +215,12 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int],
         prefix_caching: bool,
+        proposer: NgramProposer | None = None,
     ) -> None:
+        """``proposer``: drafts for greedy decoding requests (speculative decoding); None:
+        off."""
         self.config = config
+        self.proposer = proposer
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.max_model_len = max_model_len
@@ -221,6 +234,9 @@ class Scheduler:
         #: Tokens of admitted requests looked up in the prefix cache, and those found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        #: Draft tokens proposed, and those the model accepted.
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``. Raises RequestError for an empty prompt, a prompt that leaves
@@ -299,18 +315,54 @@ class Scheduler:
             count = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if count <= 0:
                 continue
+            drafts = self._drafts(request, step.budget) if count == 1 else []
+            drafts = drafts[: self._room_for_drafts(request)]
+            count += len(drafts)
             if not self._grow(request, request.num_computed_tokens + count, step.scheduled):
                 step.preempted = True
                 continue
+            request.spec_token_ids = drafts
             step.cached.append(
                 CachedRequest(
                     request.req_id,
                     request.all_token_ids[request.num_tokens_sent :],
                     request.block_ids[request.num_blocks_sent :],
                     request.num_computed_tokens,
+                    tuple(drafts),
                 )
             )
             self._mark_scheduled(step, request, count)
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Drafts for ``request``'s next step, which decodes its last token: a greedy
+        request's (no log-probabilities, no penalties or bias: its choice at each draft is
+        then the model's alone), as many as the proposer finds within the step's token
+        budget, the tokens it may still generate and ``max_model_len``."""
+        sampling = request.sampling
+        if (
+            self.proposer is None
+            or request.pooling is not None
+            or sampling.temperature != 0
+            or sampling.logprobs is not None
+            or sampling.adjusts_logits
+        ):
+            return []
+        limit = min(
+            budget - 1,
+            sampling.max_tokens - len(request.output_token_ids) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        if limit <= 0:
+            return []
+        if request.ngram_index is None:
+            request.ngram_index = self.proposer.new_index()
+        return self.proposer.propose(request.ngram_index, request.all_token_ids, limit)
+
+    def _room_for_drafts(self, request: Request) -> int:
+        """How many drafts ``request``'s blocks and the free blocks can hold beyond its last
+        token (drafts never make the scheduler preempt a request)."""
+        blocks = len(request.block_ids) + self.blocks.num_free
+        return max(0, blocks * self.block_size - request.num_computed_tokens - 1)
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admit waiting requests into ``step`` in arrival order while its budget, its request
@@ -377,14 +429,34 @@ class Scheduler:
             token = runner_output.sampled_token_ids[index]
             if token is None:
                 continue
-            request.output_token_ids.append(token)
             if runner_output.logprobs is not None and request.sampling.logprobs is not None:
                 request.output_logprobs.append(runner_output.logprobs[index])
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self.finish(request, reason)
+            for new_token in [*self._accepted(request, runner_output, index), token]:
+                request.output_token_ids.append(new_token)
+                reason = self._stop_reason(request, new_token)
+                if reason is not None:
+                    self.finish(request, reason)
+                    break
             changed.append(request)
         return changed
+
+    def _accepted(self, request: Request, output: ModelRunnerOutput, index: int) -> list[int]:
+        """The drafts of ``request``'s step (its ``index`` in ``output``) that the model
+        accepted; the cache positions of the others no longer count as computed."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts:
+            return []
+        counts = output.num_accepted_drafts
+        accepted = None if counts is None else counts[index]
+        if accepted is None or not 0 <= accepted <= len(drafts):
+            raise RuntimeError(
+                f"request {request.req_id!r} had {len(drafts)} drafts; the output rank "
+                f"accepted {accepted} (0 to {len(drafts)} expected)"
+            )
+        request.num_computed_tokens -= len(drafts) - accepted
+        self.spec_draft_tokens += len(drafts)
+        self.spec_accepted_tokens += accepted
+        return drafts[:accepted]
 
     def finish(self, request: Request, reason: str) -> None:
         """End ``request`` now: free its blocks, tell the runners at the next step."""
@@ -430,6 +502,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
@@ -477,7 +550,8 @@ class Scheduler:
         blocks are cached as it is scheduled: a request admitted into the same step or a
         later one reads them after this step wrote them (ranks run steps in order, and a
         step writes its keys and values before it attends)."""
-        full = request.num_computed_tokens // self.block_size
+        # Drafts are not the request's tokens (yet): only its own tokens' blocks are known.
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if full <= request.num_blocks_remembered:
             return
         hashes = self._block_hashes(request, full)

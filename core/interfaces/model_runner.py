@@ -57,6 +57,13 @@ class ModelRunner(abc.ABC):
     #: first of its blocks (shared with other requests: read, never written). Without it the
     #: engine runs with ``cache.prefix_caching`` off.
     prefix_caching: ClassVar[bool] = False
+    #: Whether :meth:`execute_model` verifies drafts: a request with
+    #: ``CachedRequest.spec_token_ids`` is scheduled for its last token and those drafts; the
+    #: runner samples at each of their positions, accepts the drafts up to the first that
+    #: differs from its own choice, and reports how many in
+    #: ``ModelRunnerOutput.num_accepted_drafts``. Without it ``speculative.method`` must
+    #: stay ``none``.
+    speculative_decoding: ClassVar[bool] = False
 
     @classmethod
     def plan(cls, config: EngineConfig) -> ModelPlan | None:

@@ -128,12 +128,18 @@ class NewRequest:
 @dataclass(frozen=True)
 class CachedRequest:
     """A request seen before: tokens appended since its last step (e.g. the token sampled
-    then), cache blocks added, and how many of its tokens are already in the cache."""
+    then), cache blocks added, and how many of its tokens are already in the cache.
+    ``spec_token_ids``: this step's drafts (speculative decoding), guessed tokens after its
+    last one; the step is scheduled for the last token and every draft (their keys and values
+    are written, the drafts after the first rejected one are overwritten later), and they are
+    not the request's tokens unless accepted (they come back in the next step's
+    ``new_token_ids`` then)."""
 
     req_id: str
     new_token_ids: list[int]
     new_block_ids: list[int]
     num_computed_tokens: int
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,8 @@ class ModelRunnerOutput:
     step only computed part of its prompt. A pooling step has ``pooled`` instead: per request
     its embedding (float32, ``[hidden]``), or None for a prompt chunk that is not the last.
     ``logprobs``, when some request of the step asked for them: per request its token's
-    :class:`TokenLogprobs`, or None (no token, or not asked). ``prompt_logprobs``, likewise:
+    :class:`TokenLogprobs`, or None (no token, or not asked). A request with drafts gets
+    ``num_accepted_drafts``. ``prompt_logprobs``, likewise:
     per request ``(i, scores)``, the scores of its prompt tokens ``i``, ``i + 1``, ... that
     this step's part of the prompt predicts, or None."""
 
@@ -176,3 +183,7 @@ class ModelRunnerOutput:
     pooled: list[Any] | None = None
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None] | None = None
+    #: Per request, how many of its drafts (``CachedRequest.spec_token_ids``) were accepted:
+    #: its new tokens are those drafts and then the sampled token; None when the step had no
+    #: drafts.
+    num_accepted_drafts: list[int] | None = None

@@ -86,6 +86,8 @@ class RequestState:
     num_computed_tokens: int = 0
     pooling: str | None = None
     hidden_sum: torch.Tensor | None = None
+    #: This step's drafts (speculative decoding): computed after ``token_ids``, not part of it.
+    spec_token_ids: tuple[int, ...] = ()
 
 
 class CausalLMRunner(ModelRunner):
@@ -95,6 +97,7 @@ class CausalLMRunner(ModelRunner):
     a profiler sets it (:meth:`shardline.worker.worker.Worker.start_profile`)."""
 
     prefix_caching = True
+    speculative_decoding = True
 
     def __init__(self, config: EngineConfig, state: ParallelState) -> None:
         self.config = config
@@ -143,14 +146,19 @@ class CausalLMRunner(ModelRunner):
                 raise ValueError("a step mixes embedding (pooling) and generating requests")
             return self._pool_hidden(output, req_ids, metadata.query_start_loc, final_rows)
         prompt_scores = self._score_prompts(output, req_ids, metadata)
-        rows = [row for row in final_rows if row is not None]
-        if not rows:
+        if all(row is None for row in final_rows):
             return ModelRunnerOutput(req_ids, [None] * len(req_ids), prompt_logprobs=prompt_scores)
-        finishing = [
-            self.requests[req_id]
-            for req_id, row in zip(req_ids, final_rows, strict=True)
-            if row is not None
-        ]
+        # The rows sampled: each finishing request's last row, after the rows of its drafts.
+        rows, finishing, output_indexes = [], [], []
+        for req_id, row in zip(req_ids, final_rows, strict=True):
+            if row is None:
+                continue
+            request = self.requests[req_id]
+            drafts = len(request.spec_token_ids)
+            rows += range(row - drafts, row + 1)
+            finishing += [request] * (drafts + 1)
+            first_output = len(request.token_ids) - request.num_prompt_tokens
+            output_indexes += range(first_output, first_output + drafts + 1)
         params = [request.sampling for request in finishing]
         asked = [p.logprobs for p in params]
         found = None
@@ -169,21 +177,28 @@ class CausalLMRunner(ModelRunner):
                         [request.token_ids for request in finishing],
                         [request.num_prompt_tokens for request in finishing],
                     )
-                tokens = sample_rows(
-                    chosen_from,
-                    params,
-                    [len(r.token_ids) - r.num_prompt_tokens for r in finishing],
-                    self.generator,
-                )
+                tokens = sample_rows(chosen_from, params, output_indexes, self.generator)
                 if any(k is not None for k in asked):
                     found = token_logprobs(logits, tokens, asked)
-        drawn = iter(tokens)
-        sampled = [None if row is None else next(drawn) for row in final_rows]
-        logprobs = None
-        if found is not None:
-            each = iter(found)
-            logprobs = [None if row is None else next(each) for row in final_rows]
-        return ModelRunnerOutput(req_ids, sampled, logprobs=logprobs, prompt_logprobs=prompt_scores)
+        sampled: list[int | None] = []
+        accepted: list[int] = []
+        logprobs = None if found is None else []
+        at = 0  # the first row of the request's sampled rows
+        for req_id, row in zip(req_ids, final_rows, strict=True):
+            drafts = () if row is None else self.requests[req_id].spec_token_ids
+            kept = _accepted_drafts(drafts, tokens[at : at + len(drafts)])
+            sampled.append(None if row is None else tokens[at + kept])
+            accepted.append(kept)
+            if logprobs is not None:
+                logprobs.append(None if row is None else found[at + kept])
+            at += 0 if row is None else len(drafts) + 1
+        return ModelRunnerOutput(
+            req_ids,
+            sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_scores,
+            num_accepted_drafts=accepted if any(r.spec_token_ids for r in finishing) else None,
+        )
 
     def _score_prompts(
         self, hidden: torch.Tensor, req_ids: list[str], metadata: AttentionMetadata
@@ -269,6 +284,7 @@ class CausalLMRunner(ModelRunner):
             request.token_ids.extend(cached.new_token_ids)
             request.block_ids.extend(cached.new_block_ids)
             request.num_computed_tokens = cached.num_computed_tokens
+            request.spec_token_ids = tuple(cached.spec_token_ids)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
         """Flattened token ids and positions and the attention metadata, on the rank's device,
@@ -281,10 +297,14 @@ class CausalLMRunner(ModelRunner):
             request = self.requests[req_id]
             first = request.num_computed_tokens
             seq_len = first + count
-            if seq_len > len(request.token_ids):
+            drafts = request.spec_token_ids
+            if seq_len > len(request.token_ids) + len(drafts) or (
+                drafts and seq_len != len(request.token_ids) + len(drafts)
+            ):
                 raise ValueError(
-                    f"request {req_id!r}: {count} tokens scheduled from {first}, but it has only "
-                    f"{len(request.token_ids)}"
+                    f"request {req_id!r}: {count} tokens scheduled from {first}, but it has "
+                    f"{len(request.token_ids)} and {len(drafts)} drafts"
+                    + (" (a step with drafts computes all of them)" if drafts else "")
                 )
             if seq_len > len(request.block_ids) * block_size:
                 raise ValueError(
@@ -293,6 +313,7 @@ class CausalLMRunner(ModelRunner):
                 )
             req_ids.append(req_id)
             tokens += request.token_ids[first:seq_len]
+            tokens += drafts
             positions += range(first, seq_len)
             slots += [
                 request.block_ids[p // block_size] * block_size + p % block_size
@@ -301,7 +322,8 @@ class CausalLMRunner(ModelRunner):
             starts.append(starts[-1] + count)
             seq_lens.append(seq_len)
             tables.append(request.block_ids)
-            final_rows.append(starts[-1] - 1 if seq_len == len(request.token_ids) else None)
+            complete = seq_len == len(request.token_ids) + len(drafts)
+            final_rows.append(starts[-1] - 1 if complete else None)
             request.num_computed_tokens = seq_len
         device = self.device
         metadata = AttentionMetadata(
@@ -314,3 +336,12 @@ class CausalLMRunner(ModelRunner):
             metadata,
             final_rows,
         )
+
+
+def _accepted_drafts(drafts: tuple[int, ...], chosen: list[int]) -> int:
+    """How many ``drafts`` the model accepts: those up to the first that differs from the
+    token chosen at its place (``chosen[i]`` is the choice after the tokens before draft i)."""
+    for kept, (draft, token) in enumerate(zip(drafts, chosen, strict=True)):
+        if draft != token:
+            return kept
+    return len(drafts)

@@ -1,0 +1,51 @@
+"""Prompt-lookup drafts on their own: which earlier occurrence is used, the longest run of
+last tokens first, no match with itself, the limit, and an index kept up to date as tokens
+are added; and a step's drafts through the mp executor's step encoding."""
+
+from shardline.config.schema import SpeculativeConfig
+from shardline.engine.speculative import NgramIndex, NgramProposer
+from shardline.interfaces.step import CachedRequest, SchedulerOutput
+from shardline_executors.mp_protocol import decode_step, encode_step
+
+
+def test_the_latest_occurrence_of_the_longest_run_gives_the_drafts():
+    index = NgramIndex(min_n=1, max_n=3)
+    # "7 8" occurs twice before the end; "6 7 8" once, followed by 1 2: the longest run wins.
+    tokens = [6, 7, 8, 1, 2, 9, 7, 8, 3, 4, 6, 7, 8]
+    assert index.lookup(tokens, 2) == [1, 2]
+    index = NgramIndex(min_n=1, max_n=2)
+    assert index.lookup(tokens, 2) == [3, 4]  # "7 8" last seen before 3 4
+    assert index.lookup(tokens, 9) == [3, 4, 6, 7, 8]  # as many as there are
+
+
+def test_nothing_is_proposed_without_an_earlier_occurrence():
+    assert NgramIndex(min_n=2, max_n=4).lookup([1, 2, 3, 4, 5], 4) == []
+    assert NgramIndex(min_n=2, max_n=4).lookup([1], 4) == []
+    assert NgramIndex(min_n=2, max_n=4).lookup([5, 5], 4) == []  # no match with itself
+    assert NgramIndex(min_n=2, max_n=4).lookup([5, 5, 5], 4) == [5]
+
+
+def test_an_index_follows_the_tokens_as_they_grow():
+    """Called after every step with the longer token list, the index gives what a new index
+    gives for the same tokens."""
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3]
+    growing = NgramIndex(min_n=1, max_n=3)
+    for end in range(1, len(tokens) + 1):
+        assert growing.lookup(tokens[:end], 3) == NgramIndex(1, 3).lookup(tokens[:end], 3), end
+
+
+def test_the_proposer_keeps_to_the_configured_number():
+    proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert proposer.propose(proposer.new_index(), tokens, 9) == [3, 4]
+    assert proposer.propose(proposer.new_index(), tokens, 1) == [3]
+
+
+def test_a_steps_drafts_travel_through_the_mp_step_encoding():
+    step = SchedulerOutput(
+        cached_requests=[CachedRequest("a", [5], [], 9, (6, 7)), CachedRequest("b", [], [], 3)],
+        num_scheduled_tokens={"a": 3, "b": 1},
+    )
+    decoded = decode_step(encode_step(step))
+    assert decoded == step
+    assert [c.spec_token_ids for c in decoded.cached_requests] == [(6, 7), ()]
