@@ -13,6 +13,7 @@ from shardline.engine import LLM, SamplingParams
 from shardline.errors import RequestError
 from support.memory_probe import bytes_held
 from support.tiny_llama import round_linear_weights, write_tiny_llama
+from support.tiny_tokenizer import add_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -118,6 +119,38 @@ def test_speculative_drafts_keep_transformers_tokens(tiny_llama_dir, reference, 
     drafted = [c.spec_token_ids for step in steps for c in step.cached_requests]
     assert sum(map(len, drafted)) == scheduler.spec_draft_tokens
     assert 0 < scheduler.spec_accepted_tokens < scheduler.spec_draft_tokens
+
+
+def test_a_stop_string_inside_a_step_of_accepted_drafts_ends_the_answer_there(tmp_path):
+    """A step may add several tokens (a runner that recites its prompt, whose drafts are all
+    accepted); the answer still ends at the token that completes a stop string, with the
+    text, token ids and finish reason of one token a step, also where max_tokens is reached
+    later in the same step."""
+    model = add_tiny_tokenizer(write_tiny_llama(tmp_path))
+    overrides = [
+        f"model.path={model}",
+        "parallel.communicator=gloo",
+        "model.runner=support.reciting_runner:RecitingRunner",
+    ]
+    drafts = ["speculative.method=ngram", "speculative.prompt_lookup_min=1"]
+    prompt = "The quick brown fox"
+    cases = [(prompt[i : i + 2], limit) for i in range(1, 17) for limit in (8, 10, 40)]
+
+    def answers(llm):
+        found = []
+        for stop, limit in cases:
+            sampling = SamplingParams(max_tokens=limit, ignore_eos=True, stop=(stop,))
+            (output,) = llm.generate([prompt], sampling)
+            found.append((output.token_ids, output.text, output.finish_reason))
+        return found
+
+    with LLM(overrides=overrides, environ={}) as llm:
+        plain = answers(llm)
+    with LLM(overrides=[*overrides, *drafts], environ={}) as llm:
+        drafted = answers(llm)
+        assert llm.engine.scheduler.spec_accepted_tokens > len(cases)
+    assert drafted == plain
+    assert {reason for _, _, reason in plain} == {"stop", "length"}
 
 
 SHARED = PROMPTS[0] + PROMPTS[1]  # 11 tokens: two whole blocks of 4, then 3

@@ -94,10 +94,12 @@ def offline(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    """A server with an API key (from the environment), shared by the tests that leave it as
-    they found it."""
+    """A server with an API key (from the environment) and speculative decoding, shared by
+    the tests that leave it as they found it."""
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    running = Server(log, _overrides(model_dir), env={"SHARDLINE_API_KEY": API_KEY})
+    # With n-gram drafts: its greedy answers must still be the offline engine's (without).
+    overrides = _overrides(model_dir, "speculative.method=ngram", "speculative.prompt_lookup_min=1")
+    running = Server(log, overrides, env={"SHARDLINE_API_KEY": API_KEY})
     yield running
     running.stop()
 
@@ -191,7 +193,7 @@ def test_chat_completion_through_the_template_and_a_stop_string(server, model_di
     assert stopped.choices[0].text == offline["long"][: offline["long"].index(stop)]
 
 
-def test_streaming_gives_each_token_as_made_and_usage_last(server, model_dir, offline):
+def test_streaming_gives_each_steps_tokens_as_made_and_usage_last(server, model_dir, offline):
     client = _client(server)
     chunks = list(
         client.completions.create(
@@ -205,7 +207,8 @@ def test_streaming_gives_each_token_as_made_and_usage_last(server, model_dir, of
     )
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert "".join(texts) == offline["texts"][0]
-    assert len(texts) == TOKENS  # one chunk per token: a character each
+    # One chunk per step: a token (a character) each, or more where drafts were accepted.
+    assert all(texts) and TOKENS / 4 <= len(texts) < TOKENS
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == TOKENS
     chat = list(
@@ -604,6 +607,9 @@ def test_metrics_report_tokens_and_latencies(server):
     ):
         assert server.metric(name, key=API_KEY) > 0, name
     assert server.metric("shardline_engine_restarts_total", key=API_KEY) == 0
+    drafted = server.metric("shardline_spec_decode_draft_tokens_total", key=API_KEY)
+    accepted = server.metric("shardline_spec_decode_accepted_tokens_total", key=API_KEY)
+    assert 0 < accepted < drafted
 
 
 def test_a_repeated_prompt_is_counted_in_the_prefix_cache_metrics(server, model_dir):

@@ -30,6 +30,12 @@ class Detokenizer:
         self._read = 0  # tokens whose text is in _decoded
         self._stopped = False
 
+    @property
+    def num_tokens_read(self) -> int:
+        """How many of the tokens are in the decoded text (after a stop: up to the token
+        that completed the stop string)."""
+        return self._read
+
     def update(self, token_ids: list[int]) -> tuple[str, bool]:
         """The new text since the last call, and whether a stop string was reached (the text
         ends before it; later calls add nothing)."""

@@ -276,6 +276,7 @@ class LLMEngine:
             updated = replica.scheduler.update(step, result)
         for request in updated:
             output = self._outputs[request.req_id]
+            known = len(output.token_ids)
             output.token_ids = list(request.output_token_ids)
             if output.logprobs is not None:
                 output.logprobs += request.output_logprobs[len(output.logprobs) :]
@@ -283,9 +284,14 @@ class LLMEngine:
                 output.prompt_logprobs += request.prompt_logprobs[len(output.prompt_logprobs) :]
             detokenizer = self._detokenizers[request.req_id]
             with self.timer("detokenize"):
-                delta, stopped = detokenizer.update(output.token_ids)
-            if stopped and not request.finished:
-                replica.scheduler.finish(request, "stop")
+                delta, stopped = _detokenize(detokenizer, output.token_ids, known, request)
+            if stopped:
+                early = detokenizer.num_tokens_read < len(output.token_ids)  # see _detokenize
+                del output.token_ids[detokenizer.num_tokens_read :]
+                if not request.finished:
+                    replica.scheduler.finish(request, "stop")
+                elif early:  # the scheduler ended it at a later token of the same step
+                    request.finish_reason = "stop"
             if request.finished and not stopped:
                 with self.timer("detokenize"):
                     delta += detokenizer.finish(output.token_ids)
@@ -329,8 +335,9 @@ class LLMEngine:
             replica.executor.check_health()
 
     def load(self) -> EngineLoad:
-        """Requests waiting and running, KV-cache blocks used and in all, and the prefix
-        cache's tokens looked up and found since the engine started, over the replicas."""
+        """Requests waiting and running, KV-cache blocks used and in all, and since the
+        engine started the prefix cache's tokens looked up and found and the draft tokens
+        proposed and accepted, over the replicas."""
         schedulers = [replica.scheduler for replica in self.replicas]
         return EngineLoad(
             waiting=sum(len(s.waiting) for s in schedulers),
@@ -339,6 +346,8 @@ class LLMEngine:
             blocks_total=sum(s.blocks.num_blocks for s in schedulers),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in schedulers),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in schedulers),
+            spec_draft_tokens=sum(s.spec_draft_tokens for s in schedulers),
+            spec_accepted_tokens=sum(s.spec_accepted_tokens for s in schedulers),
         )
 
     def shutdown(self) -> None:
@@ -371,6 +380,25 @@ class LLMEngine:
             raise self._step_timeout() from None
 
 
+def _detokenize(
+    detokenizer: Detokenizer, token_ids: list[int], known: int, request: Request
+) -> tuple[str, bool]:
+    """The text ``token_ids`` add beyond the first ``known`` (``request``'s output so far),
+    and whether a stop string was reached. Where the request has stop strings, tokens that
+    came in one step (a speculative step's accepted drafts) are read one at a time, so that
+    it stops at the token that completes one, as one token a step would; the caller drops
+    the tokens after it (those beyond ``detokenizer.num_tokens_read``)."""
+    if not request.sampling.stop or len(token_ids) - known <= 1:
+        return detokenizer.update(token_ids)
+    delta = ""
+    for end in range(known + 1, len(token_ids) + 1):
+        more, stopped = detokenizer.update(token_ids[:end])
+        delta += more
+        if stopped:
+            return delta, True
+    return delta, False
+
+
 @dataclass(frozen=True)
 class EngineLoad:
     """What the engine holds now, over all replicas."""
@@ -381,6 +409,12 @@ class EngineLoad:
     blocks_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+
+
+#: The fields of :class:`EngineLoad` that are running totals since the engine started.
+COUNTED = ("prefix_cache_queries", "prefix_cache_hits", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 def _max_model_len(loaded: LoadedConfig, model_positions: int) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.engine.engine import LLMEngine, RequestOutput
+from shardline.engine.engine import COUNTED, LLMEngine, RequestOutput
 from shardline.errors import RequestError
 from shardline.interfaces.step import SamplingParams, TokenLogprobs
 from shardline.serve.errors import ApiError, bad_request, unavailable
@@ -113,7 +113,7 @@ class EngineLoop:
         self._aborts: list[Ticket] = []
         self._active: dict[str, Ticket] = {}
         self._num_waiting = 0  # in the scheduler's queue, as of the engine thread's last look
-        self._cache_counted = (0, 0)  # the engine's prefix-cache queries and hits published
+        self._counted: dict[str, int] = {}  # the engine's running totals, as published
         self._failure: str | None = None  # why the engine is down; None while it serves
         self._drain_deadline: float | None = None  # set once the server is told to stop
         self._stopping = False
@@ -304,10 +304,10 @@ class EngineLoop:
         self.metrics.requests_running.set(load.running)
         self.metrics.requests_waiting.set(waiting)
         self.metrics.kv_blocks_used.set(load.blocks_used)
-        queries, hits = self._cache_counted
-        self.metrics.prefix_cache_queries.inc(load.prefix_cache_queries - queries)
-        self.metrics.prefix_cache_hits.inc(load.prefix_cache_hits - hits)
-        self._cache_counted = (load.prefix_cache_queries, load.prefix_cache_hits)
+        for name in COUNTED:  # Prometheus counters take increments
+            total = getattr(load, name)
+            getattr(self.metrics, name).inc(total - self._counted.get(name, 0))
+            self._counted[name] = total
 
     def _restart(self, error: Exception) -> bool:
         """After a failed step or a dead rank: fail every open request, start a new engine
@@ -356,7 +356,7 @@ class EngineLoop:
             if not leaving:
                 self.engine = engine
                 self._failure = None
-                self._cache_counted = (0, 0)
+                self._counted = {}
         if leaving:
             engine.shutdown()
             return False

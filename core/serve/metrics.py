@@ -69,6 +69,16 @@ class ServeMetrics:
             "tokens of admitted requests found in the prefix cache (not computed again)",
             registry=registry,
         )
+        self.spec_draft_tokens = Counter(
+            "shardline_spec_decode_draft_tokens",
+            "draft tokens proposed by speculative decoding and checked by the model",
+            registry=registry,
+        )
+        self.spec_accepted_tokens = Counter(
+            "shardline_spec_decode_accepted_tokens",
+            "draft tokens the model accepted (each a token gained without a step of its own)",
+            registry=registry,
+        )
         self.engine_restarts = Counter(
             "shardline_engine_restarts",
             "times the engine and its ranks were restarted after a failure",
