@@ -121,6 +121,46 @@ def test_speculative_drafts_keep_transformers_tokens(tiny_llama_dir, reference, 
     assert 0 < scheduler.spec_accepted_tokens < scheduler.spec_draft_tokens
 
 
+def test_sampled_and_penalized_answers_are_the_same_with_drafts(tiny_llama_dir):
+    """A draft's row is sampled with the seed of its output token's index and the penalties
+    of the tokens before it, drafts included: the answer is what it is without drafts."""
+    sampling = [
+        SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.5, seed=3),
+        SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0, top_k=5),
+        # Two tokens lifted above the rest alternate as each one's count penalizes it: a
+        # draft row must count the drafts before it (the answer changes if it does not).
+        SamplingParams(
+            max_tokens=NEW_TOKENS,
+            ignore_eos=True,
+            frequency_penalty=2.0,
+            logit_bias=((40, 100.0), (41, 100.0)),
+        ),
+        SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.3, top_p=0.9),
+    ]
+    drafts = ["speculative.method=ngram", "speculative.prompt_lookup_min=1"]
+    with _llm(tiny_llama_dir, 1, 1, "cache.num_blocks=256") as llm:
+        plain = [o.token_ids for o in llm.generate(PROMPTS, sampling)]
+    accepted = {}
+    with _llm(tiny_llama_dir, 1, 1, "cache.num_blocks=256", *drafts) as llm:
+        scheduler = llm.engine.scheduler
+        update = scheduler.update
+
+        def counting(step, output):
+            for req_id, count in zip(
+                output.req_ids, output.num_accepted_drafts or (), strict=False
+            ):
+                accepted[req_id] = accepted.get(req_id, 0) + count
+            return update(step, output)
+
+        scheduler.update = counting
+        outputs = llm.generate(PROMPTS, sampling)
+    assert [o.token_ids for o in outputs] == plain
+    kept = [accepted.get(o.req_id, 0) for o in outputs]
+    assert kept[0] + kept[1] + kept[4] > 0, kept  # sampled
+    assert kept[2] + kept[3] > 0, kept  # penalized
+
+
 def test_a_stop_string_inside_a_step_of_accepted_drafts_ends_the_answer_there(tmp_path):
     """A step may add several tokens (a runner that recites its prompt, whose drafts are all
     accepted); the answer still ends at the token that completes a stop string, with the

@@ -411,22 +411,21 @@ def test_drafts_stay_within_max_tokens_the_model_length_and_the_budget():
     )
 
 
-@pytest.mark.parametrize(
-    "sampling",
-    [
-        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7),
-        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
-        SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=0.5),
-    ],
-    ids=["sampled", "logprobs", "penalty"],
-)
-def test_only_plain_greedy_requests_get_drafts(sampling):
-    """A draft is checked against the model's greedy choice alone: requests that sample,
-    ask for log-probabilities or adjust the logits decode one token a step."""
+def test_requests_that_ask_for_logprobs_get_no_drafts():
+    """A step returns one token's log-probabilities: such a request decodes one token a
+    step; sampled and penalized requests get drafts (their draws do not depend on them)."""
     scheduler = _scheduler(drafts=DRAFTS)
-    _, steps = _generate(scheduler, [[10, 11, 12, 13, 14, 10, 11]], sampling)
+    prompt = [10, 11, 12, 13, 14, 10, 11]
+    _, steps = _generate(scheduler, [prompt], SamplingParams(max_tokens=12, logprobs=2))
     assert scheduler.spec_draft_tokens == 0
     assert all(not c.spec_token_ids for step in steps for c in step.cached_requests)
+    for sampling in (
+        SamplingParams(max_tokens=12, temperature=0.7),
+        SamplingParams(max_tokens=12, frequency_penalty=0.5),
+    ):
+        scheduler = _scheduler(drafts=DRAFTS)
+        _generate(scheduler, [prompt], sampling)
+        assert scheduler.spec_draft_tokens > 0
 
 
 def test_drafts_never_preempt_and_blocks_they_fill_are_not_cached():

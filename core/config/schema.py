@@ -124,7 +124,8 @@ MAX_SPECULATIVE_TOKENS = 15
 
 class SpeculativeConfig(Section):
     """Speculative decoding: a step checks a request's guessed next tokens (drafts) along with
-    its last one, and keeps those the model itself would have produced (greedy requests)."""
+    its last one, and keeps those the model itself chooses (greedy, or drawn with the seed of
+    each output token's index: the tokens are those of a run without drafts)."""
 
     method: Literal["none", "ngram"] = Field(
         default="none",

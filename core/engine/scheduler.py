@@ -13,7 +13,7 @@ and every token before them (a hash chain). A request admitted later whose token
 same way shares those blocks and starts computing after them; a freed block keeps what it
 holds until it is taken for something else, the least recently freed first.
 
-With a proposer (speculative decoding), a greedy request's decode step also carries its drafts,
+With a proposer (speculative decoding), a request's decode step also carries its drafts,
 guessed next tokens (:mod:`shardline.engine.speculative`), as far as the budget and its blocks
 allow; the output says how many the model accepted, and the cache positions of the rest stop
 counting as computed (they are overwritten later).
@@ -217,7 +217,7 @@ class Scheduler:
         prefix_caching: bool,
         proposer: NgramProposer | None = None,
     ) -> None:
-        """``proposer``: drafts for greedy decoding requests (speculative decoding); None:
+        """``proposer``: drafts for decoding requests (speculative decoding); None:
         off."""
         self.config = config
         self.proposer = proposer
@@ -334,18 +334,12 @@ class Scheduler:
             self._mark_scheduled(step, request, count)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Drafts for ``request``'s next step, which decodes its last token: a greedy
-        request's (no log-probabilities, no penalties or bias: its choice at each draft is
-        then the model's alone), as many as the proposer finds within the step's token
-        budget, the tokens it may still generate and ``max_model_len``."""
+        """Drafts for ``request``'s next step, which decodes its last token (not for one
+        that asks for log-probabilities: a step returns one token's), as many as the
+        proposer finds within the step's token budget, the tokens it may still generate and
+        ``max_model_len``."""
         sampling = request.sampling
-        if (
-            self.proposer is None
-            or request.pooling is not None
-            or sampling.temperature != 0
-            or sampling.logprobs is not None
-            or sampling.adjusts_logits
-        ):
+        if self.proposer is None or request.pooling is not None or sampling.logprobs is not None:
             return []
         limit = min(
             budget - 1,

@@ -6,8 +6,9 @@ its last ``n`` tokens occurred (``n`` from ``prompt_lookup_max`` down to
 there. Text that repeats what it has seen (an answer quoting or editing its prompt, code,
 lists, summaries) is guessed well; elsewhere nothing is found and the request decodes one
 token a step as before. The model checks every draft in the same step as the last token
-(:attr:`shardline.interfaces.ModelRunner.speculative_decoding`), so a greedy request's
-tokens are those it would produce without drafts.
+(:attr:`shardline.interfaces.ModelRunner.speculative_decoding`), choosing at each as if the
+drafts before it were the request's tokens, so a request's tokens (greedy or seeded) are those
+it would produce without drafts.
 """
 
 from __future__ import annotations

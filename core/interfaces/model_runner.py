@@ -59,8 +59,9 @@ class ModelRunner(abc.ABC):
     prefix_caching: ClassVar[bool] = False
     #: Whether :meth:`execute_model` verifies drafts: a request with
     #: ``CachedRequest.spec_token_ids`` is scheduled for its last token and those drafts; the
-    #: runner samples at each of their positions, accepts the drafts up to the first that
-    #: differs from its own choice, and reports how many in
+    #: runner samples at each of their positions (as if the drafts before it were the
+    #: request's tokens: penalties, the seed of the output token's index), accepts the drafts
+    #: up to the first that differs from its own choice, and reports how many in
     #: ``ModelRunnerOutput.num_accepted_drafts``. Without it ``speculative.method`` must
     #: stay ``none``.
     speculative_decoding: ClassVar[bool] = False

@@ -149,16 +149,23 @@ class CausalLMRunner(ModelRunner):
         if all(row is None for row in final_rows):
             return ModelRunnerOutput(req_ids, [None] * len(req_ids), prompt_logprobs=prompt_scores)
         # The rows sampled: each finishing request's last row, after the rows of its drafts.
-        rows, finishing, output_indexes = [], [], []
+        # A draft row is sampled as if the drafts before it were the request's tokens (its
+        # history, its output token's index and so its seeded draw): where they are accepted,
+        # each row's token is the one a step without drafts would choose.
+        rows, finishing, output_indexes, histories = [], [], [], []
         for req_id, row in zip(req_ids, final_rows, strict=True):
             if row is None:
                 continue
             request = self.requests[req_id]
-            drafts = len(request.spec_token_ids)
-            rows += range(row - drafts, row + 1)
-            finishing += [request] * (drafts + 1)
+            drafts = request.spec_token_ids
+            rows += range(row - len(drafts), row + 1)
+            finishing += [request] * (len(drafts) + 1)
             first_output = len(request.token_ids) - request.num_prompt_tokens
-            output_indexes += range(first_output, first_output + drafts + 1)
+            output_indexes += range(first_output, first_output + len(drafts) + 1)
+            if request.sampling.adjusts_logits:
+                histories += [request.token_ids + list(drafts[:i]) for i in range(len(drafts) + 1)]
+            else:
+                histories += [request.token_ids] * (len(drafts) + 1)
         params = [request.sampling for request in finishing]
         asked = [p.logprobs for p in params]
         found = None
@@ -174,7 +181,7 @@ class CausalLMRunner(ModelRunner):
                     chosen_from = adjust_logits(
                         logits,
                         params,
-                        [request.token_ids for request in finishing],
+                        histories,
                         [request.num_prompt_tokens for request in finishing],
                     )
                 tokens = sample_rows(chosen_from, params, output_indexes, self.generator)
