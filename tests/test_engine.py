@@ -123,7 +123,8 @@ def test_speculative_drafts_keep_transformers_tokens(tiny_llama_dir, reference, 
 
 def test_sampled_and_penalized_answers_are_the_same_with_drafts(tiny_llama_dir):
     """A draft's row is sampled with the seed of its output token's index and the penalties
-    of the tokens before it, drafts included: the answer is what it is without drafts."""
+    of the tokens before it, drafts included: the answer is what it is without drafts, and
+    so are its log-probabilities where asked (a kept draft's from its own row)."""
     sampling = [
         SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.5, seed=3),
         SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0, top_k=5),
@@ -134,13 +135,15 @@ def test_sampled_and_penalized_answers_are_the_same_with_drafts(tiny_llama_dir):
             ignore_eos=True,
             frequency_penalty=2.0,
             logit_bias=((40, 100.0), (41, 100.0)),
+            logprobs=3,
         ),
         SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.2),
         SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.3, top_p=0.9),
     ]
     drafts = ["speculative.method=ngram", "speculative.prompt_lookup_min=1"]
     with _llm(tiny_llama_dir, 1, 1, "cache.num_blocks=256") as llm:
-        plain = [o.token_ids for o in llm.generate(PROMPTS, sampling)]
+        plain_outputs = llm.generate(PROMPTS, sampling)
+        plain = [o.token_ids for o in plain_outputs]
     accepted = {}
     with _llm(tiny_llama_dir, 1, 1, "cache.num_blocks=256", *drafts) as llm:
         scheduler = llm.engine.scheduler
@@ -156,9 +159,14 @@ def test_sampled_and_penalized_answers_are_the_same_with_drafts(tiny_llama_dir):
         scheduler.update = counting
         outputs = llm.generate(PROMPTS, sampling)
     assert [o.token_ids for o in outputs] == plain
+    scored, plain_scored = outputs[2].logprobs, plain_outputs[2].logprobs
+    assert len(scored) == len(plain_scored) == NEW_TOKENS
+    for found, expected in zip(scored, plain_scored, strict=True):
+        assert found.logprob == pytest.approx(expected.logprob, abs=1e-5)
+        assert [i for i, _ in found.top] == [i for i, _ in expected.top]
     kept = [accepted.get(o.req_id, 0) for o in outputs]
     assert kept[0] + kept[1] + kept[4] > 0, kept  # sampled
-    assert kept[2] + kept[3] > 0, kept  # penalized
+    assert kept[2] > 0, kept  # penalized and scored
 
 
 def test_a_stop_string_inside_a_step_of_accepted_drafts_ends_the_answer_there(tmp_path):

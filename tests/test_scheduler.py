@@ -411,21 +411,21 @@ def test_drafts_stay_within_max_tokens_the_model_length_and_the_budget():
     )
 
 
-def test_requests_that_ask_for_logprobs_get_no_drafts():
-    """A step returns one token's log-probabilities: such a request decodes one token a
-    step; sampled and penalized requests get drafts (their draws do not depend on them)."""
-    scheduler = _scheduler(drafts=DRAFTS)
-    prompt = [10, 11, 12, 13, 14, 10, 11]
-    _, steps = _generate(scheduler, [prompt], SamplingParams(max_tokens=12, logprobs=2))
-    assert scheduler.spec_draft_tokens == 0
-    assert all(not c.spec_token_ids for step in steps for c in step.cached_requests)
-    for sampling in (
+@pytest.mark.parametrize(
+    "sampling",
+    [
         SamplingParams(max_tokens=12, temperature=0.7),
         SamplingParams(max_tokens=12, frequency_penalty=0.5),
-    ):
-        scheduler = _scheduler(drafts=DRAFTS)
-        _generate(scheduler, [prompt], sampling)
-        assert scheduler.spec_draft_tokens > 0
+        SamplingParams(max_tokens=12, logprobs=2),
+    ],
+    ids=["sampled", "penalty", "logprobs"],
+)
+def test_every_generating_request_gets_drafts(sampling):
+    """A draft row is chosen as its token would be without drafts (its draw's seed, its
+    penalties) and scored alike: no kind of generating request is left out."""
+    scheduler = _scheduler(drafts=DRAFTS)
+    _generate(scheduler, [[10, 11, 12, 13, 14, 10, 11]], sampling)
+    assert scheduler.spec_draft_tokens > 0
 
 
 def test_drafts_never_preempt_and_blocks_they_fill_are_not_cached():

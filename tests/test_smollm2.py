@@ -201,8 +201,7 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
     gguf_path, tokenizer, prompts, reference, overrides
 ):
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    # Greedy answers are checked with n-gram drafts (the calls that ask for log-probabilities
-    # decode one token a step).
+    # Every call runs with n-gram drafts: the tokens and log-probabilities are transformers'.
     drafts = ["speculative.method=ngram", "speculative.prompt_lookup_min=1"]
     with LLM(overrides=[f"model.path={gguf_path}", *overrides, *drafts], environ={}) as llm:
         scheduler = llm.engine.scheduler
@@ -214,11 +213,13 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
         # Asking for log-probabilities takes the gathered logits' path, not the greedy one;
         # prompt log-probabilities compute every prompt position (no cached blocks).
         hits = scheduler.prefix_cache_hits
+        accepted = scheduler.spec_accepted_tokens
         scored = llm.chat(
             conversations,
             SamplingParams(max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS, prompt_logprobs=1),
         )
         assert scheduler.prefix_cache_hits == hits
+        assert scheduler.spec_accepted_tokens > accepted  # scored drafts among them
         # Again without: each prompt starts from its blocks cached by the first call.
         cached = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS, logprobs=0))
         size = scheduler.block_size

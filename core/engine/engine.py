@@ -288,6 +288,8 @@ class LLMEngine:
             if stopped:
                 early = detokenizer.num_tokens_read < len(output.token_ids)  # see _detokenize
                 del output.token_ids[detokenizer.num_tokens_read :]
+                if output.logprobs is not None:
+                    del output.logprobs[detokenizer.num_tokens_read :]
                 if not request.finished:
                     replica.scheduler.finish(request, "stop")
                 elif early:  # the scheduler ended it at a later token of the same step

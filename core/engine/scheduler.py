@@ -334,12 +334,11 @@ class Scheduler:
             self._mark_scheduled(step, request, count)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Drafts for ``request``'s next step, which decodes its last token (not for one
-        that asks for log-probabilities: a step returns one token's), as many as the
+        """Drafts for ``request``'s next step, which decodes its last token, as many as the
         proposer finds within the step's token budget, the tokens it may still generate and
         ``max_model_len``."""
         sampling = request.sampling
-        if self.proposer is None or request.pooling is not None or sampling.logprobs is not None:
+        if self.proposer is None or request.pooling is not None:
             return []
         limit = min(
             budget - 1,
@@ -423,12 +422,21 @@ class Scheduler:
             token = runner_output.sampled_token_ids[index]
             if token is None:
                 continue
+            accepted = self._accepted(request, runner_output, index)
             if runner_output.logprobs is not None and request.sampling.logprobs is not None:
-                request.output_logprobs.append(runner_output.logprobs[index])
-            for new_token in [*self._accepted(request, runner_output, index), token]:
+                scores = runner_output.draft_logprobs
+                found = (scores[index] or []) if scores is not None and accepted else []
+                if len(found) != len(accepted):
+                    raise RuntimeError(
+                        f"request {request.req_id!r}: {len(accepted)} drafts accepted, "
+                        f"{len(found)} with log-probabilities"
+                    )
+                request.output_logprobs += [*found, runner_output.logprobs[index]]
+            for new_token in [*accepted, token]:
                 request.output_token_ids.append(new_token)
                 reason = self._stop_reason(request, new_token)
                 if reason is not None:
+                    del request.output_logprobs[len(request.output_token_ids) :]
                     self.finish(request, reason)
                     break
             changed.append(request)

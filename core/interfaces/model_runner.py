@@ -62,7 +62,8 @@ class ModelRunner(abc.ABC):
     #: runner samples at each of their positions (as if the drafts before it were the
     #: request's tokens: penalties, the seed of the output token's index), accepts the drafts
     #: up to the first that differs from its own choice, and reports how many in
-    #: ``ModelRunnerOutput.num_accepted_drafts``. Without it ``speculative.method`` must
+    #: ``ModelRunnerOutput.num_accepted_drafts`` (and their log-probabilities in
+    #: ``draft_logprobs`` where the request asks for them). Without it ``speculative.method`` must
     #: stay ``none``.
     speculative_decoding: ClassVar[bool] = False
 

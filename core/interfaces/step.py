@@ -187,3 +187,7 @@ class ModelRunnerOutput:
     #: its new tokens are those drafts and then the sampled token; None when the step had no
     #: drafts.
     num_accepted_drafts: list[int] | None = None
+    #: Per request with drafts, where ``logprobs`` are given: its accepted drafts'
+    #: :class:`TokenLogprobs`, in order (before ``logprobs``' entry, the sampled token's);
+    #: None for the other requests, and when the step had no drafts.
+    draft_logprobs: list[list[TokenLogprobs] | None] | None = None

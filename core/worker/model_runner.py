@@ -190,21 +190,25 @@ class CausalLMRunner(ModelRunner):
         sampled: list[int | None] = []
         accepted: list[int] = []
         logprobs = None if found is None else []
+        draft_logprobs = None if found is None else []
         at = 0  # the first row of the request's sampled rows
         for req_id, row in zip(req_ids, final_rows, strict=True):
             drafts = () if row is None else self.requests[req_id].spec_token_ids
             kept = _accepted_drafts(drafts, tokens[at : at + len(drafts)])
             sampled.append(None if row is None else tokens[at + kept])
             accepted.append(kept)
-            if logprobs is not None:
+            if found is not None:
                 logprobs.append(None if row is None else found[at + kept])
+                draft_logprobs.append(found[at : at + kept] if drafts else None)
             at += 0 if row is None else len(drafts) + 1
+        with_drafts = any(r.spec_token_ids for r in finishing)
         return ModelRunnerOutput(
             req_ids,
             sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_scores,
-            num_accepted_drafts=accepted if any(r.spec_token_ids for r in finishing) else None,
+            num_accepted_drafts=accepted if with_drafts else None,
+            draft_logprobs=draft_logprobs if with_drafts else None,
         )
 
     def _score_prompts(
