@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from shardline.layers import attention as attention_module
 from shardline.layers.attention import AttentionMetadata, KVCache, paged_attention
 from shardline.layers.kernels import (
+    ROW_WISE_QUERIES,
     TORCH_KERNELS,
     KVHeadIndex,
     NativeKernels,
@@ -144,26 +144,34 @@ def test_decode_attention_over_the_paged_cache(kv_index, grouped, d, block_size)
 
 
 @pytest.mark.parametrize("kernels", [NATIVE, TORCH_KERNELS], ids=["C", "torch"])
-def test_short_runs_of_queries_attend_row_by_row_as_causal_attention(kernels, monkeypatch):
-    """A sequence adding up to ROW_WISE_QUERIES queries in a step (a decode, a speculative
-    step's drafts, a short chunk) goes to the decode path, one row per query ending at its
-    position; a longer run to the prompt path. Both give what causal attention over the
-    cache gives, which the prompt path alone computes (ROW_WISE_QUERIES 0)."""
+def test_short_runs_of_queries_attend_row_by_row_as_causal_attention(kernels):
+    """A sequence adding up to ``row_wise_queries`` queries in a step (a decode, a
+    speculative step's drafts, a short chunk) goes to the decode path, one row per query
+    ending at its position; a longer run to the prompt path. Both give what causal attention
+    over the cache gives, which the prompt path alone computes (``row_wise_queries`` 0)."""
     kv_index = KVHeadIndex.of(torch.arange(6) // 3)
     cache = _filled_cache(2, 64, block_size=16)
-    query_lens = [1, 5, attention_module.ROW_WISE_QUERIES, attention_module.ROW_WISE_QUERIES + 1]
-    metadata = _metadata(query_lens, [9, 23, 40, 70], cache.block_size)
+    query_lens, seq_lens = [1, 5, 16, 17], [9, 23, 40, 70]
+    metadata = _metadata(query_lens, seq_lens, cache.block_size)
+    metadata.row_wise_queries = 16
     decode = metadata.decode_batch(cache.block_size)
-    row_wise = sum(query_lens[:3])
-    assert decode.rows.tolist() == list(range(row_wise))
+    assert decode.rows.tolist() == list(range(1 + 5 + 16))
     assert decode.lengths.tolist() == [9, *range(19, 24), *range(25, 41)]
     q = torch.randn(sum(query_lens), 6, 64)
     got = paged_attention(q, cache, metadata, 0.3, kv_index, kernels)
-    monkeypatch.setattr(attention_module, "ROW_WISE_QUERIES", 0)
-    reference = _metadata(query_lens, [9, 23, 40, 70], cache.block_size)
-    reference.block_tables = metadata.block_tables
+    reference = _metadata(query_lens, seq_lens, cache.block_size)
+    reference.block_tables, reference.row_wise_queries = metadata.block_tables, 0
     assert reference.decode_batch(cache.block_size) is None
     _close(got, paged_attention(q, cache, reference, 0.3, kv_index, kernels), rel=2e-5)
+
+
+def test_only_kernels_that_attend_in_c_take_several_queries_of_a_sequence_row_by_row():
+    """The torch path gathers each row's keys: several rows of one sequence would copy them
+    once each, so it takes one-token sequences only."""
+    assert TORCH_KERNELS.row_wise_queries(torch.float32) == 1
+    assert NATIVE.row_wise_queries(torch.float32) == ROW_WISE_QUERIES
+    assert NATIVE.row_wise_queries(torch.bfloat16) == ROW_WISE_QUERIES
+    assert NATIVE.row_wise_queries(torch.float16) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -118,7 +118,7 @@ class SchedulerConfig(Section):
 
 
 #: The most draft tokens a speculative step may propose for a request: with its last token
-#: they stay a short run of queries (shardline.layers.attention.ROW_WISE_QUERIES).
+#: they stay a short run of queries (shardline.layers.kernels.ROW_WISE_QUERIES).
 MAX_SPECULATIVE_TOKENS = 15
 
 

@@ -29,17 +29,9 @@ def attention_kernels():
     )
 
 
-#: A sequence that adds at most this many query tokens in a step (a decode, a speculative
-#: step's drafts, a prompt's short last chunk) attends row by row: each of its queries as a
-#: one-token sequence ending at that query's position, in the decode path (its keys and
-#: values are all stored before any row attends, so each row sees exactly what causal
-#: attention shows it). Longer runs of queries go to the prompt path.
-ROW_WISE_QUERIES = 16
-
-
 @dataclass
 class DecodeBatch:
-    """The query rows of a step that attend row by row (see :data:`ROW_WISE_QUERIES`),
+    """The query rows of a step that attend row by row (``AttentionMetadata.row_wise_queries``),
     gathered for one batched attention call, each as a one-token sequence: their rows in the
     batch (None when they are all the batch's rows, in order: e.g. a step of decodes only),
     their cache blocks (``[B * blocks_per_seq]``, each table padded with block 0), the longest
@@ -64,6 +56,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     block_tables: list[list[int]]
     device: torch.device | str = "cpu"
+    #: The most queries of one sequence the decode path takes, row by row (the model's
+    #: kernels say: :meth:`~shardline.layers.kernels.TorchKernels.row_wise_queries`); 1: only
+    #: one-token sequences.
+    row_wise_queries: int = 1
     _decode: dict[int, DecodeBatch | None] = field(default_factory=dict, repr=False)
 
     def decode_batch(self, block_size: int) -> DecodeBatch | None:
@@ -76,7 +72,7 @@ class AttentionMetadata:
     def row_wise(self, sequence: int) -> bool:
         """Whether sequence ``sequence``'s queries attend row by row (in the decode batch)."""
         starts = self.query_start_loc
-        return 0 < starts[sequence + 1] - starts[sequence] <= ROW_WISE_QUERIES
+        return 0 < starts[sequence + 1] - starts[sequence] <= self.row_wise_queries
 
     def _build_decode_batch(self, block_size: int) -> DecodeBatch | None:
         starts = self.query_start_loc

@@ -29,6 +29,15 @@ if TYPE_CHECKING:
     from shardline.layers.attention import DecodeBatch, KVCache
 
 
+#: With kernels that attend in C (which read each row's keys in the cache where they are), a
+#: sequence that adds at most this many query tokens in a step (a decode, a speculative step's
+#: drafts, a prompt's short chunk) attends row by row: each of its queries as a one-token
+#: sequence ending at that query's position, in the decode path (its keys and values are all
+#: stored before any row attends, so each row sees exactly what causal attention shows it).
+#: Longer runs of queries go to the prompt path (torch's fused attention), which is faster
+#: from a few hundred queries (measured: see the README, Model execution).
+ROW_WISE_QUERIES = 64
+
 #: The batch size oneDNN packs weights for: measured the fastest packing for 1 and 16 rows.
 PACKED_FOR_ROWS = 16
 
@@ -177,6 +186,13 @@ class TorchKernels:
             enable_gqa=kv_index.grouped,
         )  # fmt: skip
         return attended.squeeze(2)
+
+    def row_wise_queries(self, dtype: torch.dtype) -> int:
+        """How many queries of one sequence :meth:`decode_attention` should take in a step,
+        row by row, for a model of ``dtype`` (``AttentionMetadata.row_wise_queries``): one,
+        since the torch path gathers every row's keys (more rows of one sequence would copy
+        its keys once each)."""
+        return 1
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[N, 2 size]`` = ``[gate | up]`` -> ``silu(gate) * up``, ``[N, size]``."""
@@ -456,6 +472,13 @@ class NativeKernels(TorchKernels):
             cache.block_size, cache.key.shape[0], float(scale), out.data_ptr(), False,
         )  # fmt: skip
         return out
+
+    def row_wise_queries(self, dtype):
+        """Up to ``ROW_WISE_QUERIES`` for float32 and bfloat16, which attend in C (each row
+        reads its keys in the cache); one for the dtypes left to the torch path."""
+        if dtype in (torch.float32, torch.bfloat16):
+            return ROW_WISE_QUERIES
+        return super().row_wise_queries(dtype)
 
     def silu_and_mul(self, gate_up):
         if not (_fits(gate_up) and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0):

@@ -220,6 +220,8 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.tp = tp
         self.kernels = kernels
+        #: The most queries of one sequence a step's attention takes row by row.
+        self.row_wise_queries = kernels.row_wise_queries(dtype)
         #: Every layer for one decode_layers call, made for the caches in _stack_caches.
         self._stack: LayerStack | None = None
         self._stack_caches: dict[int, KVCache] | None = None

@@ -69,6 +69,10 @@ class CausalLM(Protocol):
     def make_kv_caches(self, num_blocks: int, block_size: int) -> dict[int, KVCache]:
         """An empty paged cache for every layer of this stage."""
 
+    #: Optional (1 when absent): the most queries of one sequence its attention takes row by
+    #: row in the decode path (``AttentionMetadata.row_wise_queries``).
+    row_wise_queries: int
+
 
 #: Prompt rows whose full-vocabulary logits are made at once (a bound on the memory they take).
 _PROMPT_ROWS_AT_ONCE = 256
@@ -338,7 +342,12 @@ class CausalLMRunner(ModelRunner):
             request.num_computed_tokens = seq_len
         device = self.device
         metadata = AttentionMetadata(
-            starts, seq_lens, torch.tensor(slots, dtype=torch.long, device=device), tables, device
+            starts,
+            seq_lens,
+            torch.tensor(slots, dtype=torch.long, device=device),
+            tables,
+            device,
+            row_wise_queries=getattr(self.model, "row_wise_queries", 1),
         )
         return (
             req_ids,
