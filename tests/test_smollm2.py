@@ -329,6 +329,9 @@ def test_llm_under_mpiexec_with_mpi_gives_transformers_answers_and_embeddings(
             "--",
             "parallel.tensor_parallel_size=2",
             "parallel.communicator=mpi",
+            # Every process schedules the drafts itself and must agree with the others.
+            "speculative.method=ngram",
+            "speculative.prompt_lookup_min=1",
         ],
         timeout_s=300,
     )
@@ -337,6 +340,7 @@ def test_llm_under_mpiexec_with_mpi_gives_transformers_answers_and_embeddings(
     report = json.loads(line)
     assert report["executor"] == "external_launcher"
     assert report["tokens"] == reference_tokens
+    assert report["drafts_accepted"] > 0
     torch.testing.assert_close(
         torch.tensor(report["embedding"]), reference_embedding, rtol=1e-4, atol=1e-4
     )

@@ -1,7 +1,7 @@
 """A rank of a launched world (mpiexec / torchrun) running the engine: every process builds
 its ``LLM`` (the executor ``auto`` picks: external_launcher), answers the questions given,
 embeds one text, and the reporting process prints one JSON line with the executor, the
-tokens and the embedding.
+tokens, the embedding and the speculative drafts accepted.
 
     python -m support.llm_driver MODEL MAX_TOKENS QUESTION... --embed TEXT -- [KEY=VALUE ...]
 """
@@ -26,6 +26,7 @@ def main(
                 "executor": llm.engine.config.parallel.distributed_executor_backend,
                 "tokens": [o.token_ids for o in outputs],
                 "embedding": embedding.tolist(),
+                "drafts_accepted": llm.engine.scheduler.spec_accepted_tokens,
             }
             print(json.dumps(report), flush=True)
 
