@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -51,6 +52,26 @@ def test_explain_shows_layout_choice_and_sources():
     assert "pp groups: [[0, 2], [1, 3]]" in result.stdout
     assert "output rank 2" in result.stdout
     assert f"parallel.communicator: gloo (configured; set by {EXAMPLE})" in result.stdout
+
+
+def test_explain_and_config_for_run_and_serve_apply_their_built_in_config():
+    """``--for run`` (``serve``) shows what that command would run: its built-in layer
+    (SmolLM2, TP=2, auto backends) under the file and ``--set``."""
+    explained = shardline("explain", "--for", "run", "--set", "parallel.communicator=gloo")
+    assert explained.returncode == 0, explained.stderr
+    assert "world size 2" in explained.stdout
+    assert "set by built-in run config" in explained.stdout
+    assert "parallel.communicator: gloo (configured; set by --set" in explained.stdout
+    shown = shardline("config", "show", "--for", "serve")
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r'model\.path\s+"smollm2-135m"\s+built-in serve config', shown.stdout)
+    plain = shardline("config", "show")
+    assert re.search(r"parallel\.tensor_parallel_size\s+1\s+default", plain.stdout)
+    valid = shardline("config", "validate", "--for", "run", "--set", "model.path=null")
+    assert valid.returncode == 0, valid.stderr
+    assert "(defaults, built-in run config, environment, --set): valid" in valid.stdout
+    refused = shardline("explain", "--for", "demo")
+    assert refused.returncode == 2 and "invalid choice: 'demo'" in refused.stderr
 
 
 def test_explain_shows_which_groups_cross_hosts_and_what_carries_them():

@@ -32,7 +32,9 @@ def validate(loaded: LoadedConfig) -> int:
     config = loaded.config
     registry = Registry.for_plugins(config.plugins)
     checked = check_config(loaded, registry, os.environ)
-    where = str(loaded.path) if loaded.path else "the configuration (defaults, environment, --set)"
+    built_in = sorted({s for s in loaded.sources.values() if s.startswith("built-in")})
+    layers = ", ".join(["defaults", *built_in, "environment", "--set"])
+    where = str(loaded.path) if loaded.path else f"the configuration ({layers})"
     capacity = checked.capacity
     fit = (
         f"; the ranks on this host need {size_text(capacity.total)} of the "

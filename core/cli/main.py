@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
             "plugins", help="list plugins, what they provide, and whether it runs here"
         )
     )
-    _with_config(commands.add_parser("explain", help="which backend a config selects and why"))
+    _with_built_in_choice(
+        _with_config(commands.add_parser("explain", help="which backend a config selects and why"))
+    )
     _add_config_commands(commands)
     _add_conformance_command(commands)
     _add_faults_command(commands)
@@ -73,6 +75,18 @@ def _with_config(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return sub
 
 
+def _with_built_in_choice(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``sub`` with ``--for run|serve``: the config that command would run, its built-in
+    layer (model, TP=2, auto backends) under the file, the environment and ``--set``."""
+    sub.add_argument(
+        "--for",
+        dest="for_command",
+        choices=("run", "serve"),
+        help="apply the built-in config of `shardline run` or `serve` first, as they do",
+    )
+    return sub
+
+
 def _add_config_commands(commands: argparse._SubParsersAction) -> None:
     config = commands.add_parser("config", help="show, validate or describe configuration")
     actions = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -80,7 +94,7 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:
         ("show", "the effective config and each value's source"),
         ("validate", "check a config against the installed plugins"),
     ):
-        action = _with_config(actions.add_parser(name, help=help_text))
+        action = _with_built_in_choice(_with_config(actions.add_parser(name, help=help_text)))
         action.add_argument(
             "file", nargs="?", metavar="FILE", help="config file (the same as --config FILE)"
         )
@@ -453,8 +467,20 @@ def _add_hosts_commands(commands: argparse._SubParsersAction) -> None:
     rsh.add_argument("words", nargs=argparse.REMAINDER, metavar="HOST COMMAND")
 
 
-def _load(args: argparse.Namespace) -> LoadedConfig:
-    return _warned(load_config(args.config, args.overrides))
+def _load(args: argparse.Namespace, path: str | None = None) -> LoadedConfig:
+    """The config ``args`` name (``path``, else ``--config``, and ``--set``), over the
+    built-in layer of the command ``--for`` names where given."""
+    path = path if path is not None else args.config
+    command = getattr(args, "for_command", None)
+    if command == "run":
+        from shardline.cli.run_cmd import load_run_config
+
+        return _warned(load_run_config(path, args.overrides))
+    if command == "serve":
+        from shardline.cli.serve_cmd import load_serve_config
+
+        return _warned(load_serve_config(path, args.overrides))
+    return _warned(load_config(path, args.overrides))
 
 
 def _config_file_argument(args: argparse.Namespace) -> str | None:
@@ -500,7 +526,7 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
     if args.command == "config":
         if args.config_command == "schema":
             return config_cmd.schema()
-        loaded = _warned(load_config(_config_file_argument(args), args.overrides))
+        loaded = _load(args, _config_file_argument(args))
         return (
             config_cmd.show(loaded)
             if args.config_command == "show"
