@@ -28,6 +28,7 @@ def test_run_without_arguments_answers_the_sample_question(model_cache, own_shm)
     assert "Paris" in result.stdout
     figures = result.stderr.strip().splitlines()[-1]
     assert "tokens/s" in figures and "tp=2 pp=1, mp, custom_ar" in figures
+    assert "draft" not in figures  # speculative decoding is off by default
     assert own_shm.entries() == []
 
 
@@ -39,12 +40,15 @@ def test_run_with_a_question_and_overrides(model_cache):
         "sampling.max_tokens=5",
         "--set",
         "parallel.communicator=gloo",
+        "--set",
+        "speculative.method=ngram",
         env=model_cache,
         timeout=240,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "[5 tokens in" in result.stderr and "stopped: length" in result.stderr
+    assert re.search(r"stopped: length; \d+ of \d+ draft tokens accepted\]", result.stderr)
     assert "gloo" in result.stderr
 
 

@@ -135,6 +135,7 @@ def _answer(llm: Any, messages: list[dict[str, str]]) -> str:
     stderr. Returns the answer. Should the answer stop part-way (a failure, Ctrl-C), its line
     is ended first, so what is said about it starts on a line of its own."""
     stream = _Stream(llm.reports_results)
+    before = llm.engine.load()
     started = time.perf_counter()
     try:
         if llm.tokenizer is not None and llm.tokenizer.chat_template:
@@ -149,7 +150,12 @@ def _answer(llm: Any, messages: list[dict[str, str]]) -> str:
     if stream.shown:
         print()
         first_token_s = stream.first_token_at - started
-        print(_figures(llm, output, elapsed, first_token_s), file=sys.stderr)
+        after = llm.engine.load()
+        drafts = (
+            after.spec_draft_tokens - before.spec_draft_tokens,
+            after.spec_accepted_tokens - before.spec_accepted_tokens,
+        )
+        print(_figures(llm, output, elapsed, first_token_s, drafts), file=sys.stderr)
     return output.text
 
 
@@ -172,8 +178,15 @@ class _Stream:
             self.wrote = True
 
 
-def _figures(llm: Any, output: Any, elapsed: float, first_token_s: float) -> str:
+def _figures(
+    llm: Any, output: Any, elapsed: float, first_token_s: float, drafts: tuple[int, int]
+) -> str:
+    """The answer's line of figures; ``drafts``: the draft tokens proposed and accepted for
+    it (speculative decoding)."""
     parallel = llm.engine.config.parallel
+    speculative = ""
+    if llm.engine.config.speculative.method != "none":
+        speculative = f"; {drafts[1]} of {drafts[0]} draft tokens accepted"
     tokens = len(output.token_ids)
     decode_s = elapsed - first_token_s
     rate = f"{(tokens - 1) / decode_s:.1f} tokens/s" if tokens > 1 and decode_s > 0 else "n/a"
@@ -182,5 +195,5 @@ def _figures(llm: Any, output: Any, elapsed: float, first_token_s: float) -> str
         f"({first_token_s * 1000:.0f} ms for {len(output.prompt_token_ids)} prompt tokens); "
         f"tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size}, "
         f"{parallel.distributed_executor_backend}, {parallel.communicator}; "
-        f"stopped: {output.finish_reason}]"
+        f"stopped: {output.finish_reason}{speculative}]"
     )
