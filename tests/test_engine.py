@@ -313,12 +313,17 @@ def _threads(worker):
     return torch.get_num_threads()
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
+@pytest.mark.parametrize(
+    ("tp", "extra"),
+    [(1, []), (2, ["speculative.method=ngram", "speculative.prompt_lookup_min=1"])],
+    ids=["dp2", "dp2xtp2-drafts"],
+)
 def test_data_parallel_replicas_share_the_requests_and_give_the_same_tokens(
-    tiny_llama_dir, reference, tp
+    tiny_llama_dir, reference, tp, extra
 ):
+    """Each replica schedules its own requests (with their drafts, where configured)."""
     tokens, hidden = reference
-    with _llm(tiny_llama_dir, tp, 1, "parallel.data_parallel_size=2") as llm:
+    with _llm(tiny_llama_dir, tp, 1, "parallel.data_parallel_size=2", *extra) as llm:
         engine = llm.engine
         steps = [0, 0]
         for replica in engine.replicas:
@@ -332,6 +337,8 @@ def test_data_parallel_replicas_share_the_requests_and_give_the_same_tokens(
         outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         assert [o.token_ids for o in outputs] == tokens
         assert all(count > 0 for count in steps), f"steps per replica: {steps}"
+        if extra:
+            assert all(r.scheduler.spec_accepted_tokens > 0 for r in engine.replicas)
         # Each replica is a world of its own: tp ranks, each with its own KV cache.
         assert [sorted(r.executor.collective_rpc(_rank)) for r in engine.replicas] == [
             list(range(tp))
