@@ -3,7 +3,7 @@ last tokens first, no match with itself, the limit, and an index kept up to date
 are added; and a step's drafts through the mp executor's step encoding."""
 
 from shardline.config.schema import SpeculativeConfig
-from shardline.engine.speculative import NgramIndex, NgramProposer
+from shardline.engine.speculative import MAX_CANDIDATES, NgramIndex, NgramProposer
 from shardline.interfaces.step import CachedRequest, SchedulerOutput
 from shardline_executors.mp_protocol import decode_step, encode_step
 
@@ -49,3 +49,14 @@ def test_a_steps_drafts_travel_through_the_mp_step_encoding():
     decoded = decode_step(encode_step(step))
     assert decoded == step
     assert [c.spec_token_ids for c in decoded.cached_requests] == [(6, 7), ()]
+
+
+def test_a_lookup_compares_the_latest_occurrences_only():
+    """The shortest run's latest MAX_CANDIDATES occurrences are compared: a longer match
+    further back is not looked for (a lookup's time is bounded however common the run)."""
+    head = [1, 2, 3, 50]  # "1 2 3" then 50: the longest match of the tail "1 2 3"
+    noise = [[9, 3, 60 + i] for i in range(MAX_CANDIDATES)]  # "3" then 60, 61, ...
+    tokens = head + [t for triple in noise for t in triple] + [1, 2, 3]
+    assert NgramIndex(min_n=1, max_n=3).lookup(tokens, 1) == [60 + MAX_CANDIDATES - 1]
+    fewer = head + [t for triple in noise[1:] for t in triple] + [1, 2, 3]
+    assert NgramIndex(min_n=1, max_n=3).lookup(fewer, 1) == [50]

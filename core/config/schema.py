@@ -129,17 +129,19 @@ class SpeculativeConfig(Section):
 
     method: Literal["none", "ngram"] = Field(
         default="none",
-        description="none: off; ngram: draft the tokens that followed the latest earlier "
-        "occurrence of the request's last tokens in its prompt and output (prompt lookup)",
+        description="none: off; ngram: draft the tokens that followed an earlier occurrence "
+        "of the request's last tokens in its prompt and output (prompt lookup)",
     )
     num_speculative_tokens: Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)] = Field(
         default=4, description="draft tokens a request proposes per step at most"
     )
     prompt_lookup_max: Annotated[int, Field(ge=1, le=64)] = Field(
-        default=4, description="longest run of last tokens looked up (tried first)"
+        default=4, description="the longest match with the request's last tokens that counts"
     )
     prompt_lookup_min: Annotated[int, Field(ge=1, le=64)] = Field(
-        default=2, description="shortest run of last tokens looked up"
+        default=2,
+        description="how many last tokens are looked up: their latest earlier places are "
+        "the candidates, the one matching furthest back (to prompt_lookup_max) wins",
     )
 
     @model_validator(mode="after")
