@@ -26,12 +26,13 @@ def test_nothing_is_proposed_without_an_earlier_occurrence():
 
 
 def test_an_index_follows_the_tokens_as_they_grow():
-    """Called after every step with the longer token list, the index gives what a new index
-    gives for the same tokens."""
+    """Given after every step the tokens added since, the index gives what a new index gives
+    for all the tokens."""
     tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3]
     growing = NgramIndex(min_n=1, max_n=3)
     for end in range(1, len(tokens) + 1):
-        assert growing.lookup(tokens[:end], 3) == NgramIndex(1, 3).lookup(tokens[:end], 3), end
+        added = tokens[growing.num_tokens : end]
+        assert growing.lookup(added, 3) == NgramIndex(1, 3).lookup(tokens[:end], 3), end
 
 
 def test_the_proposer_keeps_to_the_configured_number():

@@ -115,10 +115,7 @@ def choose_prefix_caching(config: EngineConfig, registry: Registry, runner: Deci
     field_name = "cache.prefix_caching"
     if not config.cache.prefix_caching:
         return Decision(field_name, "false", "configured", [("false", "chosen")])
-    if runner.problem is not None:
-        return Decision(field_name, "true", "configured", [("true", "chosen")])
-    runner_class = registry.get("model_runner", runner.chosen, "model.runner").load()
-    if runner_class.prefix_caching:
+    if runner.problem is not None or _runner_declares(registry, runner, "prefix_caching"):
         return Decision(field_name, "true", "configured", [("true", "chosen")])
     return Decision(
         field_name,
@@ -134,10 +131,11 @@ def choose_speculative(config: EngineConfig, registry: Registry, runner: Decisio
     runner that verifies drafts (:attr:`~shardline.interfaces.ModelRunner.speculative_decoding`)."""
     field_name = "speculative.method"
     method = config.speculative.method
-    if method == "none" or runner.problem is not None:
-        return Decision(field_name, method, "configured", [(method, "chosen")])
-    runner_class = registry.get("model_runner", runner.chosen, "model.runner").load()
-    if runner_class.speculative_decoding:
+    if (
+        method == "none"
+        or runner.problem is not None
+        or _runner_declares(registry, runner, "speculative_decoding")
+    ):
         return Decision(field_name, method, "configured", [(method, "chosen")])
     return Decision(
         field_name,
@@ -147,6 +145,13 @@ def choose_speculative(config: EngineConfig, registry: Registry, runner: Decisio
         problem=f"speculative.method = {method!r}: model runner {runner.chosen!r} does not "
         "verify drafts (ModelRunner.speculative_decoding is False); allowed: 'none'",
     )
+
+
+def _runner_declares(registry: Registry, runner: Decision, capability: str) -> bool:
+    """Whether the model runner ``runner`` chose (one that loads) sets the class attribute
+    ``capability`` (e.g. ``prefix_caching``)."""
+    runner_class = registry.get("model_runner", runner.chosen, "model.runner").load()
+    return bool(getattr(runner_class, capability))
 
 
 def _load_problem(registry: Registry, kind: str, name: str, field_name: str) -> str | None:

@@ -284,7 +284,7 @@ class LLMEngine:
                 output.prompt_logprobs += request.prompt_logprobs[len(output.prompt_logprobs) :]
             detokenizer = self._detokenizers[request.req_id]
             with self.timer("detokenize"):
-                delta, stopped = _detokenize(detokenizer, output.token_ids, known, request)
+                delta, stopped = _detokenize(detokenizer, output.token_ids, known)
             if stopped:
                 early = detokenizer.num_tokens_read < len(output.token_ids)  # see _detokenize
                 del output.token_ids[detokenizer.num_tokens_read :]
@@ -382,15 +382,13 @@ class LLMEngine:
             raise self._step_timeout() from None
 
 
-def _detokenize(
-    detokenizer: Detokenizer, token_ids: list[int], known: int, request: Request
-) -> tuple[str, bool]:
-    """The text ``token_ids`` add beyond the first ``known`` (``request``'s output so far),
-    and whether a stop string was reached. Where the request has stop strings, tokens that
+def _detokenize(detokenizer: Detokenizer, token_ids: list[int], known: int) -> tuple[str, bool]:
+    """The text ``token_ids`` add beyond the first ``known`` (the output so far), and whether
+    a stop string was reached. Where the request has stop strings, tokens that
     came in one step (a speculative step's accepted drafts) are read one at a time, so that
     it stops at the token that completes one, as one token a step would; the caller drops
     the tokens after it (those beyond ``detokenizer.num_tokens_read``)."""
-    if not request.sampling.stop or len(token_ids) - known <= 1:
+    if not detokenizer.stop or len(token_ids) - known <= 1:
         return detokenizer.update(token_ids)
     delta = ""
     for end in range(known + 1, len(token_ids) + 1):

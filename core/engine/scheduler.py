@@ -83,6 +83,14 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """The tokens from position ``start`` on (without copying the prompt when it is
+        behind: what each decode step needs)."""
+        prompt = len(self.prompt_token_ids)
+        if start >= prompt:
+            return self.output_token_ids[start - prompt :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -325,7 +333,7 @@ class Scheduler:
             step.cached.append(
                 CachedRequest(
                     request.req_id,
-                    request.all_token_ids[request.num_tokens_sent :],
+                    request.token_ids_from(request.num_tokens_sent),
                     request.block_ids[request.num_blocks_sent :],
                     request.num_computed_tokens,
                     tuple(drafts),
@@ -349,7 +357,8 @@ class Scheduler:
             return []
         if request.ngram_index is None:
             request.ngram_index = self.proposer.new_index()
-        return self.proposer.propose(request.ngram_index, request.all_token_ids, limit)
+        index = request.ngram_index
+        return self.proposer.propose(index, request.token_ids_from(index.num_tokens), limit)
 
     def _room_for_drafts(self, request: Request) -> int:
         """How many drafts ``request``'s blocks and the free blocks can hold beyond its last

@@ -28,21 +28,28 @@ class NgramIndex:
     that followed each occurrence), kept up to date as the request's tokens grow: one entry
     per token, indexed once; the run that ends the tokens is indexed when a token follows it.
     A lookup compares the latest :data:`MAX_CANDIDATES` occurrences of the last ``min_n``
-    tokens by how far the match with the last tokens reaches back (up to ``max_n``)."""
+    tokens by how far the match with the last tokens reaches back (up to ``max_n``). It keeps
+    the request's tokens itself, so a lookup is given only those added since the last."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
+        self._tokens: list[int] = []
         self._follows: dict[tuple[int, ...], list[int]] = {}
-        #: Runs followed by a token at a position below this are indexed.
-        self._indexed_until = 0
 
-    def lookup(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the earlier occurrence of the longest run of
-        last tokens (of ``min_n`` to ``max_n``; the latest of equal ones) among the latest
-        candidates; [] when the last ``min_n`` tokens occurred nowhere before. ``tokens``
-        begins with the tokens seen before."""
-        self._index(tokens)
+    @property
+    def num_tokens(self) -> int:
+        """How many of the request's tokens the index holds."""
+        return len(self._tokens)
+
+    def lookup(self, new_tokens: list[int], limit: int) -> list[int]:
+        """With ``new_tokens`` (the request's tokens after the :attr:`num_tokens` held; all of
+        them the first time) added: up to ``limit`` tokens that followed the earlier
+        occurrence of the longest run of last tokens (of ``min_n`` to ``max_n``; the latest of
+        equal ones) among the latest candidates; [] when the last ``min_n`` tokens occurred
+        nowhere before."""
+        tokens = self._tokens
+        self._index(new_tokens)
         length, shortest = len(tokens), self.min_n
         if length < shortest:
             return []
@@ -64,13 +71,14 @@ class NgramIndex:
                     break
         return tokens[best : best + limit]
 
-    def _index(self, tokens: list[int]) -> None:
-        """Index the runs followed by the tokens at positions up to the last one."""
-        shortest = self.min_n
-        for follows in range(max(self._indexed_until, shortest), len(tokens)):
+    def _index(self, new_tokens: list[int]) -> None:
+        """Add ``new_tokens``, and index the runs each of them follows."""
+        tokens, shortest = self._tokens, self.min_n
+        start = len(tokens)
+        tokens += new_tokens
+        for follows in range(max(start, shortest), len(tokens)):
             run = tuple(tokens[follows - shortest : follows])
             self._follows.setdefault(run, []).append(follows)
-        self._indexed_until = max(self._indexed_until, len(tokens))
 
 
 class NgramProposer:
@@ -84,6 +92,7 @@ class NgramProposer:
         """The lookup state of one request (kept with the request)."""
         return NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
-    def propose(self, index: NgramIndex, tokens: list[int], limit: int) -> list[int]:
-        """The drafts that follow ``tokens`` (at most ``limit`` and the configured number)."""
-        return index.lookup(tokens, min(limit, self.config.num_speculative_tokens))
+    def propose(self, index: NgramIndex, new_tokens: list[int], limit: int) -> list[int]:
+        """The drafts that follow the request's tokens, ``new_tokens`` those ``index`` does
+        not hold yet (at most ``limit`` and the configured number)."""
+        return index.lookup(new_tokens, min(limit, self.config.num_speculative_tokens))
