@@ -36,15 +36,20 @@ STEP_PARTS = (
 
 def test_parts_are_exclusive_and_add_up_to_the_outermost_span():
     timer = SpanTimer()
-    began = time.perf_counter()
+    # The outermost span lies between two clocks read inside it and two read outside it (a
+    # fixed tolerance failed on a loaded host: the process lost the core between a clock and
+    # the span's edge).
+    outside_began = time.perf_counter()
     with timer("step"):
+        inside_began = time.perf_counter()
         time.sleep(0.01)
         for _ in range(3):
             with timer("inner"):
                 time.sleep(0.005)
                 with timer("innermost"):
                     time.sleep(0.002)
-    wall = time.perf_counter() - began
+        inside = time.perf_counter() - inside_began
+    outside = time.perf_counter() - outside_began
     report = timer.report()
     assert {part: v["entries"] for part, v in report.items()} == {
         "step": 1,
@@ -54,7 +59,7 @@ def test_parts_are_exclusive_and_add_up_to_the_outermost_span():
     assert report["innermost"]["seconds"] >= 3 * 0.002
     assert report["inner"]["seconds"] >= 3 * 0.005
     assert report["inner"]["seconds"] < 3 * 0.005 + 3 * 0.002  # its nested part is not in it
-    assert sum(v["seconds"] for v in report.values()) == pytest.approx(wall, abs=0.002)
+    assert inside <= sum(v["seconds"] for v in report.values()) <= outside
 
 
 @pytest.mark.timeout(240)
