@@ -98,7 +98,8 @@ def test_bad_value_names_what_is_allowed():
 @pytest.mark.parametrize(
     ("dtype", "weight_dtype", "allowed"),
     [("bfloat16", "float32", "null, 'bfloat16'"),
-     ("float32", "float16", "null, 'float32', 'bfloat16'")],
+     ("bfloat16", "gguf", "null, 'bfloat16'"),
+     ("float32", "float16", "null, 'float32', 'bfloat16', 'gguf'")],
 )  # fmt: skip
 def test_a_weight_dtype_the_model_dtype_cannot_take_names_what_it_can(dtype, weight_dtype, allowed):
     with pytest.raises(ConfigError) as error:
@@ -109,7 +110,9 @@ def test_a_weight_dtype_the_model_dtype_cannot_take_names_what_it_can(dtype, wei
         error.value
     )
     config = load_config(overrides=["model.weight_dtype=bfloat16"], environ={}).config
-    assert config.model.weight_precision == "bfloat16"
+    assert config.model.weight_precision == "bfloat16" and not config.model.holds_gguf_blocks
+    config = load_config(overrides=["model.weight_dtype=gguf"], environ={}).config
+    assert config.model.weight_precision == "float32" and config.model.holds_gguf_blocks
 
 
 def test_floats_in_exponent_form_are_numbers_everywhere(tmp_path):

@@ -10,7 +10,7 @@ import torch
 
 from shardline.comm.waiting import host_cores
 from shardline.engine import LLM, SamplingParams
-from shardline.errors import RequestError
+from shardline.errors import ConfigError, RequestError
 from support.memory_probe import bytes_held
 from support.tiny_llama import round_linear_weights, write_tiny_llama
 from support.tiny_tokenizer import add_tiny_tokenizer
@@ -303,6 +303,16 @@ def test_bfloat16_weights_are_planned_as_held_and_give_rounded_transformers_toke
         planned = {r: share for share in llm.engine.capacity.shares for r in share.ranks}
         for rank, (parameters, _) in enumerate(llm.engine.executor.collective_rpc(bytes_held)):
             assert parameters == planned[rank].memory.weights
+
+
+def test_weights_in_gguf_blocks_need_a_gguf_file(tiny_llama_dir):
+    """model.weight_dtype gguf with an HF directory is refused before any rank starts, naming
+    the field, the value and what the file allows."""
+    with pytest.raises(ConfigError) as error:
+        _llm(tiny_llama_dir, 1, 1, "model.weight_dtype=gguf")
+    message = str(error.value)
+    assert "model.weight_dtype = 'gguf'" in message and "is not a GGUF file" in message
+    assert str(tiny_llama_dir) in message and "allowed with it: null" in message
 
 
 def _rank(worker):

@@ -25,6 +25,7 @@ from shardline.layers.kernels import (
 )
 from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
+from support.gguf_values import gguf_valued
 
 native_module = pytest.importorskip(
     "shardline.layers._kernels",
@@ -43,6 +44,14 @@ needs_c_linear = pytest.mark.skipif(
 )
 #: The C path holding blocked linear weights in bfloat16 (model.weight_dtype bfloat16).
 HALF_WEIGHTS = NativeKernels(native_module, weight_dtype=torch.bfloat16)
+#: The C path holding weights in GGUF quantization blocks where they are exact
+#: (model.weight_dtype gguf).
+BLOCK_WEIGHTS = NativeKernels(native_module, quantized=True)
+#: Tests of weights held in quantization blocks, whose kernels need AVX-512.
+needs_quantized_linear = pytest.mark.skipif(
+    not native_module.quantized_linear_available(),
+    reason="weights held in quantization blocks need AVX-512 (F, BW, VL); this CPU lacks it",
+)
 #: Four query heads reading two KV heads, two each (GQA).
 GROUPED_4_OVER_2 = KVHeadIndex.of(torch.tensor([0, 0, 1, 1]))
 
@@ -689,7 +698,8 @@ def test_layers_with_bfloat16_weights_run_as_with_float32_weights_rounded_to_the
         held.append(_layer_blocks(hidden, heads, size, True, HALF_WEIGHTS)[2])
         torch.manual_seed(seed)
         rounded.append(_layer_blocks(hidden, heads, size, True, _Rounding())[2])
-    assert all(b.weights_bf16 for b in held) and not any(b.weights_bf16 for b in rounded)
+    assert all(b.weight_kinds == (native_module.WEIGHT_BFLOAT16,) * 4 for b in held)
+    assert all(b.weight_kinds == (native_module.WEIGHT_FLOAT32,) * 4 for b in rounded)
     metadata, decode, rope = _three_decodes()
     x = torch.randn(3, hidden)
     results = []
@@ -704,6 +714,139 @@ def test_layers_with_bfloat16_weights_run_as_with_float32_weights_rounded_to_the
     assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
     assert torch.equal(half[0], expected_half[0])
     assert all(torch.equal(a, b) for a, b in zip(keys, expected_keys, strict=True))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
+@pytest.mark.parametrize("out_features,in_features", [(100, 64), (130, 576), (64, 32), (7, 96)])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@needs_quantized_linear
+def test_a_weight_held_in_quantization_blocks_gives_the_bits_of_its_float32_weight(
+    kind, rows, out_features, in_features
+):
+    """A float32 weight whose values are a GGUF block kind's is held in that kind (1.06, 0.56
+    or 0.63 bytes a weight in whole blocks of 64 outputs) and multiplies to the very bits of
+    the float32 kernel (one row, tiles of rows, a partial last block, with a bias; alone and on
+    a team of three)."""
+    weight = gguf_valued(torch.randn(out_features, in_features), kind)
+    bias = torch.randn(out_features)
+    held = BLOCK_WEIGHTS.pack_linear(weight.clone())
+    assert held.held_as == kind and held.dtype is torch.uint8
+    assert held.blocked_shape == (out_features, in_features)
+    per_weight = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}[kind]
+    padded = -(-out_features // 64) * 64
+    assert held.numel() == padded * in_features * per_weight
+    team = NativeKernels(native_module, threads=3, quantized=True)
+    x = torch.randn(rows, in_features)
+    assert torch.equal(BLOCK_WEIGHTS.linear(x, held, bias), _float32_product(x, weight, bias))
+    assert torch.equal(team.linear(x, held, None), _float32_product(x, weight))
+
+
+@needs_quantized_linear
+def test_weights_no_block_holds_exactly_stay_float32():
+    """Random values, a block kind's values with one of them a float32 ulp off, and inputs
+    not in whole groups of 32 are held blocked in float32 (and still multiply right); the
+    torch path and a C path without ``quantized`` never hold blocks."""
+    exact = gguf_valued(torch.randn(64, 64), "Q4_1")
+    nudged = exact.clone()
+    nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))
+    uneven = gguf_valued(torch.randn(64, 64), "Q8_0")[:, :40]
+    for weight in (torch.randn(64, 64), nudged, uneven):
+        held = BLOCK_WEIGHTS.pack_linear(weight.clone())
+        assert held.dtype is torch.float32 and not hasattr(held, "held_as")
+        x = torch.randn(3, weight.shape[1])
+        assert torch.equal(BLOCK_WEIGHTS.linear(x, held, None), _float32_product(x, weight))
+    assert NATIVE.pack_linear(exact.clone()).dtype is torch.float32
+    assert TorchKernels().pack_linear(exact.clone()).dtype is torch.float32
+
+
+@needs_quantized_linear
+def test_block_kinds_are_tried_fewest_bytes_first_and_lie_back_to_back():
+    """A model's weights share one buffer, each in the first kind that holds it exactly
+    (Q4_0's values are Q4_1's too only by chance; Q8_0 holds both 4-bit kinds' values but
+    comes last), each on a cache line after the one before; a float32 one among them too."""
+    weights = [
+        gguf_valued(torch.randn(64, 64), "Q4_1"),
+        gguf_valued(torch.randn(70, 32), "Q4_0"),
+        torch.randn(64, 32),
+        gguf_valued(torch.randn(64, 64), "Q8_0"),
+    ]
+    pack = BLOCK_WEIGHTS.weight_packer(weights)
+    held = [pack(weight.clone()) for weight in weights]
+    assert [getattr(h, "held_as", None) for h in held] == ["Q4_1", "Q4_0", None, "Q8_0"]
+    starts = [h.data_ptr() for h in held]
+    sizes = [h.numel() * h.element_size() for h in held]
+    assert len({h.untyped_storage().data_ptr() for h in held}) == 1
+    assert starts == [starts[0] + sum(-(-size // 64) * 64 for size in sizes[:i]) for i in range(4)]
+    for weight, h in zip(weights, held, strict=True):
+        x = torch.randn(2, weight.shape[1])
+        assert torch.equal(BLOCK_WEIGHTS.linear(x, h, None), _float32_product(x, weight))
+
+
+@needs_quantized_linear
+def test_a_weight_of_blocks_is_refused_where_its_kernel_cannot_run():
+    """The C call refuses a quantized kind for inputs not in whole groups, an unknown kind
+    and the AVX2 kernels (which read float32 and bfloat16 only), naming what it needs."""
+    weight = gguf_valued(torch.randn(64, 64), "Q8_0")
+    held = BLOCK_WEIGHTS.pack_linear(weight)
+    x, y = torch.randn(1, 64), torch.empty(1, 64)
+
+    def call(in_features: int, kind: int, avx2: bool) -> None:
+        native_module.blocked_linear(
+            held.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 1, 64, in_features, None, kind, avx2
+        )
+
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        call(40, held.weight_kind, False)
+    with pytest.raises(ValueError, match="allowed: 0 to 4"):
+        call(64, 9, False)
+    with pytest.raises(RuntimeError, match="AVX-512 only"):
+        call(64, held.weight_kind, True)
+
+
+@needs_quantized_linear
+def test_layers_with_weights_in_blocks_run_as_with_their_float32_weights():
+    """decode_layers and the fused halves of layers whose weights are held in quantization
+    blocks (each layer another kind): the bits of the same layers with the float32 weights."""
+    heads, hidden, size = (3, 2, 32), 64, 64
+    held, plain = [], []
+    for seed, kind in enumerate(("Q4_1", "Q8_0", "Q4_0")):
+        torch.manual_seed(seed)
+        held.append(_layer_blocks(hidden, heads, size, True, _GGUFValued(kind, True))[2])
+        torch.manual_seed(seed)
+        plain.append(_layer_blocks(hidden, heads, size, True, _GGUFValued(kind, False))[2])
+    kinds = [getattr(native_module, f"WEIGHT_{k}") for k in ("Q4_1", "Q8_0", "Q4_0")]
+    assert [b.weight_kinds for b in held] == [(k,) * 4 for k in kinds]
+    metadata, decode, rope = _three_decodes()
+    x = torch.randn(3, hidden)
+    results = []
+    for layers in (held, plain):
+        torch.manual_seed(3)  # the same cached keys and values for both
+        caches = [_filled_cache(2, 32) for _ in layers]
+        stack = NATIVE.layer_stack(layers, caches)
+        out = NATIVE.decode_layers(stack, x, None, rope, metadata.slot_mapping, decode, _OneRank())
+        half = NATIVE.mlp_block(layers[0], x, x)
+        results.append((out, half, [c.key for c in caches]))
+    (out, half, keys), (expected, expected_half, expected_keys) = results
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+    assert torch.equal(half[0], expected_half[0])
+    assert all(torch.equal(a, b) for a, b in zip(keys, expected_keys, strict=True))
+
+
+def _float32_product(x, weight, bias=None):
+    """``x W^T + b`` by the C kernel with ``weight`` held in float32."""
+    return NATIVE.linear(x, NATIVE.pack_linear(weight), bias)
+
+
+class _GGUFValued(NativeKernels):
+    """The C path with weights whose values are made a GGUF block kind's, held in blocks
+    (``quantized``) or in float32."""
+
+    def __init__(self, kind: str, quantized: bool) -> None:
+        super().__init__(native_module, quantized=quantized)
+        self.kind = kind
+
+    def pack_linear(self, weight):
+        return super().pack_linear(gguf_valued(weight, self.kind))
 
 
 class _Rounding(NativeKernels):

@@ -265,6 +265,41 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
                     ), (found.top, top)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["parallel.tensor_parallel_size=2", "parallel.communicator=custom_ar"]],
+    ids=["tp1", "tp2-custom_ar"],
+)
+def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
+    gguf_path, reference, layout
+):
+    """``model.weight_dtype: gguf``: every linear weight and the LM head held in the file's
+    own blocks (Q4_1 and Q8_0 here), under a fifth of float32's bytes on every rank, and the
+    answers and log-probabilities the float32 model's, bit for bit (transformers' tokens)."""
+    kernels = pytest.importorskip("shardline.layers._kernels", reason="C extension not built")
+    if not kernels.quantized_linear_available():
+        pytest.skip("weights held in quantization blocks need AVX-512; this CPU lacks it")
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS)
+    found = {}
+    for weight_dtype in ("float32", "gguf"):
+        overrides = [f"model.path={gguf_path}", f"model.weight_dtype={weight_dtype}", *layout]
+        with LLM(overrides=overrides, environ={}) as llm:
+            held = llm.engine.executor.collective_rpc("weight_bytes_per_step")
+            greedy = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS))
+            scored = llm.chat(conversations, params)
+        answers = [
+            (o.token_ids, [(t.logprob, t.top) for t in s.logprobs], s.token_ids)
+            for o, s in zip(greedy, scored, strict=True)
+        ]
+        found[weight_dtype] = held, answers
+    (blocks_held, blocks_answers), (float32_held, float32_answers) = found["gguf"], found["float32"]
+    assert blocks_answers == float32_answers
+    assert [answer[0] for answer in blocks_answers] == reference["tokens"]
+    assert len(blocks_held) == len(float32_held) == (2 if layout else 1)
+    assert all(b < 0.2 * f for b, f in zip(blocks_held, float32_held, strict=True))
+
+
 def test_prompt_logprobs_of_a_prompt_run_in_chunks(gguf_path, prompts, reference):
     # 16 tokens a step: each ~40-token prompt is run in 3 chunks, scored a chunk at a time.
     overrides = [f"model.path={gguf_path}", "scheduler.max_num_batched_tokens=16"]

@@ -26,10 +26,14 @@ Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 Name = Annotated[str, Field(min_length=1, max_length=512)]
 
 
+#: ``model.weight_dtype`` for a GGUF file's quantization blocks, held as they are.
+GGUF_BLOCKS = "gguf"
+
+
 def allowed_weight_dtypes(dtype: str) -> list[str | None]:
     """The ``model.weight_dtype`` values a model of ``dtype`` takes: null, ``dtype``, and
-    bfloat16 for float32."""
-    return [None, dtype] + (["bfloat16"] if dtype == "float32" else [])
+    bfloat16 and gguf for float32."""
+    return [None, dtype] + (["bfloat16", GGUF_BLOCKS] if dtype == "float32" else [])
 
 
 class Section(BaseModel):
@@ -44,12 +48,15 @@ class ModelConfig(Section):
         description="HF safetensors directory, GGUF file or catalog name; None: no model",
     )
     dtype: DType = Field(default="float32", description="compute dtype of weights and activations")
-    weight_dtype: DType | None = Field(
+    weight_dtype: DType | Literal["gguf"] | None = Field(
         default=None,
         description="dtype the linear layers' weights (the LM head's too) are held in; None: "
         "dtype. bfloat16 with dtype float32: each weight rounded to bfloat16, multiplied in "
         "float32 (held in half the memory where the C linear kernel runs: a CPU with AVX-512 "
-        "or AVX2 and FMA)",
+        "or AVX2 and FMA). gguf with dtype float32 and a GGUF file: each weight held in the "
+        "file's quantization blocks (Q8_0, Q4_0, Q4_1), widened as read: the float32 "
+        "results, bit for bit, from 0.56-1.06 bytes a weight (where the CPU has AVX-512; "
+        "else, and for other block types, float32)",
     )
     runner: Name = Field(
         default="llama", description="model runner: a registered name or package.module:Class"
@@ -73,8 +80,16 @@ class ModelConfig(Section):
     @property
     def weight_precision(self) -> str:
         """The dtype whose values the linear weights have: ``weight_dtype``, else ``dtype``
-        (what they are held in is the kernels' choice: ``held_weight_dtype``)."""
+        (gguf: ``dtype``, the values as loaded; what they are held in is the kernels'
+        choice: ``held_weight_dtype``)."""
+        if self.weight_dtype == GGUF_BLOCKS:
+            return self.dtype
         return self.weight_dtype or self.dtype
+
+    @property
+    def holds_gguf_blocks(self) -> bool:
+        """Whether the linear weights are held in the GGUF file's quantization blocks."""
+        return self.weight_dtype == GGUF_BLOCKS
 
 
 class CacheConfig(Section):

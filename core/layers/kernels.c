@@ -319,6 +319,8 @@ static Team *team_of(PyObject *argument, int *failed) {
 /* Rows ahead a bfloat16 weight's one-row pass prefetches in both blocks (below). */
 #define LINEAR_ROW_AHEAD 16
 
+#include "quantized_blocks.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_BLOCKED_LINEAR 1
@@ -611,6 +613,8 @@ static void linear_blocks(const void *weight, int bf16, const float *x, float *y
 }
 #undef OF_TYPE
 
+#include "quantized_linear.h"
+
 /* The same blocked layouts on a CPU without AVX-512 but with AVX2 and FMA (8 lanes, 16
  * vector registers), each output's sum in the same order as the AVX-512 kernels (so the same
  * bits): one row streams a full block once (8 sums); more rows go through a block's parts a
@@ -873,7 +877,7 @@ typedef struct {
     const void *weight;
     const float *x, *bias;
     float *y;
-    int bf16, avx512; /* avx512: the AVX-512 kernels, else the AVX2 ones */
+    int kind, avx512; /* kind: WEIGHT_*; avx512: the AVX-512 kernels, else the AVX2 ones */
     long rows, out, in, blocks_per_chunk;
 } LinearJob;
 
@@ -882,29 +886,33 @@ static void linear_chunk(const void *context, long chunk, int worker) {
     long blocks = (job->out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long first = chunk * job->blocks_per_chunk;
     long end = first + job->blocks_per_chunk < blocks ? first + job->blocks_per_chunk : blocks;
-    (job->avx512 ? linear_blocks : linear_blocks_avx2)(
-        job->weight, job->bf16, job->x, job->y, job->bias, job->rows, job->out, job->in, first,
-        end);
+    if (is_quantized(job->kind)) /* AVX-512 only: callers check */
+        quantized_blocks(job->kind, job->weight, job->x, job->y, job->bias, job->rows, job->out,
+                         job->in, first, end);
+    else
+        (job->avx512 ? linear_blocks : linear_blocks_avx2)(
+            job->weight, job->kind == WEIGHT_BFLOAT16, job->x, job->y, job->bias, job->rows,
+            job->out, job->in, first, end);
 }
 
-/* y = x W^T + b, W blocked (float32, or bfloat16: bf16), shared out by team (NULL: this
- * thread alone) in chunks of blocks: two up to LINEAR_PAIR_MAX_ROWS rows (a pair), one
- * otherwise. */
-static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, int bf16,
+/* y = x W^T + b, W blocked (held as kind says: WEIGHT_*; quantized kinds on AVX-512 only),
+ * shared out by team (NULL: this thread alone) in chunks of blocks: two up to
+ * LINEAR_PAIR_MAX_ROWS rows (a pair), one otherwise. */
+static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, int kind,
                                    const float *x, float *y, const float *bias, long rows,
                                    long out, long in) {
     long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long per_chunk = rows <= LINEAR_PAIR_MAX_ROWS ? 2 : 1;
     while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
-    LinearJob job = {.weight = weight, .bf16 = bf16, .avx512 = avx512, .x = x, .bias = bias,
+    LinearJob job = {.weight = weight, .kind = kind, .avx512 = avx512, .x = x, .bias = bias,
                      .y = y, .rows = rows, .out = out, .in = in, .blocks_per_chunk = per_chunk};
     team_run(team, (blocks + per_chunk - 1) / per_chunk, linear_chunk, &job);
 }
 
 /* blocked_linear_rows_on the widest kernels this CPU runs. */
-static void blocked_linear_rows(Team *team, const void *weight, int bf16, const float *x,
+static void blocked_linear_rows(Team *team, const void *weight, int kind, const float *x,
                                 float *y, const float *bias, long rows, long out, long in) {
-    blocked_linear_rows_on(team, cpu_has_avx512(), weight, bf16, x, y, bias, rows, out, in);
+    blocked_linear_rows_on(team, cpu_has_avx512(), weight, kind, x, y, bias, rows, out, in);
 }
 
 /* The 16 lanes' sums of p[0..15], as lanes 0..15 of one vector: pairs of vectors interleaved
@@ -1456,15 +1464,15 @@ static int blocked_linear_or_error(void) {
     return -1;
 }
 
-/* One layer's weights and cache (blocked linears, all of float32 or all of bfloat16:
- * weights_bf16; biases may be NULL). */
+/* One layer's weights and cache (blocked linears, each held as its kind says: WEIGHT_*;
+ * biases may be NULL). */
 typedef struct {
     const void *qkv_weight, *o_weight, *gate_up_weight, *down_weight;
     const float *input_norm, *qkv_bias, *o_bias, *post_norm, *gate_up_bias, *down_bias;
     const int64_t *kv_index;
     float *key_cache, *value_cache;
     float input_eps, post_eps;
-    int weights_bf16;
+    int qkv_kind, o_kind, gate_up_kind, down_kind;
 } Layer;
 
 /* The sizes every layer of a rank shares, and one step's decode batch. */
@@ -1606,7 +1614,7 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     rms_norm_rows_f32(x, residual, layer->input_norm, normed, residual_out, rows, hidden,
                       layer->input_eps, row);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(team, layer->qkv_weight, layer->weights_bf16, normed, qkv,
+    blocked_linear_rows(team, layer->qkv_weight, layer->qkv_kind, normed, qkv,
                         layer->qkv_bias, rows, qkv_width, hidden);
     lap(times, LAP_MATMUL, &since);
     rope_store_rows_f32(qkv, rows, step->q_heads, step->kv_heads, d, step->cos, step->sin, q,
@@ -1620,7 +1628,7 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     team_run(team, rows * attention.parts * pieces, attention_chunk, &attention);
     if (pieces > 1) merge_pieces(&attention);
     lap(times, LAP_ATTENTION, &since);
-    blocked_linear_rows(team, layer->o_weight, layer->weights_bf16, attended, partial, NULL, rows,
+    blocked_linear_rows(team, layer->o_weight, layer->o_kind, attended, partial, NULL, rows,
                         hidden, width);
     lap(times, LAP_MATMUL, &since);
 }
@@ -1636,12 +1644,12 @@ static void mlp_half(Team *team, const Layer *layer, const Step *step, const flo
     rms_norm_rows_f32(x, residual, layer->post_norm, normed, residual_out, rows, hidden,
                       layer->post_eps, row);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(team, layer->gate_up_weight, layer->weights_bf16, normed, gate_up,
+    blocked_linear_rows(team, layer->gate_up_weight, layer->gate_up_kind, normed, gate_up,
                         layer->gate_up_bias, rows, 2 * size, hidden);
     lap(times, LAP_MATMUL, &since);
     silu_mul_rows_f32(gate_up, activated, rows, size);
     lap(times, LAP_OTHER, &since);
-    blocked_linear_rows(team, layer->down_weight, layer->weights_bf16, activated, partial, NULL,
+    blocked_linear_rows(team, layer->down_weight, layer->down_kind, activated, partial, NULL,
                         rows, hidden, size);
     lap(times, LAP_MATMUL, &since);
 }
@@ -1665,6 +1673,25 @@ static int reduce_between(const shardline_native_all_reduce *entry, float *parti
 }
 #endif
 
+/* 0 where a weight of `in` inputs held as kind (WEIGHT_*) runs here, else ValueError (-1):
+ * quantized kinds need AVX-512 and whole groups of inputs. */
+static int check_kind(int kind, long in, const char *what) {
+    if (kind < 0 || kind >= WEIGHT_KINDS) {
+        PyErr_Format(PyExc_ValueError, "%s weight kind %d; allowed: 0 to %d", what, kind,
+                     WEIGHT_KINDS - 1);
+        return -1;
+    }
+    if (!is_quantized(kind)) return 0;
+#ifdef HAVE_BLOCKED_LINEAR
+    if (cpu_has_avx512() && in % QUANT_GROUP == 0) return 0;
+#endif
+    PyErr_Format(PyExc_ValueError,
+                 "%s weight held in quantization blocks (kind %d): needs a CPU with AVX-512 "
+                 "and inputs in whole groups of %d (%ld)",
+                 what, kind, QUANT_GROUP, in);
+    return -1;
+}
+
 /* Checks a step's decode batch against the cache and fills step->longest (-1: exception). */
 static int check_step(Step *step, const int64_t *kv_index) {
     return check_slots(step->slots, step->rows, step->num_blocks * step->block_size) < 0 ||
@@ -1676,12 +1703,12 @@ static int check_step(Step *step, const int64_t *kv_index) {
 }
 
 static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 29, "attention_block") < 0) return NULL;
+    if (take_args(args, nargs, 30, "attention_block") < 0) return NULL;
     const float *x = ADDRESS(0), *residual = ADDRESS(1);
     Layer layer = {.input_norm = ADDRESS(2), .input_eps = REAL(3), .qkv_weight = ADDRESS(6),
                    .qkv_bias = ADDRESS(7), .key_cache = ADDRESS(14),
                    .value_cache = ADDRESS(15), .kv_index = ADDRESS(21),
-                   .o_weight = ADDRESS(23), .weights_bf16 = SIZE(28) != 0};
+                   .o_weight = ADDRESS(23), .qkv_kind = SIZE(28), .o_kind = SIZE(29)};
     Step step = {.rows = SIZE(4), .hidden = SIZE(5), .q_heads = SIZE(8), .kv_heads = SIZE(9),
                  .d = SIZE(10), .cos = ADDRESS(11), .sin = ADDRESS(12), .slots = ADDRESS(13),
                  .num_blocks = SIZE(16), .block_size = SIZE(17), .blocks = ADDRESS(18),
@@ -1691,6 +1718,8 @@ static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize
     int failed;
     Team *team = team_of(args[27], &failed);
     if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0 ||
+        check_kind(layer.qkv_kind, step.hidden, "qkv") < 0 ||
+        check_kind(layer.o_kind, step.q_heads * step.d, "o_proj") < 0 ||
         check_step(&step, layer.kv_index) < 0)
         return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
@@ -1703,17 +1732,20 @@ static PyObject *attention_block(PyObject *self, PyObject *const *args, Py_ssize
 }
 
 static PyObject *mlp_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 15, "mlp_block") < 0) return NULL;
+    if (take_args(args, nargs, 16, "mlp_block") < 0) return NULL;
     const float *x = ADDRESS(0), *residual = ADDRESS(1);
     Layer layer = {.post_norm = ADDRESS(2), .post_eps = REAL(3), .gate_up_weight = ADDRESS(6),
                    .gate_up_bias = ADDRESS(7), .down_weight = ADDRESS(9),
-                   .weights_bf16 = SIZE(14) != 0};
+                   .gate_up_kind = SIZE(14), .down_kind = SIZE(15)};
     Step step = {.rows = SIZE(4), .hidden = SIZE(5), .size = SIZE(8)};
     float *partial = ADDRESS(10), *residual_out = ADDRESS(11);
     double *times = ADDRESS(12);
     int failed;
     Team *team = team_of(args[13], &failed);
-    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
+    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0 ||
+        check_kind(layer.gate_up_kind, step.hidden, "gate_up") < 0 ||
+        check_kind(layer.down_kind, step.size, "down") < 0)
+        return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
     float *scratch = malloc(sizeof(float) * scratch_floats(&step, team_workers(team)));
     if (scratch == NULL) return PyErr_NoMemory();
@@ -1732,8 +1764,8 @@ static PyObject *native_failure(int status, const char *error) {
 enum {
     TABLE_INPUT_NORM, TABLE_QKV_WEIGHT, TABLE_QKV_BIAS, TABLE_O_WEIGHT, TABLE_O_BIAS,
     TABLE_POST_NORM, TABLE_GATE_UP_WEIGHT, TABLE_GATE_UP_BIAS, TABLE_DOWN_WEIGHT,
-    TABLE_DOWN_BIAS, TABLE_KV_INDEX, TABLE_KEY_CACHE, TABLE_VALUE_CACHE, TABLE_WEIGHTS_BF16,
-    TABLE_FIELDS
+    TABLE_DOWN_BIAS, TABLE_KV_INDEX, TABLE_KEY_CACHE, TABLE_VALUE_CACHE, TABLE_QKV_KIND,
+    TABLE_O_KIND, TABLE_GATE_UP_KIND, TABLE_DOWN_KIND, TABLE_FIELDS
 };
 
 static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1758,9 +1790,15 @@ static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t
         entry = PyCapsule_GetPointer(all_reduce, SHARDLINE_NATIVE_ALL_REDUCE);
         if (entry == NULL) return NULL;
     }
-    for (long l = 0; l < layers; l++)
-        if (check_step(&step, (const int64_t *)table[l * TABLE_FIELDS + TABLE_KV_INDEX]) < 0)
+    for (long l = 0; l < layers; l++) {
+        const int64_t *fields = table + l * TABLE_FIELDS;
+        if (check_step(&step, (const int64_t *)fields[TABLE_KV_INDEX]) < 0 ||
+            check_kind((int)fields[TABLE_QKV_KIND], step.hidden, "qkv") < 0 ||
+            check_kind((int)fields[TABLE_O_KIND], step.q_heads * step.d, "o_proj") < 0 ||
+            check_kind((int)fields[TABLE_GATE_UP_KIND], step.hidden, "gate_up") < 0 ||
+            check_kind((int)fields[TABLE_DOWN_KIND], step.size, "down") < 0)
             return NULL;
+    }
     char error[512] = "";
     int status = 0;
 #ifdef HAVE_BLOCKED_LINEAR
@@ -1779,7 +1817,10 @@ static PyObject *decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t
                        .down_bias = FIELD(DOWN_BIAS), .kv_index = FIELD(KV_INDEX),
                        .key_cache = FIELD(KEY_CACHE), .value_cache = FIELD(VALUE_CACHE),
                        .input_eps = (float)eps[2 * l], .post_eps = (float)eps[2 * l + 1],
-                       .weights_bf16 = fields[TABLE_WEIGHTS_BF16] != 0};
+                       .qkv_kind = (int)fields[TABLE_QKV_KIND],
+                       .o_kind = (int)fields[TABLE_O_KIND],
+                       .gate_up_kind = (int)fields[TABLE_GATE_UP_KIND],
+                       .down_kind = (int)fields[TABLE_DOWN_KIND]};
 #undef FIELD
         if (l > 0) /* the previous layer's output and residual stream */
             attention_half(team, &layer, &step, hidden_out, residual_out, residual_out,
@@ -1828,22 +1869,56 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
     const float *x = ADDRESS(1), *bias = ADDRESS(3);
     float *y = ADDRESS(2);
     long rows = SIZE(4), out = SIZE(5), in = SIZE(6);
-    int weights_bf16 = SIZE(8) != 0, avx2 = SIZE(9) != 0;
+    int kind = (int)SIZE(8), avx2 = SIZE(9) != 0;
     int failed;
     Team *team = team_of(args[7], &failed);
-    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0) return NULL;
+    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0 ||
+        check_kind(kind, in, "blocked_linear") < 0)
+        return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    if (avx2 && !cpu_has_avx2_fma()) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "blocked_linear: avx2 = 1; this CPU has no AVX2 and FMA");
+    if (avx2 && (!cpu_has_avx2_fma() || is_quantized(kind))) {
+        PyErr_SetString(PyExc_RuntimeError, "blocked_linear: avx2 = 1; this CPU has no AVX2 "
+                                            "and FMA, or the weight is quantized (AVX-512 only)");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    blocked_linear_rows_on(team, !avx2 && cpu_has_avx512(), weight, weights_bf16, x, y, bias,
-                           rows, out, in);
+    blocked_linear_rows_on(team, !avx2 && cpu_has_avx512(), weight, kind, x, y, bias, rows,
+                           out, in);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
+}
+
+static PyObject *pack_quantized(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 5, "pack_quantized") < 0) return NULL;
+    int kind = (int)SIZE(0);
+    const float *weight = ADDRESS(1);
+    long out = SIZE(2), in = SIZE(3);
+    uint8_t *dest = ADDRESS(4);
+    if (PyErr_Occurred()) return NULL;
+    if (!is_quantized(kind) || out < 1 || in < 1) {
+        PyErr_Format(PyExc_ValueError, "pack_quantized: kind %d, out %ld, in %ld; allowed: "
+                     "kinds %d to %d, sizes from 1", kind, out, in, WEIGHT_Q8_0, WEIGHT_KINDS - 1);
+        return NULL;
+    }
+    int packed;
+    Py_BEGIN_ALLOW_THREADS
+    packed = pack_quantized_weight(kind, weight, out, in, dest);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(packed);
+}
+
+static PyObject *quantized_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 3, "quantized_size") < 0) return NULL;
+    int kind = (int)SIZE(0);
+    long out = SIZE(1), in = SIZE(2);
+    if (PyErr_Occurred()) return NULL;
+    if (!is_quantized(kind)) {
+        PyErr_Format(PyExc_ValueError, "quantized_size: kind %d; allowed: %d to %d", kind,
+                     WEIGHT_Q8_0, WEIGHT_KINDS - 1);
+        return NULL;
+    }
+    return PyLong_FromLong(quantized_bytes(kind, out, in));
 }
 
 static PyObject *team(PyObject *self, PyObject *argument) {
@@ -1875,6 +1950,14 @@ static PyObject *blocked_linear_available(PyObject *self, PyObject *unused) {
 #endif
 }
 
+static PyObject *quantized_linear_available(PyObject *self, PyObject *unused) {
+#ifdef HAVE_BLOCKED_LINEAR
+    return PyBool_FromLong(cpu_has_avx512());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,
      "rms_norm(bf16, x, residual or 0, weight, out, residual_out or 0, rows, hidden, eps)"},
@@ -1888,10 +1971,17 @@ static PyMethodDef methods[] = {
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(bf16, gate_up, out, rows, size)"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
-     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, weights_bf16, "
-     "avx2): float32 rows, the weight (float32, or bfloat16 where weights_bf16) blocked by "
-     "LINEAR_BLOCK outputs, on the widest kernels this CPU runs (avx2: the AVX2 ones, which "
-     "give the same bits); without the GIL"},
+     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, kind, avx2): "
+     "float32 rows, the weight blocked by LINEAR_BLOCK outputs and held as kind says "
+     "(WEIGHT_FLOAT32, _BFLOAT16, or quantization blocks: AVX-512 only), on the widest "
+     "kernels this CPU runs (avx2: the AVX2 ones, which give the same bits); without the GIL"},
+    {"pack_quantized", (PyCFunction)(void (*)(void))pack_quantized, METH_FASTCALL,
+     "pack_quantized(kind, weight, out, in, dest): the float32 weight (out x in, rows "
+     "contiguous) into dest (quantized_size bytes) as blocks of kind (WEIGHT_Q8_0, _Q4_0, "
+     "_Q4_1); True, or False where no such blocks hold its values exactly (or in is not a "
+     "multiple of QUANT_GROUP); without the GIL"},
+    {"quantized_size", (PyCFunction)(void (*)(void))quantized_size, METH_FASTCALL,
+     "quantized_size(kind, out, in): the bytes pack_quantized writes"},
     {"team", team, METH_O,
      "team(threads): a team of threads (this one and threads - 1 helpers) that the linear calls "
      "share each multiply with; its helpers end when it is freed"},
@@ -1902,8 +1992,8 @@ static PyMethodDef methods[] = {
      "attention_block(x, residual or 0, norm_weight, eps, rows, hidden, qkv_weight, qkv_bias "
      "or 0, q_heads, kv_heads, d, cos, sin, slots, key_cache, value_cache, num_blocks, "
      "block_size, blocks, per_seq, lengths, kv_index, scale, o_weight, partial, residual_out "
-     "or 0, times or 0, team or None, weights_bf16): float32, blocked weights (bfloat16 "
-     "where weights_bf16)"},
+     "or 0, times or 0, team or None, qkv_kind, o_kind): float32, blocked weights held as "
+     "their kinds say (WEIGHT_*)"},
     {"decode_layers", (PyCFunction)(void (*)(void))decode_layers, METH_FASTCALL,
      "decode_layers(table, eps, layers, x, residual or 0, rows, hidden, q_heads, kv_heads, d, "
      "size, scale, cos, sin, slots, num_blocks, block_size, blocks, per_seq, lengths, "
@@ -1912,12 +2002,15 @@ static PyMethodDef methods[] = {
     {"mlp_block", (PyCFunction)(void (*)(void))mlp_block, METH_FASTCALL,
      "mlp_block(x, residual or 0, norm_weight, eps, rows, hidden, gate_up_weight, gate_up_bias "
      "or 0, size, down_weight, partial, residual_out or 0, times or 0, team or None, "
-     "weights_bf16): float32, blocked weights (bfloat16 where weights_bf16)"},
+     "gate_up_kind, down_kind): float32, blocked weights held as their kinds say (WEIGHT_*)"},
     {"native_all_reduce_call", (PyCFunction)(void (*)(void))native_all_reduce_call,
      METH_FASTCALL,
      "native_all_reduce_call(capsule, data): one call of a communicator's native all-reduce "
      "(native_all_reduce.h) on the tensor at data, without the GIL; None, or its failure "
      "(message, timed_out)"},
+    {"quantized_linear_available", quantized_linear_available, METH_NOARGS,
+     "whether this CPU runs blocked_linear on weights held in quantization blocks (AVX-512 "
+     "F, BW and VL)"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear (AVX-512 F, BW and VL, or AVX2 and FMA)"},
     {NULL, NULL, 0, NULL},
@@ -1934,7 +2027,13 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *result = PyModule_Create(&module);
     if (result != NULL &&
         (PyModule_AddIntConstant(result, "LINEAR_BLOCK", LINEAR_BLOCK) < 0 ||
-         PyModule_AddIntConstant(result, "LAYER_TABLE_FIELDS", TABLE_FIELDS) < 0))
+         PyModule_AddIntConstant(result, "LAYER_TABLE_FIELDS", TABLE_FIELDS) < 0 ||
+         PyModule_AddIntConstant(result, "QUANT_GROUP", QUANT_GROUP) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_FLOAT32", WEIGHT_FLOAT32) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_BFLOAT16", WEIGHT_BFLOAT16) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_Q8_0", WEIGHT_Q8_0) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_Q4_0", WEIGHT_Q4_0) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_Q4_1", WEIGHT_Q4_1) < 0))
         Py_CLEAR(result);
     return result;
 }

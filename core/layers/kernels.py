@@ -1,8 +1,9 @@
 """The operations of a decoder layer, as one object the layers are given: :class:`TorchKernels`
 (torch operations, linear weights packed for oneDNN; any device and dtype) or
 :class:`NativeKernels` (the same operations in C for float32 and bfloat16 on the CPU, and a
-linear kernel of its own for float32 rows, its weights held in float32 or bfloat16, from the
-optional extension ``shardline.layers._kernels``; anything else goes to the torch path).
+linear kernel of its own for float32 rows, its weights held in float32, bfloat16 or a GGUF
+file's quantization blocks, from the optional extension ``shardline.layers._kernels``;
+anything else goes to the torch path).
 
 At decode batch sizes these operations are cheap arithmetic and costly dispatch: each torch
 operation costs microseconds of Python and dispatcher, and a layer ran about twenty of them.
@@ -44,6 +45,11 @@ PACKED_FOR_ROWS = 16
 #: Lays one loaded ``[out, in]`` weight out for a kernels object's linear (returns the new
 #: parameter, or the weight itself where it stays as it is).
 WeightPacker = Callable[[torch.Tensor], torch.Tensor]
+
+#: The GGUF block kinds a weight is tried in when quantization blocks are held
+#: (``model.weight_dtype: gguf``), fewest bytes first: the first that gives back every value
+#: exactly holds it (``quantized_blocks.h``).
+QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def packs(device: str, dtype: str) -> bool:
@@ -289,7 +295,7 @@ class LayerBlocks:
     attention_args: tuple  # norm weight, eps, qkv weight, qkv bias, kv_index, o weight
     mlp_args: tuple  # norm weight, eps, gate_up weight, gate_up bias, down weight
     reduced_biases: tuple[int, int]  # o_proj's and down's, added after the all-reduce (or 0)
-    weights_bf16: bool  # the linear weights are held in bfloat16 (else float32)
+    weight_kinds: tuple[int, ...]  # how qkv, o_proj, gate_up and down hold theirs (WEIGHT_*)
     tensors: tuple[torch.Tensor, ...]
 
     @property
@@ -320,25 +326,67 @@ class NativeKernels(TorchKernels):
     cache; shapes and dtypes are checked here."""
 
     def __init__(
-        self, native: ModuleType, threads: int = 1, weight_dtype: torch.dtype | None = None
+        self,
+        native: ModuleType,
+        threads: int = 1,
+        weight_dtype: torch.dtype | None = None,
+        quantized: bool = False,
     ) -> None:
         """``threads``: how many threads share each C linear and a fused step's decode
         attention (the rank's torch threads); with more than one, a team of helper threads
         lives as long as this object. ``weight_dtype`` bfloat16: float32 weights blocked for
         the C kernel are held in bfloat16 (half the bytes a step reads; the C kernel widens
-        them exactly, so results are those of float32 weights rounded to bfloat16)."""
+        them exactly, so results are those of float32 weights rounded to bfloat16).
+        ``quantized``: a float32 weight whose values are those of GGUF quantization blocks
+        (:data:`QUANTIZED_KINDS`; a GGUF file's, as loaded) is held in them where this CPU
+        has AVX-512 (1.06 bytes a weight or less; the C kernel widens each weight as the
+        file's decoder does, so results are the float32 weight's, bit for bit); any other
+        weight is held in float32."""
         super().__init__(weight_dtype)
         self.native = native
+        self.quantized = quantized and native.quantized_linear_available()
         self.team = (
             native.team(threads) if threads > 1 and native.blocked_linear_available() else None
         )
 
     def pack_linear(self, weight):
         """A float32 CPU weight, on a CPU with AVX-512 or AVX2 and FMA, blocked for the C kernel
-        (:func:`blocked`, in ``weight_dtype``); else oneDNN's packing."""
+        (:meth:`_held`); else oneDNN's packing."""
         if self._blocks(weight):
-            return blocked(weight, self.native.LINEAR_BLOCK, dtype=self._blocked_dtype)
+            return self._held(weight, None)
         return super().pack_linear(weight)
+
+    def _held(self, weight: torch.Tensor, arena: WeightArena | None) -> nn.Parameter:
+        """``weight`` blocked for the C kernel (in ``arena``'s next piece, else its own
+        memory): in the first of :data:`QUANTIZED_KINDS` that holds it exactly where
+        ``quantized``, else :func:`blocked` in ``weight_dtype``."""
+        out_features, in_features = weight.shape
+        if self.quantized and in_features % self.native.QUANT_GROUP == 0:
+            values = weight.detach().contiguous()
+            for name in QUANTIZED_KINDS:
+                kind = getattr(self.native, f"WEIGHT_{name}")
+                size = self.native.quantized_size(kind, out_features, in_features)
+                place = torch.empty(size, dtype=torch.uint8) if arena is None else arena.peek(size)
+                if self.native.pack_quantized(
+                    kind, values.data_ptr(), out_features, in_features, place.data_ptr()
+                ):
+                    if arena is not None:
+                        arena.take(size, torch.uint8)
+                    parameter = nn.Parameter(place, requires_grad=False)
+                    parameter.blocked_shape = (out_features, in_features)
+                    parameter.weight_kind, parameter.held_as = kind, name
+                    return parameter
+        dtype = self._blocked_dtype
+        place = None if arena is None else arena.take(weight.numel(), dtype)
+        return blocked(weight, self.native.LINEAR_BLOCK, place, dtype=dtype)
+
+    def _kind(self, weight: torch.Tensor) -> int:
+        """How a blocked weight holds its values, as the C calls name it (``WEIGHT_*``)."""
+        if hasattr(weight, "weight_kind"):
+            return weight.weight_kind
+        if weight.dtype is torch.bfloat16:
+            return self.native.WEIGHT_BFLOAT16
+        return self.native.WEIGHT_FLOAT32
 
     @property
     def _blocked_dtype(self) -> torch.dtype:
@@ -351,20 +399,27 @@ class NativeKernels(TorchKernels):
         memory rather than one per weight, which a core reads faster
         (``benchmarks/linear_kernels.py``). The buffer's pages are touched only as weights are
         written to it, so packing needs no more memory than one weight at a time did."""
-        sizes = [weight.numel() for weight in weights if self._blocks(weight)]
+        sizes = [self._most_bytes(weight) for weight in weights if self._blocks(weight)]
         if not sizes:
             return super().weight_packer(weights)
-        dtype = self._blocked_dtype
-        arena = WeightArena(sum(_aligned(size, dtype) for size in sizes), dtype)
+        arena = WeightArena(sum(_aligned(size) for size in sizes))
 
         def pack(weight: torch.Tensor) -> torch.Tensor:
             if not self._blocks(weight):
                 return super(NativeKernels, self).pack_linear(weight)
-            return blocked(
-                weight, self.native.LINEAR_BLOCK, arena.take(weight.numel()), dtype=dtype
-            )
+            return self._held(weight, arena)
 
         return pack
+
+    def _most_bytes(self, weight: torch.Tensor) -> int:
+        """The most bytes :meth:`_held` may take for ``weight``."""
+        out_features, in_features = weight.shape
+        most = weight.numel() * self._blocked_dtype.itemsize
+        if self.quantized and in_features % self.native.QUANT_GROUP == 0:
+            for name in QUANTIZED_KINDS:
+                kind = getattr(self.native, f"WEIGHT_{name}")
+                most = max(most, self.native.quantized_size(kind, out_features, in_features))
+        return most
 
     def _blocks(self, weight: torch.Tensor) -> bool:
         """Whether :meth:`pack_linear` blocks ``weight`` for the C kernel (float32, kept in
@@ -397,7 +452,7 @@ class NativeKernels(TorchKernels):
         self.native.blocked_linear(
             weight.data_ptr(), rows.data_ptr(), y.data_ptr(),
             0 if bias is None else bias.data_ptr(), rows.shape[0], out_features, in_features,
-            self.team, weight.dtype is torch.bfloat16, False,
+            self.team, self._kind(weight), False,
         )  # fmt: skip
         return y if flat else y.view(*x.shape[:-1], out_features)
 
@@ -493,8 +548,9 @@ class NativeKernels(TorchKernels):
     def layer_blocks(
         self, *, input_norm, qkv, heads, kv_index, scale, o_proj, post_norm, gate_up, down,
     ):  # fmt: skip
-        """Where every linear weight is blocked for the C kernel (:meth:`pack_linear`; all
-        four in one dtype) and the rest is float32 and contiguous."""
+        """Where every linear weight is blocked for the C kernel (:meth:`pack_linear`; each
+        held as it is: float32, bfloat16 or quantization blocks) and the rest is float32 and
+        contiguous."""
         q_heads, kv_heads, d = heads
         kv_heads_read = kv_index.index
         (input_weight, input_eps), (post_weight, post_eps) = input_norm, post_norm
@@ -505,7 +561,7 @@ class NativeKernels(TorchKernels):
         biases = (qkv_bias, gate_up_bias, o_bias, down_bias)
         weights = (qkv_weight, o_weight, gate_up_weight, down_weight)
         if not (
-            all(w.dim() == 1 and w.dtype is qkv_weight.dtype for w in weights)
+            all(w.dim() == 1 for w in weights)
             and all(
                 _fits(t, torch.float32)
                 for t in (input_weight, post_weight, *biases) if t is not None
@@ -527,7 +583,7 @@ class NativeKernels(TorchKernels):
             (post_weight.data_ptr(), float(post_eps), gate_up_weight.data_ptr(),
              _address(gate_up_bias), down_weight.data_ptr()),
             (_address(o_bias), _address(down_bias)),
-            qkv_weight.dtype is torch.bfloat16,
+            tuple(self._kind(w) for w in weights),
             tuple(t for t in (input_weight, post_weight, qkv_weight, kv_heads_read, o_weight,
                               gate_up_weight, down_weight, *biases)
                   if t is not None),
@@ -554,7 +610,7 @@ class NativeKernels(TorchKernels):
             o_bias, down_bias = b.reduced_biases
             rows.append([
                 norm, qkv, qkv_bias, o_weight, o_bias, post, gate_up, gate_up_bias, down,
-                down_bias, kv_index, c.key.data_ptr(), c.value.data_ptr(), int(b.weights_bf16),
+                down_bias, kv_index, c.key.data_ptr(), c.value.data_ptr(), *b.weight_kinds,
             ])  # fmt: skip
             eps.append([input_eps, post_eps])
         table = torch.tensor(rows, dtype=torch.int64, device="cpu")
@@ -608,7 +664,7 @@ class NativeKernels(TorchKernels):
             cache.key.shape[0], cache.block_size, decode.blocks.data_ptr(),
             decode.blocks_per_seq, decode.lengths.data_ptr(), kv_index, blocks.scale, o_weight,
             partial.data_ptr(), _address(summed), _address(times), self.team,
-            blocks.weights_bf16,
+            *blocks.weight_kinds[:2],
         )  # fmt: skip
         _record(timer, times)
         return partial, hidden if summed is None else summed
@@ -637,7 +693,7 @@ class NativeKernels(TorchKernels):
         self.native.mlp_block(
             hidden.data_ptr(), residual.data_ptr(), norm, eps, rows, blocks.hidden_size, gate_up,
             gate_up_bias, blocks.intermediate_size, down, partial.data_ptr(), summed.data_ptr(),
-            _address(times), self.team, blocks.weights_bf16,
+            _address(times), self.team, *blocks.weight_kinds[2:],
         )  # fmt: skip
         _record(timer, times)
         return partial, summed
@@ -739,23 +795,27 @@ def _paired(block: int) -> list[int]:
 
 
 class WeightArena:
-    """One buffer of ``size`` elements of ``dtype`` in host memory, handed out front to back in
-    pieces, each starting on a 64-byte boundary (a cache line). Made with ``torch.empty``:
-    memory is committed only as pieces are written."""
+    """One buffer of ``size`` bytes in host memory, handed out front to back in pieces, each
+    starting on a 64-byte boundary (a cache line). Made with ``torch.empty``: memory is
+    committed only as pieces are written."""
 
-    def __init__(self, size: int, dtype: torch.dtype = torch.float32) -> None:
-        self.buffer = torch.empty(size, dtype=dtype, device="cpu")
+    def __init__(self, size: int) -> None:
+        self.buffer = torch.empty(size, dtype=torch.uint8, device="cpu")
         self.used = 0
 
-    def take(self, size: int) -> torch.Tensor:
-        """The next ``size`` elements (a view of the buffer)."""
+    def peek(self, size: int) -> torch.Tensor:
+        """The next ``size`` bytes, not yet taken (the next :meth:`take` starts there too)."""
         if self.used + size > self.buffer.numel():
             raise ValueError(
-                f"weight arena: {size} more elements do not fit ({self.used} of "
+                f"weight arena: {size} more bytes do not fit ({self.used} of "
                 f"{self.buffer.numel()} used); pack only the weights it was made for"
             )
-        piece = self.buffer[self.used : self.used + size]
-        self.used += _aligned(size, self.buffer.dtype)
+        return self.buffer[self.used : self.used + size]
+
+    def take(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The next ``size`` elements of ``dtype`` (a view of the buffer)."""
+        piece = self.peek(size * dtype.itemsize).view(dtype)
+        self.used += _aligned(size * dtype.itemsize)
         return piece
 
 
@@ -765,10 +825,9 @@ def _times(parts: int) -> torch.Tensor:
     return torch.zeros(parts, dtype=torch.float64, device="cpu")
 
 
-def _aligned(size: int, dtype: torch.dtype) -> int:
-    """``size`` elements of ``dtype`` rounded up to whole 64-byte cache lines."""
-    per_line = 64 // dtype.itemsize
-    return -(-size // per_line) * per_line
+def _aligned(size: int) -> int:
+    """``size`` bytes rounded up to whole 64-byte cache lines."""
+    return -(-size // 64) * 64
 
 
 def _address(tensor: torch.Tensor | None) -> int:
@@ -855,15 +914,20 @@ TORCH_KERNELS = TorchKernels()
 
 
 def layer_kernels(
-    device: torch.device, environ: Mapping[str, str], weight_dtype: torch.dtype | None = None
+    device: torch.device,
+    environ: Mapping[str, str],
+    weight_dtype: torch.dtype | None = None,
+    quantized: bool = False,
 ) -> TorchKernels:
     """The kernels of a model on ``device``: the C path on the CPU where its extension was
     built (and ``SHARDLINE_NATIVE`` in ``environ`` is not ``0``), else the torch path; linear
-    weights keep the precision of ``weight_dtype`` (:class:`TorchKernels`)."""
+    weights keep the precision of ``weight_dtype`` (:class:`TorchKernels`), and with
+    ``quantized`` the C path holds those it can in quantization blocks (:class:`NativeKernels`;
+    elsewhere they stay float32: the same values)."""
     native = native_extension("shardline.layers._kernels", environ)
     if native is None or torch.device(device).type != "cpu":
         return TorchKernels(weight_dtype)
-    return NativeKernels(native, torch.get_num_threads(), weight_dtype)
+    return NativeKernels(native, torch.get_num_threads(), weight_dtype, quantized)
 
 
 def held_weight_dtype(

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 
-from shardline.config.schema import EngineConfig
+from shardline.config.schema import GGUF_BLOCKS, EngineConfig
 from shardline.dtypes import torch_dtype
+from shardline.errors import ConfigError
 from shardline.layers.kernels import layer_kernels
 from shardline.models.llama import LlamaForCausalLM
 from shardline.models.memory import LlamaPlan
 from shardline.weights import open_checkpoint
+from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from shardline.worker.model_runner import CausalLMRunner
 
 
@@ -21,7 +23,14 @@ class LlamaModelRunner(CausalLMRunner):
     def plan(cls, config: EngineConfig) -> LlamaPlan:
         """The layout checked against the checkpoint's architecture (its metadata only), and
         what each rank will hold."""
-        return LlamaPlan.of(open_checkpoint(config.model.path).architecture, config, os.environ)
+        checkpoint = open_checkpoint(config.model.path)
+        if config.model.holds_gguf_blocks and not isinstance(checkpoint, GGUFCheckpoint):
+            raise ConfigError(
+                f"model.weight_dtype = {GGUF_BLOCKS!r} holds a GGUF file's quantization "
+                f"blocks; model.path = {str(config.model.path)!r} is not a GGUF file "
+                "(allowed with it: null, 'float32', 'bfloat16')"
+            )
+        return LlamaPlan.of(checkpoint.architecture, config, os.environ)
 
     def build_model(self) -> LlamaForCausalLM:
         checkpoint = open_checkpoint(self.config.model.path, os.environ)
@@ -29,7 +38,12 @@ class LlamaModelRunner(CausalLMRunner):
             checkpoint.architecture,
             self.state,
             torch_dtype(self.config.model.dtype),
-            layer_kernels(self.device, os.environ, torch_dtype(self.config.model.weight_precision)),
+            layer_kernels(
+                self.device,
+                os.environ,
+                torch_dtype(self.config.model.weight_precision),
+                quantized=self.config.model.holds_gguf_blocks,
+            ),
         )
         model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
         return model

@@ -14,30 +14,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
+
 enum { BLOCK = 32 };
 
-/* IEEE half to single precision, exact (subnormals, infinities and NaN payloads included). */
+/* A block's float16 at bytes (little-endian) as float32. */
 static float half_to_float(const unsigned char *bytes) {
-    uint32_t half = (uint32_t)bytes[0] | (uint32_t)bytes[1] << 8;
-    uint32_t sign = (half & 0x8000u) << 16, exponent = (half >> 10) & 0x1fu;
-    uint32_t mantissa = half & 0x3ffu, bits;
-    if (exponent == 0x1f) {
-        bits = sign | 0x7f800000u | mantissa << 13;
-    } else if (exponent != 0) {
-        bits = sign | (exponent + 112) << 23 | mantissa << 13;
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else { /* subnormal: mantissa * 2^-24, normalized */
-        uint32_t shift = 0;
-        while (!(mantissa & 0x400u)) {
-            mantissa <<= 1;
-            shift++;
-        }
-        bits = sign | (113 - shift) << 23 | (mantissa & 0x3ffu) << 13;
-    }
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
+    return shardline_half_to_float((uint16_t)(bytes[0] | bytes[1] << 8));
 }
 
 static void q8_0(const unsigned char *block, float *out) {

@@ -1,0 +1,204 @@
+/* The AVX-512 linear kernels of weights held in quantization blocks (quantized_blocks.h: the
+ * layout and why the sums are the float32 kernel's), for kernels.c, which includes this after
+ * its own blocked kernels (LINEAR_BLOCK, tail_mask, AVX512). */
+
+/* The weights of inputs 2p and 2p + 1 (Q4_0, Q4_1), or of input p (Q8_0: first only), for
+ * outputs 16k..16k+15 of a group (values: its values; scale, minimum: those outputs'). */
+AVX512 static inline __attribute__((always_inline)) void widen_16(
+    const int kind, const uint8_t *values, long p, int k, __m512 scale, __m512 minimum,
+    __m512 *first, __m512 *second) {
+    const __m128i *bytes = (const __m128i *)(values + p * LINEAR_BLOCK + 16 * k);
+    if (kind == WEIGHT_Q8_0) {
+        __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(bytes));
+        *first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
+        return;
+    }
+    __m512i pair = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
+    __m512i low = _mm512_and_si512(pair, _mm512_set1_epi32(15));
+    __m512i high = _mm512_srli_epi32(pair, 4);
+    if (kind == WEIGHT_Q4_0) {
+        low = _mm512_sub_epi32(low, _mm512_set1_epi32(8));
+        high = _mm512_sub_epi32(high, _mm512_set1_epi32(8));
+    }
+    *first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(low));
+    *second = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(high));
+    if (kind == WEIGHT_Q4_1) {
+        *first = _mm512_add_ps(*first, minimum);
+        *second = _mm512_add_ps(*second, minimum);
+    }
+}
+
+/* A group's scales (and minimums) for outputs 16k..16k+15. */
+AVX512 static inline __attribute__((always_inline)) void group_scales(
+    const int kind, const uint8_t *group, __m512 scale[4], __m512 minimum[4]) {
+    for (int k = 0; k < 4; k++) {
+        scale[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 32 * k)));
+        minimum[k] = kind == WEIGHT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                               (const __m256i *)(group + 128 + 32 * k)))
+                                         : _mm512_setzero_ps();
+    }
+}
+
+/* y's width (<= LINEAR_BLOCK) outputs of one row against one block, widening as it reads:
+ * the sums in registers from the first input to the last. */
+AVX512 static inline __attribute__((always_inline)) void quantized_row(
+    const int kind, const uint8_t *block, long groups, const float *x, float *y, long width,
+    const float *bias) {
+    __m512 acc[4];
+    for (int k = 0; k < 4; k++) acc[k] = _mm512_setzero_ps();
+    long group_bytes = quantized_group_bytes(kind), header = quantized_header_bytes(kind);
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *group = block + g * group_bytes, *values = group + header;
+        const float *xg = x + g * QUANT_GROUP;
+        __m512 scale[4], minimum[4];
+        group_scales(kind, group, scale, minimum);
+        if (kind == WEIGHT_Q8_0) {
+            for (long i = 0; i < QUANT_GROUP; i++) {
+                __m512 value = _mm512_set1_ps(xg[i]), w, unused;
+                for (int k = 0; k < 4; k++) {
+                    widen_16(kind, values, i, k, scale[k], minimum[k], &w, &unused);
+                    acc[k] = _mm512_fmadd_ps(w, value, acc[k]);
+                }
+            }
+            continue;
+        }
+        for (long p = 0; p < QUANT_GROUP / 2; p++) {
+            __m512 first_value = _mm512_set1_ps(xg[2 * p]);
+            __m512 second_value = _mm512_set1_ps(xg[2 * p + 1]);
+            for (int k = 0; k < 4; k++) {
+                __m512 first, second;
+                widen_16(kind, values, p, k, scale[k], minimum[k], &first, &second);
+                acc[k] = _mm512_fmadd_ps(first, first_value, acc[k]);
+                acc[k] = _mm512_fmadd_ps(second, second_value, acc[k]);
+            }
+        }
+    }
+    for (int k = 0; k < 4; k++) {
+        __mmask16 lanes = tail_mask(width, k);
+        __m512 sum = bias ? _mm512_add_ps(acc[k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
+                          : acc[k];
+        _mm512_mask_storeu_ps(y + 16 * k, lanes, sum);
+    }
+}
+
+/* A group of one block widened into wide (QUANT_GROUP x LINEAR_BLOCK float32, input by
+ * input), for several rows to read. */
+AVX512 static inline __attribute__((always_inline)) void widen_group(const int kind,
+                                                                    const uint8_t *group,
+                                                                    float *wide) {
+    __m512 scale[4], minimum[4];
+    group_scales(kind, group, scale, minimum);
+    const uint8_t *values = group + quantized_header_bytes(kind);
+    long steps = kind == WEIGHT_Q8_0 ? QUANT_GROUP : QUANT_GROUP / 2;
+    for (long p = 0; p < steps; p++)
+        for (int k = 0; k < 4; k++) {
+            __m512 first, second;
+            widen_16(kind, values, p, k, scale[k], minimum[k], &first, &second);
+            long input = kind == WEIGHT_Q8_0 ? p : 2 * p;
+            _mm512_storeu_ps(wide + input * LINEAR_BLOCK + 16 * k, first);
+            if (kind != WEIGHT_Q8_0)
+                _mm512_storeu_ps(wide + (input + 1) * LINEAR_BLOCK + 16 * k, second);
+        }
+}
+
+/* R rows (x: R rows of in) against one widened group (inputs from, QUANT_GROUP of them):
+ * their sums continue from sums (R x LINEAR_BLOCK; from 0 where from is 0) and go back there,
+ * or at the last group to y's rows (y_stride apart, width outputs, plus the bias). */
+AVX512 static inline __attribute__((always_inline)) void quantized_tile(
+    const int R, const float *wide, const float *x, long in, long from, int last, float *sums,
+    float *y, long y_stride, long width, const float *bias) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++)
+            acc[r][k] = from ? _mm512_loadu_ps(sums + r * LINEAR_BLOCK + 16 * k)
+                             : _mm512_setzero_ps();
+    for (long i = 0; i < QUANT_GROUP; i++)
+        for (int k = 0; k < 4; k++) {
+            __m512 w = _mm512_loadu_ps(wide + i * LINEAR_BLOCK + 16 * k);
+            for (int r = 0; r < R; r++)
+                acc[r][k] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * in + from + i]), acc[r][k]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) {
+            if (!last) {
+                _mm512_storeu_ps(sums + r * LINEAR_BLOCK + 16 * k, acc[r][k]);
+                continue;
+            }
+            __mmask16 lanes = tail_mask(width, k);
+            __m512 sum = bias ? _mm512_add_ps(acc[r][k],
+                                              _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
+                              : acc[r][k];
+            _mm512_mask_storeu_ps(y + r * y_stride + 16 * k, lanes, sum);
+        }
+}
+
+#define QUANTIZED_TILE_ROWS 4
+
+/* Several rows against one block: each group widened once into wide, then every tile of up
+ * to QUANTIZED_TILE_ROWS rows through it (sums: rows x LINEAR_BLOCK floats). */
+AVX512 static inline __attribute__((always_inline)) void quantized_rows(
+    const int kind, const uint8_t *block, long groups, const float *x, long in, float *y,
+    long y_stride, long rows, long width, const float *bias, float *wide, float *sums) {
+    long group_bytes = quantized_group_bytes(kind);
+    for (long g = 0; g < groups; g++) {
+        widen_group(kind, block + g * group_bytes, wide);
+        int last = g == groups - 1;
+        for (long r = 0; r < rows; r += QUANTIZED_TILE_ROWS) {
+            long tile = rows - r < QUANTIZED_TILE_ROWS ? rows - r : QUANTIZED_TILE_ROWS;
+            const float *xr = x + r * in;
+            float *sr = sums + r * LINEAR_BLOCK, *yr = y + r * y_stride;
+            long from = g * QUANT_GROUP;
+#define TILE(R) quantized_tile(R, wide, xr, in, from, last, sr, yr, y_stride, width, bias)
+            switch (tile) {
+            case 4: TILE(4); break;
+            case 3: TILE(3); break;
+            case 2: TILE(2); break;
+            default: TILE(1);
+            }
+#undef TILE
+        }
+    }
+}
+
+/* y's outputs in blocks [first, end) of a quantized weight of kind (see above): one row
+ * widens as it reads; several widen each group once for all (row by row where the scratch
+ * cannot be had: the same sums). */
+#define DEFINE_QUANTIZED_BLOCKS(NAME, KIND)                                                  \
+    AVX512 static void NAME(const uint8_t *weight, const float *x, float *y,                  \
+                           const float *bias, long rows, long out, long in, long first,      \
+                           long end) {                                                       \
+        long groups = in / QUANT_GROUP, block_bytes = groups * quantized_group_bytes(KIND); \
+        float *scratch = rows > 1 ? aligned_alloc(64, sizeof(float) *                        \
+                                                          (size_t)((QUANT_GROUP + rows) *    \
+                                                                   LINEAR_BLOCK))            \
+                                  : NULL;                                                    \
+        for (long b = first; b < end; b++) {                                                 \
+            const uint8_t *block = weight + b * block_bytes;                                 \
+            long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK     \
+                                                               : LINEAR_BLOCK;               \
+            const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                 \
+            if (scratch == NULL) /* one row, or no memory for the scratch: row by row */     \
+                for (long r = 0; r < rows; r++)                                              \
+                    quantized_row(KIND, block, groups, x + r * in,                           \
+                                  y + r * out + b * LINEAR_BLOCK, width, block_bias);        \
+            else                                                                             \
+                quantized_rows(KIND, block, groups, x, in, y + b * LINEAR_BLOCK, out, rows,  \
+                               width, block_bias, scratch,                                   \
+                               scratch + QUANT_GROUP * LINEAR_BLOCK);                        \
+        }                                                                                    \
+        free(scratch);                                                                       \
+    }
+DEFINE_QUANTIZED_BLOCKS(quantized_blocks_q8_0, WEIGHT_Q8_0)
+DEFINE_QUANTIZED_BLOCKS(quantized_blocks_q4_0, WEIGHT_Q4_0)
+DEFINE_QUANTIZED_BLOCKS(quantized_blocks_q4_1, WEIGHT_Q4_1)
+#undef DEFINE_QUANTIZED_BLOCKS
+
+static void quantized_blocks(int kind, const void *weight, const float *x, float *y,
+                            const float *bias, long rows, long out, long in, long first,
+                            long end) {
+    switch (kind) {
+    case WEIGHT_Q8_0: quantized_blocks_q8_0(weight, x, y, bias, rows, out, in, first, end); break;
+    case WEIGHT_Q4_0: quantized_blocks_q4_0(weight, x, y, bias, rows, out, in, first, end); break;
+    default: quantized_blocks_q4_1(weight, x, y, bias, rows, out, in, first, end);
+    }
+}
