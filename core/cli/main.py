@@ -273,7 +273,8 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--weight-dtype",
         help="Shardline's model.weight_dtype (bfloat16 with --dtype float32: linear weights "
-        "rounded to bfloat16, computed in float32); transformers keeps --dtype",
+        "rounded to bfloat16, computed in float32; gguf: held in the file's quantization "
+        "blocks, the float32 results); transformers keeps --dtype",
     )
     decode.add_argument(
         "--profile",
