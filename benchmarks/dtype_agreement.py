@@ -1,6 +1,8 @@
 """How closely a lower-precision mode (``model.dtype``, or float32 with ``model.weight_dtype``
 bfloat16: linear weights rounded to bfloat16, computed in float32) follows float32: top-1
 agreement of greedy decoding on held-out prompts (prompts no test or tuning uses), in one run.
+float32 with ``model.weight_dtype`` gguf (the file's quantization blocks held as they are)
+is measured too: it computes float32's very bits, so it must agree everywhere.
 
 float32 is the reference (its greedy tokens equal transformers'; tests/test_smollm2.py). For
 each prompt it generates ``--tokens`` tokens; then each mode is asked for the next token after
@@ -39,7 +41,7 @@ PROMPTS = (
     "Water boils at a lower temperature at high altitude because",
 )
 #: (model.dtype, model.weight_dtype) of each mode measured.
-MODES = (("float32", None), ("bfloat16", None), ("float32", "bfloat16"))
+MODES = (("float32", None), ("bfloat16", None), ("float32", "bfloat16"), ("float32", "gguf"))
 
 
 def mode_name(dtype: str, weight_dtype: str | None) -> str:

@@ -700,10 +700,17 @@ def test_layers_with_bfloat16_weights_run_as_with_float32_weights_rounded_to_the
         rounded.append(_layer_blocks(hidden, heads, size, True, _Rounding())[2])
     assert all(b.weight_kinds == (native_module.WEIGHT_BFLOAT16,) * 4 for b in held)
     assert all(b.weight_kinds == (native_module.WEIGHT_FLOAT32,) * 4 for b in rounded)
+    _assert_layers_run_alike((held, HALF_WEIGHTS), (rounded, NATIVE), hidden)
+
+
+def _assert_layers_run_alike(first, second, hidden: int) -> None:
+    """Two stacks of layers (each ``(layers, kernels)``) give the same bits through
+    decode_layers (three decodes, the same cached keys and values) and the first layer's
+    fused MLP half."""
     metadata, decode, rope = _three_decodes()
     x = torch.randn(3, hidden)
     results = []
-    for layers, kernels in ((held, HALF_WEIGHTS), (rounded, NATIVE)):
+    for layers, kernels in (first, second):
         torch.manual_seed(3)  # the same cached keys and values for both
         caches = [_filled_cache(2, 32) for _ in layers]
         stack = kernels.layer_stack(layers, caches)
@@ -816,20 +823,7 @@ def test_layers_with_weights_in_blocks_run_as_with_their_float32_weights():
         plain.append(_layer_blocks(hidden, heads, size, True, _GGUFValued(kind, False))[2])
     kinds = [getattr(native_module, f"WEIGHT_{k}") for k in ("Q4_1", "Q8_0", "Q4_0")]
     assert [b.weight_kinds for b in held] == [(k,) * 4 for k in kinds]
-    metadata, decode, rope = _three_decodes()
-    x = torch.randn(3, hidden)
-    results = []
-    for layers in (held, plain):
-        torch.manual_seed(3)  # the same cached keys and values for both
-        caches = [_filled_cache(2, 32) for _ in layers]
-        stack = NATIVE.layer_stack(layers, caches)
-        out = NATIVE.decode_layers(stack, x, None, rope, metadata.slot_mapping, decode, _OneRank())
-        half = NATIVE.mlp_block(layers[0], x, x)
-        results.append((out, half, [c.key for c in caches]))
-    (out, half, keys), (expected, expected_half, expected_keys) = results
-    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
-    assert torch.equal(half[0], expected_half[0])
-    assert all(torch.equal(a, b) for a, b in zip(keys, expected_keys, strict=True))
+    _assert_layers_run_alike((held, NATIVE), (plain, NATIVE), hidden)
 
 
 def _float32_product(x, weight, bias=None):

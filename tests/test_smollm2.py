@@ -267,15 +267,20 @@ def test_llm_chat_gives_transformers_greedy_answers_and_logprobs(
 
 @pytest.mark.parametrize(
     "layout",
-    [[], ["parallel.tensor_parallel_size=2", "parallel.communicator=custom_ar"]],
-    ids=["tp1", "tp2-custom_ar"],
+    [
+        [],
+        ["parallel.tensor_parallel_size=2", "parallel.communicator=custom_ar"],
+        ["parallel.pipeline_parallel_size=2", "parallel.communicator=custom_ar"],
+    ],
+    ids=["tp1", "tp2-custom_ar", "pp2-custom_ar"],
 )
 def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
     gguf_path, reference, layout
 ):
     """``model.weight_dtype: gguf``: every linear weight and the LM head held in the file's
-    own blocks (Q4_1 and Q8_0 here), under a fifth of float32's bytes on every rank, and the
-    answers and log-probabilities the float32 model's, bit for bit (transformers' tokens)."""
+    own blocks (Q4_1 linears, 0.16 of float32's bytes, and a Q8_0 head, 0.27), under 0.21 of
+    float32's bytes a step reads on every rank, and the answers and log-probabilities the
+    float32 model's, bit for bit (transformers' tokens)."""
     kernels = pytest.importorskip("shardline.layers._kernels", reason="C extension not built")
     if not kernels.quantized_linear_available():
         pytest.skip("weights held in quantization blocks need AVX-512; this CPU lacks it")
@@ -297,7 +302,7 @@ def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
     assert blocks_answers == float32_answers
     assert [answer[0] for answer in blocks_answers] == reference["tokens"]
     assert len(blocks_held) == len(float32_held) == (2 if layout else 1)
-    assert all(b < 0.2 * f for b, f in zip(blocks_held, float32_held, strict=True))
+    assert all(b < 0.21 * f for b, f in zip(blocks_held, float32_held, strict=True))
 
 
 def test_prompt_logprobs_of_a_prompt_run_in_chunks(gguf_path, prompts, reference):

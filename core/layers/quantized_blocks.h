@@ -56,18 +56,25 @@ static inline uint32_t bits_of(float value) {
 }
 
 /* The float16 bit patterns nearest value (sign kept): the largest not above its magnitude
- * and its two neighbours; how many (0 where value is NaN or beyond float16's range). */
+ * (a normal one's exponent and leading mantissa bits; below float16's normals, a search) and
+ * its two neighbours; how many (0 where value is NaN or beyond float16's range). */
 static int halves_near(float value, uint16_t found[3]) {
     uint16_t sign = value < 0 ? 0x8000u : 0;
     float magnitude = fabsf(value);
     if (!(magnitude <= 65504.0f)) return 0;
-    unsigned low = 0, high = 0x7bff;
-    while (low < high) {
-        unsigned middle = (low + high + 1) / 2;
-        if (shardline_half_to_float((uint16_t)middle) <= magnitude)
-            low = middle;
-        else
-            high = middle - 1;
+    unsigned low;
+    if (magnitude >= 0x1p-14f) {
+        low = (bits_of(magnitude) >> 13) - (112u << 10);
+    } else {
+        unsigned high = 0x3ff;
+        low = 0;
+        while (low < high) {
+            unsigned middle = (low + high + 1) / 2;
+            if (shardline_half_to_float((uint16_t)middle) <= magnitude)
+                low = middle;
+            else
+                high = middle - 1;
+        }
     }
     int count = 0;
     found[count++] = (uint16_t)(sign | low);
@@ -77,13 +84,15 @@ static int halves_near(float value, uint16_t found[3]) {
 }
 
 /* q for each of QUANT_GROUP values such that widened(kind, scale, minimum, q) is the value,
- * bit for bit; 0 if some value has none. */
+ * bit for bit; 0 if some value has none. Each q is guessed to the nearest whole number (the
+ * guess need not round as any quantizer did: the check decides). */
 static int values_of_group(int kind, const float *values, float scale, float minimum, int *q) {
     int lowest = kind == WEIGHT_Q8_0 ? -128 : 0, highest = kind == WEIGHT_Q8_0 ? 127 : 15;
+    float inverse = scale == 0.0f ? 0.0f : 1.0f / scale;
     for (int i = 0; i < QUANT_GROUP; i++) {
-        float guess = scale == 0.0f ? 0.0f : (values[i] - minimum) / scale;
+        float guess = (values[i] - minimum) * inverse;
         if (!(fabsf(guess) < 1024.0f)) return 0;
-        long k = lrintf(guess) + (kind == WEIGHT_Q4_0 ? 8 : 0);
+        long k = (long)(guess + 1024.5f) - 1024 + (kind == WEIGHT_Q4_0 ? 8 : 0);
         q[i] = (int)(k < lowest ? lowest : k > highest ? highest : k);
         if (bits_of(widened(kind, scale, minimum, q[i])) != bits_of(values[i])) return 0;
     }
