@@ -5,13 +5,17 @@ its worlds and build its model runner, then loads the weights and reports, per r
 resident memory (``ru_maxrss``) after the load, the growth of that peak during the load, and
 the bytes of its parameters. Prints a table and writes JSON.
 
-    python benchmarks/load_memory.py --model PATH.gguf --tp 1 2 [--json out.json]
+    python benchmarks/load_memory.py --model PATH.gguf --tp 1 2 [--set K=V ...] [--json out.json]
+
+``--set`` applies to every case (``model.weight_dtype=gguf``: the file's blocks held).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import resource
 import sys
 
@@ -43,8 +47,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="GGUF file or HF directory")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--set", action="append", default=[], help="config override (repeatable)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    # The ranks unpickle the measuring function by module name: this script as the module
+    # load_memory, importable by them from this folder.
+    folder = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (folder, os.environ.get("PYTHONPATH")) if p
+    )
+    measure = importlib.import_module("load_memory").measure_load
     results = []
     for tp in args.tp:
         config = load_config(
@@ -52,13 +65,14 @@ def main() -> int:
                 f"model.path={args.model}",
                 f"parallel.tensor_parallel_size={tp}",
                 "cache.num_blocks=1",
+                *args.set,
             ],
             environ={},
         ).config
         with LocalWorld(
             tp, WorkerSetup(config, load_model=False), start_timeout_s=300, call_timeout_s=600
         ) as world:
-            for row in world.run(measure_load):
+            for row in world.run(measure):
                 results.append({"tp": tp, **row})
     mib = 1024 * 1024
     single = [r for r in results if r["tp"] == 1]

@@ -25,6 +25,7 @@ from shardline.layers.kernels import (
 )
 from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
+from shardline.models.memory import HeldBlocks, block_bytes
 from support.gguf_values import gguf_valued
 
 native_module = pytest.importorskip(
@@ -931,3 +932,21 @@ def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take
         o_proj=(torch.randn(72, 96), None), post_norm=(torch.ones(72), 1e-5),
         gate_up=(torch.randn(80, 72), None), down=(torch.randn(72, 40), None),
     ) is None  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_the_memory_plan_counts_blocks_as_the_kernel_holds_them(kind):
+    """memory.block_bytes (what a plan counts) is what the C packing takes, in whole blocks
+    of 64 outputs; float32 where the inputs do not fall in whole groups of 32; and a file's
+    linear kind is the one with the most bytes among its layers' (the head's its own)."""
+    code = getattr(native_module, f"WEIGHT_{kind}")
+    for out_features, in_features in ((64, 64), (65, 32), (7, 576)):
+        planned = block_bytes(kind, out_features, in_features)
+        assert planned == native_module.quantized_size(code, out_features, in_features)
+    assert block_bytes(kind, 64, 40) == 4 * 64 * 40
+    assert block_bytes(kind, 64, 64, first_input=16) == 4 * 64 * 64
+    assert block_bytes("F16", 64, 64) == 4 * 64 * 64
+    types = {"blk.0.attn_q.weight": "Q4_1", "blk.1.ffn_down.weight": kind, "output.weight": "F32"}
+    widest = max(("Q4_1", kind), key={"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}.get)
+    assert HeldBlocks.of(types, tied=False) == HeldBlocks(widest, "F32")
+    assert HeldBlocks.of({**types, "token_embd.weight": "Q8_0"}, tied=True).head == "Q8_0"

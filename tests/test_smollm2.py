@@ -15,6 +15,7 @@ from shardline.launch.launchers import run_launched
 from shardline.tokenizer import Tokenizer
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from shardline.weights.gguf_layout import GGUFLayout
+from support.memory_probe import bytes_held
 from support.run_once import computed_once
 from support.smollm2 import smollm2_gguf
 
@@ -279,8 +280,8 @@ def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
 ):
     """``model.weight_dtype: gguf``: every linear weight and the LM head held in the file's
     own blocks (Q4_1 linears, 0.16 of float32's bytes, and a Q8_0 head, 0.27), under 0.21 of
-    float32's bytes a step reads on every rank, and the answers and log-probabilities the
-    float32 model's, bit for bit (transformers' tokens)."""
+    float32's bytes a step reads on every rank (the memory plan counted them so), and the
+    answers and log-probabilities the float32 model's, bit for bit (transformers' tokens)."""
     kernels = pytest.importorskip("shardline.layers._kernels", reason="C extension not built")
     if not kernels.quantized_linear_available():
         pytest.skip("weights held in quantization blocks need AVX-512; this CPU lacks it")
@@ -291,6 +292,9 @@ def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
         overrides = [f"model.path={gguf_path}", f"model.weight_dtype={weight_dtype}", *layout]
         with LLM(overrides=overrides, environ={}) as llm:
             held = llm.engine.executor.collective_rpc("weight_bytes_per_step")
+            planned = {r: share for share in llm.engine.capacity.shares for r in share.ranks}
+            for rank, (parameters, _) in enumerate(llm.engine.executor.collective_rpc(bytes_held)):
+                assert parameters == planned[rank].memory.weights  # the plan counts the blocks
             greedy = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS))
             scored = llm.chat(conversations, params)
         answers = [
@@ -303,6 +307,29 @@ def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
     assert [answer[0] for answer in blocks_answers] == reference["tokens"]
     assert len(blocks_held) == len(float32_held) == (2 if layout else 1)
     assert all(b < 0.21 * f for b, f in zip(blocks_held, float32_held, strict=True))
+
+
+def test_a_file_whose_values_are_not_its_blocks_is_refused_with_gguf_blocks(gguf_path, tmp_path):
+    """One block of one tensor whose 4-bit values never reach 0 (its minimum then is no
+    value: not what GGML's quantizer writes) cannot be found again exactly: that weight would
+    stay float32, beyond the memory the plan counted, so the load is refused, naming the rank,
+    both sizes and what to set instead."""
+    kernels = pytest.importorskip("shardline.layers._kernels", reason="C extension not built")
+    if not kernels.quantized_linear_available():
+        pytest.skip("weights held in quantization blocks need AVX-512; this CPU lacks it")
+    copy = tmp_path / "other-quantizer.gguf"
+    copy.write_bytes(gguf_path.read_bytes())
+    data = GGUFLayout.read(copy).tensors["blk.2.ffn_down.weight"].data
+    root = data
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    offset = data.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    del data, root
+    with copy.open("r+b") as handle:
+        handle.seek(offset + 4)  # the first Q4_1 block's values, after its scale and minimum
+        handle.write(bytes([0x11] * 16))
+    with pytest.raises(ConfigError, match=r"model.weight_dtype = 'gguf': rank 0 holds [\d.]+ MiB"):
+        LLM(overrides=[f"model.path={copy}", "model.weight_dtype=gguf"], environ={})
 
 
 def test_prompt_logprobs_of_a_prompt_run_in_chunks(gguf_path, prompts, reference):

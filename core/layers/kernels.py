@@ -942,6 +942,17 @@ def held_weight_dtype(
     return weight_dtype if native is not None and _c_linear_runs(native, device) else dtype
 
 
+def holds_quantization_blocks(device: str, environ: Mapping[str, str]) -> bool:
+    """Whether :func:`layer_kernels` with ``quantized`` holds weights in quantization blocks
+    on ``device`` (a kind): the C linear kernel runs there, with AVX-512."""
+    native = native_extension("shardline.layers._kernels", environ)
+    return (
+        native is not None
+        and _c_linear_runs(native, device)
+        and native.quantized_linear_available()
+    )
+
+
 def _c_linear_runs(native: ModuleType, device: str) -> bool:
     """Whether ``native``'s linear kernel multiplies float32 weights on ``device`` (a kind):
     the CPU, with oneDNN's packing there to fall back on, and AVX-512 or AVX2 with FMA."""

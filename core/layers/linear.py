@@ -38,29 +38,50 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def weight_matrix(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Parameter:
-    """A ``[out, in]`` weight (zeros), made on torch's default device. A float32 weight on
+    """A ``[out, in]`` weight, uninitialized (loading writes all of it; its memory is
+    committed only as it is written), made on torch's default device. A float32 weight on
     the CPU is stored column by column (its transpose contiguous): torch's CPU GEMM multiplies
     by a contiguous ``[in, out]`` matrix faster at decode batch sizes, which matters for a
     weight that is not packed (a tied LM head; no oneDNN)."""
     if dtype == torch.float32 and torch.get_default_device().type == "cpu":
-        storage = torch.zeros(in_features, out_features, dtype=dtype)
+        storage = torch.empty(in_features, out_features, dtype=dtype)
         return nn.Parameter(storage.t(), requires_grad=False)
-    return nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype), requires_grad=False)
+    return nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+
+class LinearPacking:
+    """Packs a model's linear weights as they are loaded: one
+    :meth:`~TorchKernels.weight_packer` per kernels object, made up front from every layer
+    with a ``pack`` method (their shapes), so that the C kernel's weights lie back to back in
+    module order (the order a step multiplies by them). Call :meth:`pack` on each part of the
+    model once its weights are loaded, in module order: a loaded layer is packed (its loaded
+    copy freed) before the next is read, so loading holds one layer's unpacked weights at a
+    time, not the model's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        packable: dict[int, list[nn.Module]] = {}
+        for module in model.modules():
+            if callable(getattr(module, "pack", None)):
+                packable.setdefault(id(module.kernels), []).append(module)
+        self._packers = {
+            kernels: modules[0].kernels.weight_packer([module.weight for module in modules])
+            for kernels, modules in packable.items()
+        }
+        self._packed: set[int] = set()
+
+    def pack(self, part: nn.Module) -> None:
+        """Pack every layer with a ``pack`` method in ``part`` (loaded) not packed yet."""
+        for module in part.modules():
+            if callable(getattr(module, "pack", None)) and id(module) not in self._packed:
+                self._packed.add(id(module))
+                module.pack(self._packers[id(module.kernels)])
 
 
 def pack_linear_weights(model: nn.Module) -> None:
     """Pack the weight of every layer of ``model`` that has a ``pack`` method (call once the
-    weights are loaded; loading into a packed weight is not possible), in module order (the
-    order a step multiplies by them) with one :meth:`~TorchKernels.weight_packer` per
-    kernels object, so that the C kernel's weights lie back to back in that order."""
-    packable: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        if callable(getattr(module, "pack", None)):
-            packable.setdefault(id(module.kernels), []).append(module)
-    for modules in packable.values():
-        packer = modules[0].kernels.weight_packer([module.weight for module in modules])
-        for module in modules:
-            module.pack(packer)
+    weights are loaded; loading into a packed weight is not possible): :class:`LinearPacking`
+    of the whole model at once."""
+    LinearPacking(model).pack(model)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -30,11 +30,11 @@ from shardline.layers.kernels import (
     TorchKernels,
 )
 from shardline.layers.linear import (
+    LinearPacking,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     copy_into,
-    pack_linear_weights,
 )
 from shardline.layers.norm import RMSNorm
 from shardline.layers.rotary import RotaryEmbedding
@@ -325,11 +325,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden, greedy=True)
 
     def load_weights(self, weight: WeightLookup, source: str = "checkpoint") -> None:
-        """Load this rank's shard of this stage's weights, by HF tensor name, then pack them for
-        the CPU's fastest kernel (:func:`~shardline.layers.linear.pack_linear_weights`). Every
-        tensor's full shape is checked against the config first: a mismatch is a ConfigError
-        naming ``source`` and the tensor."""
+        """Load this rank's shard of this stage's weights, by HF tensor name, packing each
+        layer for the CPU's fastest kernel once it is loaded
+        (:class:`~shardline.layers.linear.LinearPacking`: one layer's unpacked weights held at
+        a time). Every tensor's full shape is checked against the config first: a mismatch is
+        a ConfigError naming ``source`` and the tensor."""
         arch = self.arch
+        packing = LinearPacking(self)
 
         def checked(name: str) -> TensorSource:
             tensor = weight(name)
@@ -345,6 +347,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.load_full(checked("model.embed_tokens.weight"))
         for i in self.layer_range:
             self.layers[str(i)].load(f"model.layers.{i}", checked, arch)
+            packing.pack(self.layers[str(i)])
         if self.is_last_stage:
             copy_into(self.norm.weight, checked("model.norm.weight")[:], "model.norm.weight")
             if not arch.tie_word_embeddings:
@@ -352,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
             elif self.embed_tokens is None:
                 # Tied head on a stage without the embedding: load the shared table here.
                 self.lm_head.load_full(checked("model.embed_tokens.weight"))
-        pack_linear_weights(self)
+        packing.pack(self)
         for layer in self.layers.values():
             layer.prepare_blocks()
         self._stack = self._stack_caches = None  # made again from the new blocks

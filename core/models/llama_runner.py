@@ -8,9 +8,9 @@ import os
 from shardline.config.schema import GGUF_BLOCKS, EngineConfig
 from shardline.dtypes import torch_dtype
 from shardline.errors import ConfigError
-from shardline.layers.kernels import layer_kernels
+from shardline.layers.kernels import holds_quantization_blocks, layer_kernels
 from shardline.models.llama import LlamaForCausalLM
-from shardline.models.memory import LlamaPlan
+from shardline.models.memory import HeldBlocks, LlamaPlan
 from shardline.weights import open_checkpoint
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from shardline.worker.model_runner import CausalLMRunner
@@ -24,13 +24,19 @@ class LlamaModelRunner(CausalLMRunner):
         """The layout checked against the checkpoint's architecture (its metadata only), and
         what each rank will hold."""
         checkpoint = open_checkpoint(config.model.path)
-        if config.model.holds_gguf_blocks and not isinstance(checkpoint, GGUFCheckpoint):
-            raise ConfigError(
-                f"model.weight_dtype = {GGUF_BLOCKS!r} holds a GGUF file's quantization "
-                f"blocks; model.path = {str(config.model.path)!r} is not a GGUF file "
-                "(allowed with it: null, 'float32', 'bfloat16')"
-            )
-        return LlamaPlan.of(checkpoint.architecture, config, os.environ)
+        held_blocks = None
+        if config.model.holds_gguf_blocks:
+            if not isinstance(checkpoint, GGUFCheckpoint):
+                raise ConfigError(
+                    f"model.weight_dtype = {GGUF_BLOCKS!r} holds a GGUF file's quantization "
+                    f"blocks; model.path = {str(config.model.path)!r} is not a GGUF file "
+                    "(allowed with it: null, 'float32', 'bfloat16')"
+                )
+            if holds_quantization_blocks(config.parallel.device, os.environ):
+                held_blocks = HeldBlocks.of(
+                    checkpoint.tensor_types(), checkpoint.architecture.tie_word_embeddings
+                )
+        return LlamaPlan.of(checkpoint.architecture, config, os.environ, held_blocks)
 
     def build_model(self) -> LlamaForCausalLM:
         checkpoint = open_checkpoint(self.config.model.path, os.environ)
@@ -46,4 +52,22 @@ class LlamaModelRunner(CausalLMRunner):
             ),
         )
         model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
+        if self.config.model.holds_gguf_blocks:
+            self._check_blocks_as_planned(model)
         return model
+
+    def _check_blocks_as_planned(self, model: LlamaForCausalLM) -> None:
+        """A ConfigError where this rank holds more weight bytes than its plan counted with
+        the file's block kinds: some weight's values were not its blocks' exactly (another
+        quantizer's, or a shard that cuts a block of 32) and are held in float32."""
+        plan = self.plan(self.config)
+        memory = plan.rank_memory(self.state.pp.rank_in_group, self.state.tp.rank_in_group, 1, 0)
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        if held > memory.weights:
+            mib = 2**20
+            raise ConfigError(
+                f"model.weight_dtype = {GGUF_BLOCKS!r}: rank {self.state.rank} holds "
+                f"{held / mib:.1f} MiB of weights, {memory.weights / mib:.1f} MiB planned from "
+                f"the file's block kinds: some weight's values are not its blocks' exactly and "
+                "stay float32; allowed for this file: model.weight_dtype null"
+            )

@@ -22,6 +22,51 @@ from shardline.models.architecture import (
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Logits and attention scores are computed in float32 whatever the weights' dtype.
 _FLOAT32 = 4
+#: Bytes of one output's group of 32 inputs held in each GGUF block kind (float16 scale,
+#: Q4_1's float16 minimum, the values), in blocks of 64 outputs (``quantized_blocks.h``).
+_BLOCK_GROUP_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+_GROUP, _BLOCK_OUTPUTS = 32, 64
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """The GGUF block kinds a model's weights are held in (``model.weight_dtype: gguf``):
+    its layers' linear weights' (the kind with the most bytes among them) and its LM head's
+    (a float type name where the file holds it so)."""
+
+    linear: str
+    head: str
+
+    @classmethod
+    def of(cls, tensor_types: Mapping[str, str], tied: bool) -> HeldBlocks:
+        """From the file's tensor types (GGUF name -> type name)."""
+        linear = [
+            kind for name, kind in tensor_types.items()
+            if name.startswith("blk.") and name.rsplit(".", 2)[-2] in _LINEAR_TENSORS
+        ]  # fmt: skip
+        head = tensor_types.get("token_embd.weight" if tied else "output.weight", "F32")
+        return cls(max(linear, key=_bytes_per_weight, default="F32"), head)
+
+
+_LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _bytes_per_weight(kind: str) -> float:
+    return _BLOCK_GROUP_BYTES[kind] / _GROUP if kind in _BLOCK_GROUP_BYTES else _FLOAT32
+
+
+def block_bytes(kind: str, out_features: int, in_features: int, first_input: int = 0) -> int:
+    """Bytes of an ``[out, in]`` weight shard held in blocks of ``kind``: float32 where the
+    kind is not a block kind or the shard's inputs (from ``first_input`` of the full row) do
+    not fall in whole groups of 32, as the kernel then holds it."""
+    if (
+        kind not in _BLOCK_GROUP_BYTES
+        or in_features % _GROUP
+        or first_input % _GROUP
+    ):  # fmt: skip
+        return out_features * in_features * _FLOAT32
+    outputs = -(-out_features // _BLOCK_OUTPUTS) * _BLOCK_OUTPUTS
+    return outputs * in_features // _GROUP * _BLOCK_GROUP_BYTES[kind]
 
 
 @dataclass(frozen=True)
@@ -41,13 +86,20 @@ class LlamaPlan(ModelPlan):
     #: The dtype the linear weights (and a packed LM head) are held in
     #: (:func:`~shardline.layers.kernels.held_weight_dtype`); None: ``dtype``.
     weight_dtype: str | None = None
+    #: The GGUF block kinds they are held in instead, where they are (None: not).
+    held_blocks: HeldBlocks | None = None
 
     @classmethod
     def of(
-        cls, arch: LlamaArchitecture, config: EngineConfig, environ: Mapping[str, str]
+        cls,
+        arch: LlamaArchitecture,
+        config: EngineConfig,
+        environ: Mapping[str, str],
+        held_blocks: HeldBlocks | None = None,
     ) -> LlamaPlan:
         """The plan, or a ConfigError listing every way the layout cannot hold the model;
-        ``environ`` decides which kernels hold the weights (:func:`held_weight_dtype`)."""
+        ``environ`` decides which kernels hold the weights (:func:`held_weight_dtype`), and
+        ``held_blocks`` which GGUF block kinds hold them where the kernels do."""
         parallel = config.parallel
         problems = [
             problem
@@ -73,6 +125,7 @@ class LlamaPlan(ModelPlan):
             held_weight_dtype(
                 parallel.device, config.model.dtype, config.model.weight_precision, environ
             ),
+            held_blocks,
         )
 
     @property
@@ -90,6 +143,15 @@ class LlamaPlan(ModelPlan):
         mlp = arch.intermediate_size // self.tp_size
         hidden = arch.hidden_size
         linear = (q + 2 * kv) * hidden + hidden * q + 3 * mlp * hidden
+        linear_bytes = linear * held
+        if self.held_blocks is not None:
+            kind = self.held_blocks.linear
+            linear_bytes = (
+                block_bytes(kind, q + 2 * kv, hidden)
+                + block_bytes(kind, hidden, q, heads.q_start * arch.head_dim)
+                + block_bytes(kind, 2 * mlp, hidden)
+                + block_bytes(kind, hidden, mlp, tp_rank * mlp)
+            )
         others = 2 * hidden  # the norms
         if arch.attention_bias:
             others += q + 2 * kv + hidden
@@ -100,11 +162,13 @@ class LlamaPlan(ModelPlan):
         shares_table = arch.tie_word_embeddings and first and not self.packed
         head_table = last and not shares_table
         # A packed head is held as the linear weights are; the embedding table as loaded.
+        head_bytes = (held if self.packed else size) * vocab_rows * hidden
+        if self.held_blocks is not None and self.packed:
+            head_bytes = block_bytes(self.held_blocks.head, vocab_rows, hidden)
         weight_bytes = (
-            layers * (linear * held + others * size)
-            + (int(first) * size + int(head_table) * (held if self.packed else size))
-            * vocab_rows
-            * hidden
+            layers * (linear_bytes + others * size)
+            + int(first) * size * vocab_rows * hidden
+            + int(head_table) * head_bytes
             + int(last) * hidden * size
         )
         # Loading converts one tensor shard at a time (GGUF dequantizes to float32 first).

@@ -109,6 +109,10 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self._tensors,
         )
 
+    def tensor_types(self) -> dict[str, str]:
+        """Every tensor's GGUF type name (``Q4_1``, ``F32``, ...), by GGUF tensor name."""
+        return {name: layout.tensor_type.name for name, layout in self._tensors.items()}
+
     def tensor(self, hf_name: str) -> GGUFTensor:
         """The tensor HF calls ``hf_name``, unread until indexed."""
         try:
