@@ -392,6 +392,43 @@ def test_drafts_are_kept_up_to_the_first_the_model_would_not_choose():
     assert scheduler.blocks.num_used == 0
 
 
+def test_heuristic_draft_lengths_grow_while_drafts_are_right_and_shrink_when_not():
+    """With the heuristic schedule a request whose drafts keep being accepted proposes more
+    each step (3, 5, 7, ... 15), one whose drafts miss fewer (down to 1); the tokens are the
+    same and, where the drafts are right, the steps fewer than with a constant 3."""
+    sampling = SamplingParams(max_tokens=90, ignore_eos=True)
+    heuristic = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, draft_schedule="heuristic"
+    )
+
+    def proposed(steps):
+        return [len(c.spec_token_ids) for s in steps for c in s.cached_requests if c.spec_token_ids]
+
+    def cycle(tokens):  # 10, 11, ..., 39, 10, ...: every draft found is right
+        return tokens[-1] + 1 if 10 <= tokens[-1] < 39 else 10
+
+    prompt = [[*range(10, 40), 10, 11]]
+    roomy = {"budget": 32, "blocks": 64, "max_len": 128}
+    constant = _generate(_scheduler(drafts=DRAFTS, **roomy), prompt, sampling, model=cycle)
+    scheduler = _scheduler(drafts=heuristic, **roomy)
+    tokens, steps = _generate(scheduler, prompt, sampling, model=cycle)
+    assert tokens == constant[0]
+    assert proposed(steps)[:4] == [3, 5, 7, 9] and max(proposed(steps)) == 15
+    assert scheduler.spec_accepted_tokens == scheduler.spec_draft_tokens
+    assert len(steps) < len(constant[1])
+
+    def fresh(tokens):  # 0, 101, 0, 103, 0, ...: what follows a 0 is new each time
+        return 100 + len(tokens) if tokens[-1] == 0 else 0
+
+    start = [[5, 0, 6, 0, 7]]
+    _, steps = _generate(_scheduler(drafts=DRAFTS, **roomy), start, sampling, model=fresh)
+    assert proposed(steps)[-5:] == [2] * 5  # the lookups find 2 (the last 0's), both wrong
+    scheduler = _scheduler(drafts=heuristic, **roomy)
+    _, steps = _generate(scheduler, start, sampling, model=fresh)
+    assert proposed(steps)[:3] == [2, 2, 1] and set(proposed(steps)[3:]) == {1}
+    assert scheduler.spec_accepted_tokens == 0
+
+
 def test_drafts_stay_within_max_tokens_the_model_length_and_the_budget():
     sampling = SamplingParams(max_tokens=11, ignore_eos=True)
     scheduler = _scheduler(budget=3, max_len=24, drafts=DRAFTS)

@@ -35,11 +35,30 @@ def test_an_index_follows_the_tokens_as_they_grow():
         assert growing.lookup(added, 3) == NgramIndex(1, 3).lookup(tokens[:end], 3), end
 
 
-def test_the_proposer_keeps_to_the_configured_number():
+def test_the_proposer_keeps_to_the_limit_it_is_given():
     proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=2))
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
-    assert proposer.propose(proposer.new_index(), tokens, 9) == [3, 4]
+    assert proposer.propose(proposer.new_index(), tokens, 2) == [3, 4]
     assert proposer.propose(proposer.new_index(), tokens, 1) == [3]
+
+
+def test_draft_lengths_follow_the_schedule():
+    """constant: num_speculative_tokens, whatever was accepted; heuristic: from there, 2 more
+    after a step whose drafts were all accepted, 1 fewer after one whose were not, within 1
+    and 15; a step without drafts says nothing."""
+    constant = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    assert constant.first_length() == 3
+    assert constant.next_length(3, 3, 3) == constant.next_length(3, 3, 0) == 3
+    heuristic = NgramProposer(
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, draft_schedule="heuristic")
+    )
+    assert heuristic.first_length() == 3
+    assert heuristic.next_length(3, 3, 3) == 5
+    assert heuristic.next_length(5, 2, 2) == 7  # the lookup found fewer: all of them right
+    assert heuristic.next_length(5, 5, 4) == 4
+    assert heuristic.next_length(1, 1, 0) == 1
+    assert heuristic.next_length(14, 14, 14) == heuristic.next_length(15, 15, 15) == 15
+    assert heuristic.next_length(6, 0, 0) == 6
 
 
 def test_a_steps_drafts_travel_through_the_mp_step_encoding():

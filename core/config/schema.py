@@ -55,8 +55,8 @@ class ModelConfig(Section):
         "float32 (held in half the memory where the C linear kernel runs: a CPU with AVX-512 "
         "or AVX2 and FMA). gguf with dtype float32 and a GGUF file: each weight held in the "
         "file's quantization blocks (Q8_0, Q4_0, Q4_1), widened as read: the float32 "
-        "results, bit for bit, from 0.56-1.06 bytes a weight (where the CPU has AVX-512; "
-        "else, and for other block types, float32)",
+        "results, bit for bit, from 0.56-1.06 bytes a weight, planned so (where the CPU has "
+        "AVX-512; else float32; a file whose values are not its blocks' is refused at load)",
     )
     runner: Name = Field(
         default="llama", description="model runner: a registered name or package.module:Class"
@@ -148,7 +148,15 @@ class SpeculativeConfig(Section):
         "of the request's last tokens in its prompt and output (prompt lookup)",
     )
     num_speculative_tokens: Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)] = Field(
-        default=4, description="draft tokens a request proposes per step at most"
+        default=4,
+        description="draft tokens a request proposes per step at most (heuristic: at first)",
+    )
+    draft_schedule: Literal["constant", "heuristic"] = Field(
+        default="constant",
+        description="constant: num_speculative_tokens a step; heuristic: each request's "
+        "draft length starts there, grows by 2 after a step whose drafts were all accepted "
+        f"and shrinks by 1 after one whose were not (1 to {MAX_SPECULATIVE_TOKENS}), as "
+        "transformers' assisted generation schedules it",
     )
     prompt_lookup_max: Annotated[int, Field(ge=1, le=64)] = Field(
         default=4, description="the longest match with the request's last tokens that counts"

@@ -82,6 +82,8 @@ class Request:
     #: The drafts of the step in flight (speculative decoding), and the request's lookup state.
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None
+    #: How many drafts it may propose a step (the proposer's schedule; 0: not set yet).
+    draft_length: int = 0
 
     def token_ids_from(self, start: int) -> list[int]:
         """The tokens from position ``start`` on (without copying the prompt when it is
@@ -343,12 +345,15 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Drafts for ``request``'s next step, which decodes its last token, as many as the
-        proposer finds within the step's token budget, the tokens it may still generate and
-        ``max_model_len``."""
+        proposer finds within the request's draft length, the step's token budget, the
+        tokens it may still generate and ``max_model_len``."""
         sampling = request.sampling
         if self.proposer is None or request.pooling is not None:
             return []
+        if request.draft_length == 0:
+            request.draft_length = self.proposer.first_length()
         limit = min(
+            request.draft_length,
             budget - 1,
             sampling.max_tokens - len(request.output_token_ids) - 1,
             self.max_model_len - request.num_tokens - 1,
@@ -465,6 +470,9 @@ class Scheduler:
                 f"accepted {accepted} (0 to {len(drafts)} expected)"
             )
         request.num_computed_tokens -= len(drafts) - accepted
+        request.draft_length = self.proposer.next_length(
+            request.draft_length, len(drafts), accepted
+        )
         self.spec_draft_tokens += len(drafts)
         self.spec_accepted_tokens += accepted
         return drafts[:accepted]

@@ -16,7 +16,7 @@ it would produce without drafts.
 
 from __future__ import annotations
 
-from shardline.config.schema import SpeculativeConfig
+from shardline.config.schema import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 #: Earlier occurrences of the shortest run a lookup compares, the latest first (a bound on
 #: its time where a short run is common).
@@ -82,8 +82,9 @@ class NgramIndex:
 
 
 class NgramProposer:
-    """Proposes a request's drafts by prompt lookup (see the module docstring), at most
-    ``config.num_speculative_tokens`` a step."""
+    """Proposes a request's drafts by prompt lookup (see the module docstring), and how many
+    a request may propose a step (its draft length, kept with the request):
+    ``config.num_speculative_tokens`` at first, then as ``config.draft_schedule`` says."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -92,7 +93,22 @@ class NgramProposer:
         """The lookup state of one request (kept with the request)."""
         return NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
+    def first_length(self) -> int:
+        """A new request's draft length."""
+        return self.config.num_speculative_tokens
+
+    def next_length(self, length: int, proposed: int, accepted: int) -> int:
+        """A request's draft length after a step that checked ``proposed`` drafts (at most
+        ``length``) and accepted ``accepted``: unchanged (constant), or 2 more when every
+        draft was accepted and 1 fewer when one was not (heuristic; 1 to
+        MAX_SPECULATIVE_TOKENS)."""
+        if self.config.draft_schedule == "constant" or proposed == 0:
+            return length
+        if accepted == proposed:
+            return min(length + 2, MAX_SPECULATIVE_TOKENS)
+        return max(length - 1, 1)
+
     def propose(self, index: NgramIndex, new_tokens: list[int], limit: int) -> list[int]:
-        """The drafts that follow the request's tokens, ``new_tokens`` those ``index`` does
-        not hold yet (at most ``limit`` and the configured number)."""
-        return index.lookup(new_tokens, min(limit, self.config.num_speculative_tokens))
+        """At most ``limit`` drafts that follow the request's tokens, ``new_tokens`` those
+        ``index`` does not hold yet (the caller keeps ``limit`` within the draft length)."""
+        return index.lookup(new_tokens, limit)
