@@ -48,10 +48,10 @@ HALF_WEIGHTS = NativeKernels(native_module, weight_dtype=torch.bfloat16)
 #: The C path holding weights in GGUF quantization blocks where they are exact
 #: (model.weight_dtype gguf).
 BLOCK_WEIGHTS = NativeKernels(native_module, quantized=True)
-#: Tests of weights held in quantization blocks, whose kernels need AVX-512.
+#: Tests of weights held in quantization blocks, whose kernels need AVX-512 or AVX2 + F16C.
 needs_quantized_linear = pytest.mark.skipif(
     not native_module.quantized_linear_available(),
-    reason="weights held in quantization blocks need AVX-512 (F, BW, VL); this CPU lacks it",
+    reason="weights held in quantization blocks need AVX-512, or AVX2 with FMA and F16C",
 )
 #: Four query heads reading two KV heads, two each (GQA).
 GROUPED_4_OVER_2 = KVHeadIndex.of(torch.tensor([0, 0, 1, 1]))
@@ -745,8 +745,24 @@ def test_a_weight_held_in_quantization_blocks_gives_the_bits_of_its_float32_weig
     assert held.numel() == padded * in_features * per_weight
     team = NativeKernels(native_module, threads=3, quantized=True)
     x = torch.randn(rows, in_features)
-    assert torch.equal(BLOCK_WEIGHTS.linear(x, held, bias), _float32_product(x, weight, bias))
+    expected = _float32_product(x, weight, bias)
+    assert torch.equal(BLOCK_WEIGHTS.linear(x, held, bias), expected)
     assert torch.equal(team.linear(x, held, None), _float32_product(x, weight))
+    if native_module.quantized_linear_available() and _has_avx2_f16c():
+        y = torch.empty(rows, out_features)
+        native_module.blocked_linear(
+            held.data_ptr(),
+            x.data_ptr(),
+            y.data_ptr(),
+            bias.data_ptr(),
+            rows,
+            out_features,
+            in_features,
+            None,
+            held.weight_kind,
+            True,
+        )  # fmt: skip  (the AVX2 kernels: the same bits)
+        assert torch.equal(y, expected)
 
 
 @needs_quantized_linear
@@ -792,23 +808,21 @@ def test_block_kinds_are_tried_fewest_bytes_first_and_lie_back_to_back():
 
 @needs_quantized_linear
 def test_a_weight_of_blocks_is_refused_where_its_kernel_cannot_run():
-    """The C call refuses a quantized kind for inputs not in whole groups, an unknown kind
-    and the AVX2 kernels (which read float32 and bfloat16 only), naming what it needs."""
+    """The C call refuses a quantized kind for inputs not in whole groups and an unknown
+    kind, naming what it needs."""
     weight = gguf_valued(torch.randn(64, 64), "Q8_0")
     held = BLOCK_WEIGHTS.pack_linear(weight)
     x, y = torch.randn(1, 64), torch.empty(1, 64)
 
-    def call(in_features: int, kind: int, avx2: bool) -> None:
+    def call(in_features: int, kind: int) -> None:
         native_module.blocked_linear(
-            held.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 1, 64, in_features, None, kind, avx2
+            held.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 1, 64, in_features, None, kind, False
         )
 
     with pytest.raises(ValueError, match="whole groups of 32"):
-        call(40, held.weight_kind, False)
+        call(40, held.weight_kind)
     with pytest.raises(ValueError, match="allowed: 0 to 4"):
-        call(64, 9, False)
-    with pytest.raises(RuntimeError, match="AVX-512 only"):
-        call(64, held.weight_kind, True)
+        call(64, 9)
 
 
 @needs_quantized_linear
@@ -825,6 +839,13 @@ def test_layers_with_weights_in_blocks_run_as_with_their_float32_weights():
     kinds = [getattr(native_module, f"WEIGHT_{k}") for k in ("Q4_1", "Q8_0", "Q4_0")]
     assert [b.weight_kinds for b in held] == [(k,) * 4 for k in kinds]
     _assert_layers_run_alike((held, NATIVE), (plain, NATIVE), hidden)
+
+
+def _has_avx2_f16c() -> bool:
+    """Whether this CPU runs the AVX2 kernels of blocks (AVX2, FMA, F16C)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = cpuinfo.read().split()
+    return all(flag in flags for flag in ("avx2", "fma", "f16c"))
 
 
 def _float32_product(x, weight, bias=None):

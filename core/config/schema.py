@@ -56,7 +56,8 @@ class ModelConfig(Section):
         "or AVX2 and FMA). gguf with dtype float32 and a GGUF file: each weight held in the "
         "file's quantization blocks (Q8_0, Q4_0, Q4_1), widened as read: the float32 "
         "results, bit for bit, from 0.56-1.06 bytes a weight, planned so (where the CPU has "
-        "AVX-512; else float32; a file whose values are not its blocks' is refused at load)",
+        "AVX-512 or AVX2 with F16C; else float32; a file whose values are not its blocks' is "
+        "refused at load)",
     )
     runner: Name = Field(
         default="llama", description="model runner: a registered name or package.module:Class"

@@ -870,6 +870,8 @@ AVX2_FMA static void linear_blocks_avx2(const void *weight, int bf16, const floa
         linear_blocks_avx2_of(weight, 0, x, y, bias, rows, out, in, first, end);
 }
 
+#include "quantized_linear_avx2.h"
+
 /* Whether this CPU runs the blocked linear kernel: AVX-512, else AVX2 with FMA. */
 static int cpu_runs_blocked_linear(void) { return cpu_has_avx512() || cpu_has_avx2_fma(); }
 
@@ -886,16 +888,18 @@ static void linear_chunk(const void *context, long chunk, int worker) {
     long blocks = (job->out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long first = chunk * job->blocks_per_chunk;
     long end = first + job->blocks_per_chunk < blocks ? first + job->blocks_per_chunk : blocks;
-    if (is_quantized(job->kind)) /* AVX-512 only: callers check */
-        quantized_blocks(job->kind, job->weight, job->x, job->y, job->bias, job->rows, job->out,
-                         job->in, first, end);
+    if (is_quantized(job->kind)) /* the AVX2 ones need F16C too: callers check */
+        (job->avx512 ? quantized_blocks : quantized_blocks_avx2)(
+            job->kind, job->weight, job->x, job->y, job->bias, job->rows, job->out, job->in,
+            first, end);
     else
         (job->avx512 ? linear_blocks : linear_blocks_avx2)(
             job->weight, job->kind == WEIGHT_BFLOAT16, job->x, job->y, job->bias, job->rows,
             job->out, job->in, first, end);
 }
 
-/* y = x W^T + b, W blocked (held as kind says: WEIGHT_*; quantized kinds on AVX-512 only),
+/* y = x W^T + b, W blocked (held as kind says: WEIGHT_*; quantized kinds need AVX-512, or
+ * AVX2 with FMA and F16C),
  * shared out by team (NULL: this thread alone) in chunks of blocks: two up to
  * LINEAR_PAIR_MAX_ROWS rows (a pair), one otherwise. */
 static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, int kind,
@@ -1674,7 +1678,7 @@ static int reduce_between(const shardline_native_all_reduce *entry, float *parti
 #endif
 
 /* 0 where a weight of `in` inputs held as kind (WEIGHT_*) runs here, else ValueError (-1):
- * quantized kinds need AVX-512 and whole groups of inputs. */
+ * quantized kinds need AVX-512 (or AVX2, FMA and F16C) and whole groups of inputs. */
 static int check_kind(int kind, long in, const char *what) {
     if (kind < 0 || kind >= WEIGHT_KINDS) {
         PyErr_Format(PyExc_ValueError, "%s weight kind %d; allowed: 0 to %d", what, kind,
@@ -1683,11 +1687,11 @@ static int check_kind(int kind, long in, const char *what) {
     }
     if (!is_quantized(kind)) return 0;
 #ifdef HAVE_BLOCKED_LINEAR
-    if (cpu_has_avx512() && in % QUANT_GROUP == 0) return 0;
+    if ((cpu_has_avx512() || cpu_has_avx2_f16c()) && in % QUANT_GROUP == 0) return 0;
 #endif
     PyErr_Format(PyExc_ValueError,
                  "%s weight held in quantization blocks (kind %d): needs a CPU with AVX-512 "
-                 "and inputs in whole groups of %d (%ld)",
+                 "(or AVX2, FMA and F16C) and inputs in whole groups of %d (%ld)",
                  what, kind, QUANT_GROUP, in);
     return -1;
 }
@@ -1876,9 +1880,9 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
         check_kind(kind, in, "blocked_linear") < 0)
         return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    if (avx2 && (!cpu_has_avx2_fma() || is_quantized(kind))) {
+    if (avx2 && !(is_quantized(kind) ? cpu_has_avx2_f16c() : cpu_has_avx2_fma())) {
         PyErr_SetString(PyExc_RuntimeError, "blocked_linear: avx2 = 1; this CPU has no AVX2 "
-                                            "and FMA, or the weight is quantized (AVX-512 only)");
+                                            "and FMA (and F16C for quantized weights)");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -1952,7 +1956,7 @@ static PyObject *blocked_linear_available(PyObject *self, PyObject *unused) {
 
 static PyObject *quantized_linear_available(PyObject *self, PyObject *unused) {
 #ifdef HAVE_BLOCKED_LINEAR
-    return PyBool_FromLong(cpu_has_avx512());
+    return PyBool_FromLong(cpu_has_avx512() || cpu_has_avx2_f16c());
 #else
     Py_RETURN_FALSE;
 #endif
@@ -1973,8 +1977,8 @@ static PyMethodDef methods[] = {
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
      "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, kind, avx2): "
      "float32 rows, the weight blocked by LINEAR_BLOCK outputs and held as kind says "
-     "(WEIGHT_FLOAT32, _BFLOAT16, or quantization blocks: AVX-512 only), on the widest "
-     "kernels this CPU runs (avx2: the AVX2 ones, which give the same bits); without the GIL"},
+     "(WEIGHT_FLOAT32, _BFLOAT16, or quantization blocks), on the widest kernels this CPU "
+     "runs (avx2: the AVX2 ones, which give the same bits); without the GIL"},
     {"pack_quantized", (PyCFunction)(void (*)(void))pack_quantized, METH_FASTCALL,
      "pack_quantized(kind, weight, out, in, dest): the float32 weight (out x in, rows "
      "contiguous) into dest (quantized_size bytes) as blocks of kind (WEIGHT_Q8_0, _Q4_0, "
@@ -2010,7 +2014,7 @@ static PyMethodDef methods[] = {
      "(message, timed_out)"},
     {"quantized_linear_available", quantized_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear on weights held in quantization blocks (AVX-512 "
-     "F, BW and VL)"},
+     "F, BW and VL, or AVX2 with FMA and F16C)"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear (AVX-512 F, BW and VL, or AVX2 and FMA)"},
     {NULL, NULL, 0, NULL},

@@ -339,9 +339,9 @@ class NativeKernels(TorchKernels):
         them exactly, so results are those of float32 weights rounded to bfloat16).
         ``quantized``: a float32 weight whose values are those of GGUF quantization blocks
         (:data:`QUANTIZED_KINDS`; a GGUF file's, as loaded) is held in them where this CPU
-        has AVX-512 (1.06 bytes a weight or less; the C kernel widens each weight as the
-        file's decoder does, so results are the float32 weight's, bit for bit); any other
-        weight is held in float32."""
+        has AVX-512, or AVX2 with FMA and F16C (1.06 bytes a weight or less; the C kernel
+        widens each weight as the file's decoder does, so results are the float32 weight's,
+        bit for bit); any other weight is held in float32."""
         super().__init__(weight_dtype)
         self.native = native
         self.quantized = quantized and native.quantized_linear_available()
@@ -944,7 +944,8 @@ def held_weight_dtype(
 
 def holds_quantization_blocks(device: str, environ: Mapping[str, str]) -> bool:
     """Whether :func:`layer_kernels` with ``quantized`` holds weights in quantization blocks
-    on ``device`` (a kind): the C linear kernel runs there, with AVX-512."""
+    on ``device`` (a kind): the C linear kernel runs there, with AVX-512 or with AVX2, FMA
+    and F16C."""
     native = native_extension("shardline.layers._kernels", environ)
     return (
         native is not None

@@ -1,6 +1,6 @@
 /* Linear weights held in GGUF's quantization blocks, for kernels.c: what a weight of each
- * kind holds, and how a float32 weight is found to be one (portable C; the AVX-512 kernels
- * that read them are quantized_linear.h).
+ * kind holds, and how a float32 weight is found to be one (portable C; the kernels that read
+ * them are quantized_linear.h, AVX-512, and quantized_linear_avx2.h, AVX2 with F16C).
  *
  * A weight of float32 values that GGUF's Q8_0, Q4_0 or Q4_1 blocks hold exactly (a GGUF
  * file's weights as dequantize.c decodes them: scale * q, scale * (q - 8), scale * q + min)

@@ -1,0 +1,153 @@
+/* The linear kernels of weights held in quantization blocks (quantized_blocks.h) on a CPU
+ * with AVX2, FMA and F16C but no AVX-512, for kernels.c (included after its AVX2 kernels):
+ * the same layout, the same widening and every output's sum in the same order as
+ * quantized_linear.h, so the same bits, 8 lanes at a time. One row keeps a block's 64 sums
+ * in 8 registers and widens as it reads; several rows widen each group once into a scratch
+ * and take it a row at a time. */
+
+#define AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+
+static int cpu_has_avx2_f16c(void) {
+    return cpu_has_avx2_fma() && __builtin_cpu_supports("f16c");
+}
+
+/* The weights of inputs 2p and 2p + 1 (Q4_0, Q4_1), or of input p (Q8_0: first only), for
+ * outputs 8k..8k+7 of a group (group: its start; values: its values). */
+AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
+    const int kind, const uint8_t *group, const uint8_t *values, long p, int k, __m256 *first,
+    __m256 *second) {
+    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16 * k)));
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + p * LINEAR_BLOCK + 8 * k));
+    if (kind == WEIGHT_Q8_0) {
+        *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        return;
+    }
+    __m256i pair = _mm256_cvtepu8_epi32(bytes);
+    __m256i low = _mm256_and_si256(pair, _mm256_set1_epi32(15));
+    __m256i high = _mm256_srli_epi32(pair, 4);
+    if (kind == WEIGHT_Q4_0) {
+        low = _mm256_sub_epi32(low, _mm256_set1_epi32(8));
+        high = _mm256_sub_epi32(high, _mm256_set1_epi32(8));
+    }
+    *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(low));
+    *second = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(high));
+    if (kind == WEIGHT_Q4_1) {
+        __m256 minimum =
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 128 + 16 * k)));
+        *first = _mm256_add_ps(*first, minimum);
+        *second = _mm256_add_ps(*second, minimum);
+    }
+}
+
+/* The width (<= LINEAR_BLOCK) outputs of one row against one block (y and bias at the
+ * block's first output), sums in registers from the first input to the last. */
+AVX2_F16C static inline __attribute__((always_inline)) void quantized_row_avx2(
+    const int kind, const uint8_t *block, long groups, const float *x, float *y, long width,
+    const float *bias) {
+    __m256 acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+    long group_bytes = quantized_group_bytes(kind), header = quantized_header_bytes(kind);
+    long steps = kind == WEIGHT_Q8_0 ? QUANT_GROUP : QUANT_GROUP / 2;
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *group = block + g * group_bytes, *values = group + header;
+        const float *xg = x + g * QUANT_GROUP;
+        for (long p = 0; p < steps; p++) {
+            long input = kind == WEIGHT_Q8_0 ? p : 2 * p;
+            __m256 first_value = _mm256_set1_ps(xg[input]);
+            __m256 second_value = _mm256_set1_ps(kind == WEIGHT_Q8_0 ? 0.0f : xg[input + 1]);
+            for (int k = 0; k < 8; k++) {
+                __m256 first, second;
+                widen_8(kind, group, values, p, k, &first, &second);
+                acc[k] = _mm256_fmadd_ps(first, first_value, acc[k]);
+                if (kind != WEIGHT_Q8_0) acc[k] = _mm256_fmadd_ps(second, second_value, acc[k]);
+            }
+        }
+    }
+    float sums[LINEAR_BLOCK];
+    for (int k = 0; k < 8; k++) _mm256_storeu_ps(sums + 8 * k, acc[k]);
+    for (long o = 0; o < width; o++) y[o] = bias ? sums[o] + bias[o] : sums[o];
+}
+
+/* Several rows against one block: each group widened once into wide (QUANT_GROUP x
+ * LINEAR_BLOCK), then each row's 64 sums (sums: rows x LINEAR_BLOCK) carried through it. */
+AVX2_F16C static inline __attribute__((always_inline)) void quantized_rows_avx2(
+    const int kind, const uint8_t *block, long groups, const float *x, long in, float *y,
+    long y_stride, long rows, long width, const float *bias, float *wide, float *sums) {
+    long group_bytes = quantized_group_bytes(kind), header = quantized_header_bytes(kind);
+    long steps = kind == WEIGHT_Q8_0 ? QUANT_GROUP : QUANT_GROUP / 2;
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *group = block + g * group_bytes, *values = group + header;
+        for (long p = 0; p < steps; p++)
+            for (int k = 0; k < 8; k++) {
+                __m256 first, second;
+                widen_8(kind, group, values, p, k, &first, &second);
+                long input = kind == WEIGHT_Q8_0 ? p : 2 * p;
+                _mm256_storeu_ps(wide + input * LINEAR_BLOCK + 8 * k, first);
+                if (kind != WEIGHT_Q8_0)
+                    _mm256_storeu_ps(wide + (input + 1) * LINEAR_BLOCK + 8 * k, second);
+            }
+        for (long r = 0; r < rows; r++) {
+            const float *xr = x + r * in + g * QUANT_GROUP;
+            float *sr = sums + r * LINEAR_BLOCK;
+            __m256 acc[8];
+            for (int k = 0; k < 8; k++)
+                acc[k] = g ? _mm256_loadu_ps(sr + 8 * k) : _mm256_setzero_ps();
+            for (long i = 0; i < QUANT_GROUP; i++) {
+                __m256 value = _mm256_set1_ps(xr[i]);
+                for (int k = 0; k < 8; k++)
+                    acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(wide + i * LINEAR_BLOCK + 8 * k),
+                                             value, acc[k]);
+            }
+            for (int k = 0; k < 8; k++) _mm256_storeu_ps(sr + 8 * k, acc[k]);
+        }
+    }
+    for (long r = 0; r < rows; r++)
+        for (long o = 0; o < width; o++) {
+            float sum = sums[r * LINEAR_BLOCK + o];
+            y[r * y_stride + o] = bias ? sum + bias[o] : sum;
+        }
+}
+
+#define DEFINE_QUANTIZED_BLOCKS_AVX2(NAME, KIND)                                             \
+    AVX2_F16C static void NAME(const uint8_t *weight, const float *x, float *y,              \
+                               const float *bias, long rows, long out, long in, long first,  \
+                               long end) {                                                   \
+        long groups = in / QUANT_GROUP, block_bytes = groups * quantized_group_bytes(KIND); \
+        float *scratch = rows > 1 ? aligned_alloc(64, sizeof(float) *                        \
+                                                          (size_t)((QUANT_GROUP + rows) *    \
+                                                                   LINEAR_BLOCK))            \
+                                  : NULL;                                                    \
+        for (long b = first; b < end; b++) {                                                 \
+            const uint8_t *block = weight + b * block_bytes;                                 \
+            long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK     \
+                                                               : LINEAR_BLOCK;               \
+            const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                 \
+            if (scratch == NULL) /* one row, or no memory for the scratch: row by row */     \
+                for (long r = 0; r < rows; r++)                                              \
+                    quantized_row_avx2(KIND, block, groups, x + r * in,                      \
+                                       y + r * out + b * LINEAR_BLOCK, width, block_bias);   \
+            else                                                                             \
+                quantized_rows_avx2(KIND, block, groups, x, in, y + b * LINEAR_BLOCK, out,   \
+                                    rows, width, block_bias, scratch,                        \
+                                    scratch + QUANT_GROUP * LINEAR_BLOCK);                   \
+        }                                                                                    \
+        free(scratch);                                                                       \
+    }
+DEFINE_QUANTIZED_BLOCKS_AVX2(quantized_blocks_q8_0_avx2, WEIGHT_Q8_0)
+DEFINE_QUANTIZED_BLOCKS_AVX2(quantized_blocks_q4_0_avx2, WEIGHT_Q4_0)
+DEFINE_QUANTIZED_BLOCKS_AVX2(quantized_blocks_q4_1_avx2, WEIGHT_Q4_1)
+#undef DEFINE_QUANTIZED_BLOCKS_AVX2
+
+static void quantized_blocks_avx2(int kind, const void *weight, const float *x, float *y,
+                                  const float *bias, long rows, long out, long in, long first,
+                                  long end) {
+    switch (kind) {
+    case WEIGHT_Q8_0:
+        quantized_blocks_q8_0_avx2(weight, x, y, bias, rows, out, in, first, end);
+        break;
+    case WEIGHT_Q4_0:
+        quantized_blocks_q4_0_avx2(weight, x, y, bias, rows, out, in, first, end);
+        break;
+    default: quantized_blocks_q4_1_avx2(weight, x, y, bias, rows, out, in, first, end);
+    }
+}
