@@ -82,7 +82,7 @@ class Request:
     #: The drafts of the step in flight (speculative decoding), and the request's lookup state.
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None
-    #: How many drafts it may propose a step (the proposer's schedule; 0: not set yet).
+    #: How many drafts it may propose a step (the proposer's schedule; set with the index).
     draft_length: int = 0
 
     def token_ids_from(self, start: int) -> list[int]:
@@ -350,7 +350,8 @@ class Scheduler:
         sampling = request.sampling
         if self.proposer is None or request.pooling is not None:
             return []
-        if request.draft_length == 0:
+        if request.ngram_index is None:
+            request.ngram_index = self.proposer.new_index()
             request.draft_length = self.proposer.first_length()
         limit = min(
             request.draft_length,
@@ -360,8 +361,6 @@ class Scheduler:
         )
         if limit <= 0:
             return []
-        if request.ngram_index is None:
-            request.ngram_index = self.proposer.new_index()
         index = request.ngram_index
         return self.proposer.propose(index, request.token_ids_from(index.num_tokens), limit)
 

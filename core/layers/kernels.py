@@ -344,7 +344,13 @@ class NativeKernels(TorchKernels):
         bit for bit); any other weight is held in float32."""
         super().__init__(weight_dtype)
         self.native = native
-        self.quantized = quantized and native.quantized_linear_available()
+        #: (name, the C calls' WEIGHT_* code) of the block kinds weights are tried in; none
+        #: where blocks are not held.
+        self._block_kinds = (
+            tuple((name, getattr(native, f"WEIGHT_{name}")) for name in QUANTIZED_KINDS)
+            if quantized and native.quantized_linear_available()
+            else ()
+        )
         self.team = (
             native.team(threads) if threads > 1 and native.blocked_linear_available() else None
         )
@@ -361,10 +367,9 @@ class NativeKernels(TorchKernels):
         memory): in the first of :data:`QUANTIZED_KINDS` that holds it exactly where
         ``quantized``, else :func:`blocked` in ``weight_dtype``."""
         out_features, in_features = weight.shape
-        if self.quantized and in_features % self.native.QUANT_GROUP == 0:
+        if self._block_kinds and in_features % self.native.QUANT_GROUP == 0:
             values = weight.detach().contiguous()
-            for name in QUANTIZED_KINDS:
-                kind = getattr(self.native, f"WEIGHT_{name}")
+            for name, kind in self._block_kinds:
                 size = self.native.quantized_size(kind, out_features, in_features)
                 place = torch.empty(size, dtype=torch.uint8) if arena is None else arena.peek(size)
                 if self.native.pack_quantized(
@@ -415,9 +420,8 @@ class NativeKernels(TorchKernels):
         """The most bytes :meth:`_held` may take for ``weight``."""
         out_features, in_features = weight.shape
         most = weight.numel() * self._blocked_dtype.itemsize
-        if self.quantized and in_features % self.native.QUANT_GROUP == 0:
-            for name in QUANTIZED_KINDS:
-                kind = getattr(self.native, f"WEIGHT_{name}")
+        if in_features % self.native.QUANT_GROUP == 0:
+            for _, kind in self._block_kinds:
                 most = max(most, self.native.quantized_size(kind, out_features, in_features))
         return most
 

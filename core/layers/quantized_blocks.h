@@ -6,11 +6,11 @@
  * file's weights as dequantize.c decodes them: scale * q, scale * (q - 8), scale * q + min)
  * is found again from its values (pack_quantized_weight: a scale, and a minimum for Q4_1,
  * for each 32 inputs of each output, and each input's q, checked to give back every value
- * bit for bit) and held so: 1.06, 0.56 or 0.63 bytes a weight instead of 4. The kernel widens each weight as
- * dequantize.c does (one float32 multiply, for Q4_1 one add; kernels.c is built with
- * -ffp-contract=off, so never fused) and multiplies as the float32 kernel does: each output's
- * sum has the same terms in the same order, so a layer's results are the float32 layer's, bit
- * for bit, from a fraction of the bytes.
+ * bit for bit) and held so: 1.06, 0.56 or 0.63 bytes a weight instead of 4. The kernels
+ * widen each weight as dequantize.c does (one float32 multiply, for Q4_1 one add; kernels.c
+ * is built with -ffp-contract=off, so never fused) and multiply as the float32 kernel does:
+ * each output's sum has the same terms in the same order, so a layer's results are the
+ * float32 layer's, bit for bit, from a fraction of the bytes.
  *
  * Layout: block after block of LINEAR_BLOCK outputs (the last padded with outputs of scale 0,
  * never stored), each group of QUANT_GROUP inputs in turn: the block's scales (float16), for
@@ -165,3 +165,47 @@ static int pack_quantized_weight(int kind, const float *weight, long out, long i
         }
     return 1;
 }
+
+/* The block kernels of one instruction set (TARGET: its function attribute; ROW and ROWS:
+ * its kernels of one row and of several rows against one block, given the kind as a
+ * constant): NAME##_q8_0, _q4_0 and _q4_1, and NAME(kind, weight, x, y, bias, rows, out, in,
+ * first, end), which computes y's outputs in blocks [first, end) with the kind's. One row
+ * widens as it reads; several widen each group once for all (row by row where the scratch
+ * cannot be had: the same sums). */
+#define DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME, KIND, ROW, ROWS)                       \
+    TARGET static void NAME(const uint8_t *weight, const float *x, float *y,                  \
+                            const float *bias, long rows, long out, long in, long first,     \
+                            long end) {                                                      \
+        long groups = in / QUANT_GROUP, block_bytes = groups * quantized_group_bytes(KIND); \
+        float *scratch = rows > 1 ? aligned_alloc(64, sizeof(float) *                        \
+                                                          (size_t)((QUANT_GROUP + rows) *    \
+                                                                   LINEAR_BLOCK))            \
+                                  : NULL;                                                    \
+        for (long b = first; b < end; b++) {                                                 \
+            const uint8_t *block = weight + b * block_bytes;                                 \
+            long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK     \
+                                                               : LINEAR_BLOCK;               \
+            const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                 \
+            if (scratch == NULL)                                                             \
+                for (long r = 0; r < rows; r++)                                              \
+                    ROW(KIND, block, groups, x + r * in, y + r * out + b * LINEAR_BLOCK,     \
+                        width, block_bias);                                                  \
+            else                                                                             \
+                ROWS(KIND, block, groups, x, in, y + b * LINEAR_BLOCK, out, rows, width,     \
+                     block_bias, scratch, scratch + QUANT_GROUP * LINEAR_BLOCK);             \
+        }                                                                                    \
+        free(scratch);                                                                       \
+    }
+
+#define DEFINE_QUANTIZED_BLOCKS(TARGET, NAME, ROW, ROWS)                                      \
+    DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q8_0, WEIGHT_Q8_0, ROW, ROWS)              \
+    DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_0, WEIGHT_Q4_0, ROW, ROWS)              \
+    DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_1, WEIGHT_Q4_1, ROW, ROWS)              \
+    static void NAME(int kind, const void *weight, const float *x, float *y,                 \
+                     const float *bias, long rows, long out, long in, long first, long end) { \
+        switch (kind) {                                                                      \
+        case WEIGHT_Q8_0: NAME##_q8_0(weight, x, y, bias, rows, out, in, first, end); break; \
+        case WEIGHT_Q4_0: NAME##_q4_0(weight, x, y, bias, rows, out, in, first, end); break; \
+        default: NAME##_q4_1(weight, x, y, bias, rows, out, in, first, end);                 \
+        }                                                                                    \
+    }

@@ -160,45 +160,6 @@ AVX512 static inline __attribute__((always_inline)) void quantized_rows(
     }
 }
 
-/* y's outputs in blocks [first, end) of a quantized weight of kind (see above): one row
- * widens as it reads; several widen each group once for all (row by row where the scratch
- * cannot be had: the same sums). */
-#define DEFINE_QUANTIZED_BLOCKS(NAME, KIND)                                                  \
-    AVX512 static void NAME(const uint8_t *weight, const float *x, float *y,                  \
-                           const float *bias, long rows, long out, long in, long first,      \
-                           long end) {                                                       \
-        long groups = in / QUANT_GROUP, block_bytes = groups * quantized_group_bytes(KIND); \
-        float *scratch = rows > 1 ? aligned_alloc(64, sizeof(float) *                        \
-                                                          (size_t)((QUANT_GROUP + rows) *    \
-                                                                   LINEAR_BLOCK))            \
-                                  : NULL;                                                    \
-        for (long b = first; b < end; b++) {                                                 \
-            const uint8_t *block = weight + b * block_bytes;                                 \
-            long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK     \
-                                                               : LINEAR_BLOCK;               \
-            const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                 \
-            if (scratch == NULL) /* one row, or no memory for the scratch: row by row */     \
-                for (long r = 0; r < rows; r++)                                              \
-                    quantized_row(KIND, block, groups, x + r * in,                           \
-                                  y + r * out + b * LINEAR_BLOCK, width, block_bias);        \
-            else                                                                             \
-                quantized_rows(KIND, block, groups, x, in, y + b * LINEAR_BLOCK, out, rows,  \
-                               width, block_bias, scratch,                                   \
-                               scratch + QUANT_GROUP * LINEAR_BLOCK);                        \
-        }                                                                                    \
-        free(scratch);                                                                       \
-    }
-DEFINE_QUANTIZED_BLOCKS(quantized_blocks_q8_0, WEIGHT_Q8_0)
-DEFINE_QUANTIZED_BLOCKS(quantized_blocks_q4_0, WEIGHT_Q4_0)
-DEFINE_QUANTIZED_BLOCKS(quantized_blocks_q4_1, WEIGHT_Q4_1)
-#undef DEFINE_QUANTIZED_BLOCKS
-
-static void quantized_blocks(int kind, const void *weight, const float *x, float *y,
-                            const float *bias, long rows, long out, long in, long first,
-                            long end) {
-    switch (kind) {
-    case WEIGHT_Q8_0: quantized_blocks_q8_0(weight, x, y, bias, rows, out, in, first, end); break;
-    case WEIGHT_Q4_0: quantized_blocks_q4_0(weight, x, y, bias, rows, out, in, first, end); break;
-    default: quantized_blocks_q4_1(weight, x, y, bias, rows, out, in, first, end);
-    }
-}
+/* quantized_blocks(kind, weight, x, y, bias, rows, out, in, first, end): y's outputs in
+ * blocks [first, end) (quantized_blocks.h). */
+DEFINE_QUANTIZED_BLOCKS(AVX512, quantized_blocks, quantized_row, quantized_rows)

@@ -108,46 +108,6 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_rows_avx2(
         }
 }
 
-#define DEFINE_QUANTIZED_BLOCKS_AVX2(NAME, KIND)                                             \
-    AVX2_F16C static void NAME(const uint8_t *weight, const float *x, float *y,              \
-                               const float *bias, long rows, long out, long in, long first,  \
-                               long end) {                                                   \
-        long groups = in / QUANT_GROUP, block_bytes = groups * quantized_group_bytes(KIND); \
-        float *scratch = rows > 1 ? aligned_alloc(64, sizeof(float) *                        \
-                                                          (size_t)((QUANT_GROUP + rows) *    \
-                                                                   LINEAR_BLOCK))            \
-                                  : NULL;                                                    \
-        for (long b = first; b < end; b++) {                                                 \
-            const uint8_t *block = weight + b * block_bytes;                                 \
-            long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK     \
-                                                               : LINEAR_BLOCK;               \
-            const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                 \
-            if (scratch == NULL) /* one row, or no memory for the scratch: row by row */     \
-                for (long r = 0; r < rows; r++)                                              \
-                    quantized_row_avx2(KIND, block, groups, x + r * in,                      \
-                                       y + r * out + b * LINEAR_BLOCK, width, block_bias);   \
-            else                                                                             \
-                quantized_rows_avx2(KIND, block, groups, x, in, y + b * LINEAR_BLOCK, out,   \
-                                    rows, width, block_bias, scratch,                        \
-                                    scratch + QUANT_GROUP * LINEAR_BLOCK);                   \
-        }                                                                                    \
-        free(scratch);                                                                       \
-    }
-DEFINE_QUANTIZED_BLOCKS_AVX2(quantized_blocks_q8_0_avx2, WEIGHT_Q8_0)
-DEFINE_QUANTIZED_BLOCKS_AVX2(quantized_blocks_q4_0_avx2, WEIGHT_Q4_0)
-DEFINE_QUANTIZED_BLOCKS_AVX2(quantized_blocks_q4_1_avx2, WEIGHT_Q4_1)
-#undef DEFINE_QUANTIZED_BLOCKS_AVX2
-
-static void quantized_blocks_avx2(int kind, const void *weight, const float *x, float *y,
-                                  const float *bias, long rows, long out, long in, long first,
-                                  long end) {
-    switch (kind) {
-    case WEIGHT_Q8_0:
-        quantized_blocks_q8_0_avx2(weight, x, y, bias, rows, out, in, first, end);
-        break;
-    case WEIGHT_Q4_0:
-        quantized_blocks_q4_0_avx2(weight, x, y, bias, rows, out, in, first, end);
-        break;
-    default: quantized_blocks_q4_1_avx2(weight, x, y, bias, rows, out, in, first, end);
-    }
-}
+/* quantized_blocks_avx2(kind, ...): as quantized_blocks (quantized_blocks.h). */
+DEFINE_QUANTIZED_BLOCKS(AVX2_F16C, quantized_blocks_avx2, quantized_row_avx2,
+                        quantized_rows_avx2)

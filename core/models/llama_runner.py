@@ -4,6 +4,7 @@ an HF safetensors directory or a GGUF file, and the memory plan of its ranks."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from shardline.config.schema import GGUF_BLOCKS, EngineConfig
 from shardline.dtypes import torch_dtype
@@ -15,6 +16,9 @@ from shardline.weights import open_checkpoint
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from shardline.worker.model_runner import CausalLMRunner
 
+if TYPE_CHECKING:
+    from shardline.weights.hf import HFCheckpoint
+
 
 class LlamaModelRunner(CausalLMRunner):
     """Tensor- and pipeline-parallel Llama (HF safetensors or GGUF)."""
@@ -23,20 +27,7 @@ class LlamaModelRunner(CausalLMRunner):
     def plan(cls, config: EngineConfig) -> LlamaPlan:
         """The layout checked against the checkpoint's architecture (its metadata only), and
         what each rank will hold."""
-        checkpoint = open_checkpoint(config.model.path)
-        held_blocks = None
-        if config.model.holds_gguf_blocks:
-            if not isinstance(checkpoint, GGUFCheckpoint):
-                raise ConfigError(
-                    f"model.weight_dtype = {GGUF_BLOCKS!r} holds a GGUF file's quantization "
-                    f"blocks; model.path = {str(config.model.path)!r} is not a GGUF file "
-                    "(allowed with it: null, 'float32', 'bfloat16')"
-                )
-            if holds_quantization_blocks(config.parallel.device, os.environ):
-                held_blocks = HeldBlocks.of(
-                    checkpoint.tensor_types(), checkpoint.architecture.tie_word_embeddings
-                )
-        return LlamaPlan.of(checkpoint.architecture, config, os.environ, held_blocks)
+        return _plan_of(open_checkpoint(config.model.path), config)
 
     def build_model(self) -> LlamaForCausalLM:
         checkpoint = open_checkpoint(self.config.model.path, os.environ)
@@ -53,14 +44,16 @@ class LlamaModelRunner(CausalLMRunner):
         )
         model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
         if self.config.model.holds_gguf_blocks:
-            self._check_blocks_as_planned(model)
+            self._check_blocks_as_planned(model, checkpoint)
         return model
 
-    def _check_blocks_as_planned(self, model: LlamaForCausalLM) -> None:
+    def _check_blocks_as_planned(
+        self, model: LlamaForCausalLM, checkpoint: GGUFCheckpoint | HFCheckpoint
+    ) -> None:
         """A ConfigError where this rank holds more weight bytes than its plan counted with
-        the file's block kinds: some weight's values were not its blocks' exactly (another
-        quantizer's, or a shard that cuts a block of 32) and are held in float32."""
-        plan = self.plan(self.config)
+        the file's block kinds (planned from ``checkpoint``, already open): some weight's
+        values were not its blocks' exactly (another quantizer's) and are held in float32."""
+        plan = _plan_of(checkpoint, self.config)
         memory = plan.rank_memory(self.state.pp.rank_in_group, self.state.tp.rank_in_group, 1, 0)
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         if held > memory.weights:
@@ -71,3 +64,20 @@ class LlamaModelRunner(CausalLMRunner):
                 f"the file's block kinds: some weight's values are not its blocks' exactly and "
                 "stay float32; allowed for this file: model.weight_dtype null"
             )
+
+
+def _plan_of(checkpoint: GGUFCheckpoint | HFCheckpoint, config: EngineConfig) -> LlamaPlan:
+    """:meth:`LlamaModelRunner.plan` from an opened checkpoint (its metadata only)."""
+    held_blocks = None
+    if config.model.holds_gguf_blocks:
+        if not isinstance(checkpoint, GGUFCheckpoint):
+            raise ConfigError(
+                f"model.weight_dtype = {GGUF_BLOCKS!r} holds a GGUF file's quantization "
+                f"blocks; model.path = {str(config.model.path)!r} is not a GGUF file "
+                "(allowed with it: null, 'float32', 'bfloat16')"
+            )
+        if holds_quantization_blocks(config.parallel.device, os.environ):
+            held_blocks = HeldBlocks.of(
+                checkpoint.tensor_types(), checkpoint.architecture.tie_word_embeddings
+            )
+    return LlamaPlan.of(checkpoint.architecture, config, os.environ, held_blocks)
