@@ -82,22 +82,16 @@ def _start_uni_config(overrides):
     Registry.load().get("executor", "uni").load_available()(config.config).shutdown()
 
 
-def _write_gguf(path, tensor_type):
-    if tensor_type == "BF16":
-        embedding = (np.zeros((100, 64), dtype=np.uint16), "BF16")
-    else:
-        embedding = (np.zeros((100, 64), dtype=np.float32), None)
-    write_tiny_gguf(path, {"token_embd.weight": embedding})
-
-
 def test_unsupported_gguf_type_is_named(tmp_path):
-    path = tmp_path / "bf16.gguf"
-    _write_gguf(path, "BF16")
+    # An importance-matrix type (256 weights in 66 bytes), which Shardline does not decode.
+    embedding = (np.zeros((100, 66), dtype=np.uint8), "IQ2_XXS")
+    path = write_tiny_gguf(tmp_path / "iq2.gguf", {"token_embd.weight": embedding})
     checkpoint = GGUFCheckpoint(path)
     with pytest.raises(
         ConfigError,
         match=re.escape(
-            "tensor token_embd.weight has type BF16; supported: F32, F16, Q8_0, Q4_0, Q4_1"
+            "tensor token_embd.weight has type IQ2_XXS; supported: F32, F16, Q8_0, Q4_0, Q4_1, "
+            "Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16"
         ),
     ):
         checkpoint.tensor("model.embed_tokens.weight")

@@ -26,10 +26,14 @@ from shardline.models.architecture import LlamaArchitecture
 from shardline.native import native_extension
 from shardline.weights.gguf_layout import GGUFLayout, TensorLayout
 
-SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
-#: The C block decoder (see the module docstring) and the block types it decodes.
+#: The block types decoded in C where the extension is built (see the module docstring): the
+#: legacy 32-weight blocks, IQ4_NL, the 256-weight "K" super-blocks, and BF16.
+NATIVE_TYPES = (
+    "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "BF16",
+)  # fmt: skip
+SUPPORTED_TYPES = ("F32", "F16", *NATIVE_TYPES)
 NATIVE = "shardline.weights._dequantize"
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 
 _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",

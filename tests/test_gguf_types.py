@@ -1,0 +1,69 @@
+"""The block types of today's GGUF files, end to end: SmolLM2 quantized again the way
+llama.cpp's Q4_K_M mixes types (K super-blocks where a row holds whole ones, Q5_0 / Q5_1 /
+Q8_0 where it does not, a BF16 embedding) answers as transformers does with the same file."""
+
+import pytest
+import torch
+
+from shardline.engine import LLM, SamplingParams
+from shardline.tokenizer import Tokenizer
+from shardline.weights.gguf_checkpoint import GGUFCheckpoint
+from support.memory_probe import bytes_held
+from support.requantized import requantized_copy
+from support.smollm2 import smollm2_gguf
+
+pytestmark = pytest.mark.timeout(600)
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
+NEW_TOKENS = 24
+DOWN_KINDS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def mixed_kind(name: str, shape: tuple) -> str:
+    """Each layer's down projection (1536 inputs: six super-blocks) in a K type, by turns;
+    the value projection Q8_0, the other projections Q5_0 and Q5_1 by turns (576 inputs: no
+    whole super-block); the embedding BF16; the norms float32."""
+    if len(shape) < 2 or shape[0] == 1:
+        return "F32"
+    if name == "token_embd.weight":
+        return "BF16"
+    layer, tensor = int(name.split(".")[1]), name.split(".")[2]
+    if tensor == "ffn_down":
+        return DOWN_KINDS[layer % len(DOWN_KINDS)]
+    if tensor == "attn_v":
+        return "Q8_0"
+    return "Q5_0" if layer % 2 == 0 else "Q5_1"
+
+
+def test_a_k_quant_mix_answers_as_transformers_does_with_the_same_file(tmp_path):
+    path = requantized_copy(smollm2_gguf(), tmp_path / "SmolLM2-mixed.gguf", mixed_kind)
+    types = set(GGUFCheckpoint(path).tensor_types().values())
+    assert types == {"F32", "BF16", "Q8_0", "Q5_0", "Q5_1", *DOWN_KINDS}
+
+    from transformers import AutoModelForCausalLM
+
+    # Shardline's tokenizer: test_smollm2 shows its chat prompts are transformers' ids.
+    tokenizer = Tokenizer.from_gguf(GGUFCheckpoint(path))
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    expected = []
+    for question in QUESTIONS:
+        prompt = tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        )
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected.append(out[0, len(prompt) :].tolist())
+    del model
+
+    overrides = [f"model.path={path}", "parallel.tensor_parallel_size=2"]
+    with LLM(overrides=overrides, environ={}) as llm:
+        planned = {r: share for share in llm.engine.capacity.shares for r in share.ranks}
+        for rank, (parameters, _) in enumerate(llm.engine.executor.collective_rpc(bytes_held)):
+            assert parameters == planned[rank].memory.weights
+        answers = llm.chat(
+            [[{"role": "user", "content": q}] for q in QUESTIONS],
+            SamplingParams(max_tokens=NEW_TOKENS),
+        )
+    assert [answer.token_ids for answer in answers] == expected
+    assert all(len(tokens) > 4 for tokens in expected)
