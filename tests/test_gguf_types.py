@@ -67,3 +67,37 @@ def test_a_k_quant_mix_answers_as_transformers_does_with_the_same_file(tmp_path)
         )
     assert [answer.token_ids for answer in answers] == expected
     assert all(len(tokens) > 4 for tokens in expected)
+
+
+def q5_0_linears(name: str, shape: tuple) -> str:
+    """Every projection Q5_0, the (tied) embedding Q8_0, the norms float32."""
+    if len(shape) < 2 or shape[0] == 1:
+        return "F32"
+    return "Q8_0" if name == "token_embd.weight" else "Q5_0"
+
+
+def test_q5_0_weights_are_held_in_q8_0_blocks_with_the_float32_models_bits(tmp_path):
+    """``model.weight_dtype: gguf`` on a file of Q5_0 projections: each is found again in
+    Q8_0 blocks (Q5_0's values are a Q8_0 block's of the same scale) as the plan counted, and
+    the answers are the float32 model's, bit for bit."""
+    kernels = pytest.importorskip("shardline.layers._kernels", reason="C extension not built")
+    if not kernels.quantized_linear_available():
+        pytest.skip("weights held in quantization blocks need AVX-512 or AVX2 with F16C")
+    path = requantized_copy(smollm2_gguf(), tmp_path / "SmolLM2-Q5_0.gguf", q5_0_linears)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    found = {}
+    for weight_dtype in ("float32", "gguf"):
+        overrides = [f"model.path={path}", f"model.weight_dtype={weight_dtype}"]
+        with LLM(overrides=overrides, environ={}) as llm:
+            held = llm.engine.executor.collective_rpc("weight_bytes_per_step")
+            planned = {r: share for share in llm.engine.capacity.shares for r in share.ranks}
+            for rank, (parameters, _) in enumerate(llm.engine.executor.collective_rpc(bytes_held)):
+                assert parameters == planned[rank].memory.weights
+            answers = llm.chat(conversations, SamplingParams(max_tokens=NEW_TOKENS, logprobs=2))
+        found[weight_dtype] = held, [(a.token_ids, [(t.logprob, t.top) for t in a.logprobs])
+                                     for a in answers]  # fmt: skip
+    (blocks_held, blocks_answers), (float32_held, float32_answers) = found["gguf"], found["float32"]
+    assert blocks_answers == float32_answers
+    assert all(len(tokens) > 4 for tokens, _ in blocks_answers)
+    # Q8_0 blocks: 34 bytes for 32 weights, against 128.
+    assert 0.25 < blocks_held[0] / float32_held[0] < 0.3

@@ -726,21 +726,22 @@ def _assert_layers_run_alike(first, second, hidden: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
 @pytest.mark.parametrize("out_features,in_features", [(100, 64), (130, 576), (64, 32), (7, 96)])
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 @needs_quantized_linear
 def test_a_weight_held_in_quantization_blocks_gives_the_bits_of_its_float32_weight(
     kind, rows, out_features, in_features
 ):
     """A float32 weight whose values are a GGUF block kind's is held in that kind (1.06, 0.56
-    or 0.63 bytes a weight in whole blocks of 64 outputs) and multiplies to the very bits of
-    the float32 kernel (one row, tiles of rows, a partial last block, with a bias; alone and on
-    a team of three)."""
+    or 0.63 bytes a weight in whole blocks of 64 outputs; Q5_0's values in Q8_0 blocks) and
+    multiplies to the very bits of the float32 kernel (one row, tiles of rows, a partial last
+    block, with a bias; alone and on a team of three)."""
     weight = gguf_valued(torch.randn(out_features, in_features), kind)
     bias = torch.randn(out_features)
     held = BLOCK_WEIGHTS.pack_linear(weight.clone())
-    assert held.held_as == kind and held.dtype is torch.uint8
+    held_as = "Q8_0" if kind == "Q5_0" else kind
+    assert held.held_as == held_as and held.dtype is torch.uint8
     assert held.blocked_shape == (out_features, in_features)
-    per_weight = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}[kind]
+    per_weight = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}[held_as]
     padded = -(-out_features // 64) * 64
     assert held.numel() == padded * in_features * per_weight
     team = NativeKernels(native_module, threads=3, quantized=True)
@@ -971,3 +972,8 @@ def test_the_memory_plan_counts_blocks_as_the_kernel_holds_them(kind):
     widest = max(("Q4_1", kind), key={"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}.get)
     assert HeldBlocks.of(types, tied=False) == HeldBlocks(widest, "F32")
     assert HeldBlocks.of({**types, "token_embd.weight": "Q8_0"}, tied=True).head == "Q8_0"
+    # Q5_0 is held as Q8_0; a K type, Q5_1 and a float type in float32.
+    mixed = {"blk.0.attn_q.weight": "Q5_0", "output.weight": "Q6_K"}
+    assert HeldBlocks.of(mixed, tied=False) == HeldBlocks("Q8_0", "F32")
+    for other in ("Q4_K", "Q5_1", "BF16"):
+        assert HeldBlocks.of({**mixed, "blk.1.ffn_down.weight": other}, tied=False).linear == "F32"

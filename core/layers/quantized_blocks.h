@@ -102,7 +102,9 @@ static int values_of_group(int kind, const float *values, float scale, float min
 /* The scale (and minimum) bits and q of one output's group of values as a block of kind;
  * 0 if no block of kind holds them exactly. The scale is the one GGUF's quantizer derives
  * (largest magnitude / 127; the value of largest magnitude / -8; (max - min) / 15) as the
- * values give it back, tried with its float16 neighbours. */
+ * values give it back, tried with its float16 neighbours; for Q8_0 also Q5_0's (the value of
+ * largest magnitude / -16: a Q5_0 block's values d * (q - 16) are those of a Q8_0 block of
+ * scale d, its sign included, which decides the sign of the zeros). */
 static int group_of(int kind, const float *values, uint16_t *scale, uint16_t *minimum, int *q) {
     float low = values[0], high = values[0], widest = values[0];
     for (int i = 1; i < QUANT_GROUP; i++) {
@@ -123,14 +125,16 @@ static int group_of(int kind, const float *values, uint16_t *scale, uint16_t *mi
     } else {
         target = fabsf(widest) / 127.0f;
     }
-    uint16_t candidates[3];
-    int count = halves_near(target, candidates);
-    for (int c = 0; c < count; c++)
-        if (values_of_group(kind, values, shardline_half_to_float(candidates[c]), minimum_value,
-                            q)) {
-            *scale = candidates[c];
-            return 1;
-        }
+    for (int tried = 0; tried < (kind == WEIGHT_Q8_0 ? 2 : 1); tried++) {
+        uint16_t candidates[3];
+        int count = halves_near(tried == 0 ? target : widest / -16.0f, candidates);
+        for (int c = 0; c < count; c++)
+            if (values_of_group(kind, values, shardline_half_to_float(candidates[c]),
+                                minimum_value, q)) {
+                *scale = candidates[c];
+                return 1;
+            }
+    }
     return 0;
 }
 

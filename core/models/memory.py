@@ -26,13 +26,16 @@ _FLOAT32 = 4
 #: Q4_1's float16 minimum, the values), in blocks of 64 outputs (``quantized_blocks.h``).
 _BLOCK_GROUP_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 _GROUP, _BLOCK_OUTPUTS = 32, 64
+#: The block kind a file's tensor type is held in: its own, or Q8_0 for Q5_0 (whose values
+#: are a Q8_0 block's of the same scale); float32 for any other type.
+_HELD_AS = {**{kind: kind for kind in _BLOCK_GROUP_BYTES}, "Q5_0": "Q8_0"}
 
 
 @dataclass(frozen=True)
 class HeldBlocks:
     """The GGUF block kinds a model's weights are held in (``model.weight_dtype: gguf``):
-    its layers' linear weights' (the kind with the most bytes among them) and its LM head's
-    (a float type name where the file holds it so)."""
+    its layers' linear weights' (the kind with the most bytes among them) and its LM head's;
+    ``F32`` where a file's type is held in float32 (a float type, Q5_1, IQ4_NL, the K types)."""
 
     linear: str
     head: str
@@ -41,11 +44,11 @@ class HeldBlocks:
     def of(cls, tensor_types: Mapping[str, str], tied: bool) -> HeldBlocks:
         """From the file's tensor types (GGUF name -> type name)."""
         linear = [
-            kind for name, kind in tensor_types.items()
+            _HELD_AS.get(kind, "F32") for name, kind in tensor_types.items()
             if name.startswith("blk.") and name.rsplit(".", 2)[-2] in _LINEAR_TENSORS
         ]  # fmt: skip
         head = tensor_types.get("token_embd.weight" if tied else "output.weight", "F32")
-        return cls(max(linear, key=_bytes_per_weight, default="F32"), head)
+        return cls(max(linear, key=_bytes_per_weight, default="F32"), _HELD_AS.get(head, "F32"))
 
 
 _LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

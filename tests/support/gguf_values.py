@@ -1,5 +1,5 @@
 """Float32 weights whose values are those of GGUF quantization blocks: what a GGUF file's
-Q8_0, Q4_0 or Q4_1 tensor decodes to, made here by quantizing as GGML's reference quantizer
+Q8_0, Q4_0, Q4_1 or Q5_0 tensor decodes to, made here by quantizing as GGML's reference quantizer
 does (32 inputs of a row share a float16 scale; Q4_1 a float16 minimum too) and decoding as
 the gguf package does (one float32 multiply, for Q4_1 one add)."""
 
@@ -22,13 +22,18 @@ def gguf_valued(weight: torch.Tensor, kind: str) -> torch.Tensor:
         scale = (widest / -8).half().float()
         q = (_divided(groups, scale) + 8).round().clamp(0, 15) + 0.0
         values = scale * (q - 8)
+    elif kind == "Q5_0":
+        widest = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))
+        scale = (widest / -16).half().float()
+        q = (_divided(groups, scale) + 16).round().clamp(0, 31) + 0.0
+        values = scale * (q - 16)
     elif kind == "Q4_1":
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale, minimum = ((high - low) / 15).half().float(), low.half().float()
         q = _divided(groups - low, scale).round().clamp(0, 15) + 0.0
         values = scale * q + minimum
     else:
-        raise ValueError(f"kind {kind!r}; allowed: Q8_0, Q4_0, Q4_1")
+        raise ValueError(f"kind {kind!r}; allowed: Q8_0, Q4_0, Q4_1, Q5_0")
     return values.reshape(out_features, in_features).contiguous()
 
 
