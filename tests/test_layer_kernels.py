@@ -26,7 +26,7 @@ from shardline.layers.kernels import (
 from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
 from shardline.models.memory import HeldBlocks, block_bytes
-from support.gguf_values import gguf_valued
+from support.gguf_values import gguf_valued, random_blocks
 
 native_module = pytest.importorskip(
     "shardline.layers._kernels",
@@ -766,6 +766,78 @@ def test_a_weight_held_in_quantization_blocks_gives_the_bits_of_its_float32_weig
         assert torch.equal(y, expected)
 
 
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+              "Q6_K")  # fmt: skip
+
+
+def _held_from_file_blocks(parts, out_features, in_features):
+    """A weight of GGUF blocks (``parts``: (type, rows of bytes) from the first row on),
+    decoded as a rank loads it, and held from those bytes as INT8_SCALED: (float32 weight,
+    held bytes, whether pack_split took it)."""
+    from shardline.weights import _dequantize
+
+    weight = torch.empty(out_features, in_features)
+    described, first = [], 0
+    for kind, raw in parts:
+        _dequantize.dequantize(kind, raw, weight[first : first + raw.shape[0]].numpy())
+        described.append((kind, raw.ctypes.data, raw.strides[0], first, raw.shape[0]))
+        first += raw.shape[0]
+    code = native_module.WEIGHT_INT8_SCALED
+    held = torch.empty(
+        native_module.quantized_size(code, out_features, in_features), dtype=torch.uint8
+    )
+    took = native_module.pack_split(
+        held.data_ptr(), out_features, in_features, weight.data_ptr(), described
+    )
+    return weight, held, took
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+@needs_quantized_linear
+def test_a_weight_held_from_its_files_blocks_gives_the_bits_of_its_float32_weight(kind):
+    """Any GGUF block type (here a weight of two parts, the second of another type: a merged
+    projection's) held as INT8_SCALED (1.5 bytes a weight) multiplies to the float32 kernel's
+    bits: one row, tiles of rows, a partial last block, a bias, on AVX-512 and AVX2."""
+    import numpy as np
+
+    rng = np.random.default_rng(GGUF_TYPES.index(kind))
+    other = "Q6_K" if kind != "Q6_K" else "Q4_0"
+    parts = [(kind, random_blocks(kind, 70, 512, rng)), (other, random_blocks(other, 60, 512, rng))]
+    weight, held, took = _held_from_file_blocks(parts, 130, 512)
+    assert took and held.numel() == 192 * 512 * 1.5
+    bias = torch.randn(130)
+    for rows in (1, 2, 5, 16):
+        x = torch.randn(rows, 512)
+        expected = _float32_product(x, weight, bias)
+        for avx2 in (False, True) if _has_avx2_f16c() else (False,):
+            y = torch.empty(rows, 130)
+            native_module.blocked_linear(
+                held.data_ptr(), x.data_ptr(), y.data_ptr(), bias.data_ptr(), rows, 130, 512,
+                None, native_module.WEIGHT_INT8_SCALED, avx2,
+            )  # fmt: skip
+            assert torch.equal(y, expected), (rows, avx2)
+
+
+@needs_quantized_linear
+def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
+    """pack_split says False where one loaded value is not its block's (a float32 ulp off),
+    and refuses parts that do not cover the rows or name no block type."""
+    import numpy as np
+
+    raw = random_blocks("Q4_K", 64, 256, np.random.default_rng(3))
+    weight, held, took = _held_from_file_blocks([("Q4_K", raw)], 64, 256)
+    assert took
+    weight[40, 100] = torch.nextafter(weight[40, 100], torch.tensor(1.0))
+    part = ("Q4_K", raw.ctypes.data, raw.strides[0], 0, 64)
+    assert not native_module.pack_split(held.data_ptr(), 64, 256, weight.data_ptr(), [part])
+    with pytest.raises(ValueError, match="parts cover 32 rows of out 64"):
+        native_module.pack_split(held.data_ptr(), 64, 256, weight.data_ptr(), [(*part[:4], 32)])
+    with pytest.raises(ValueError, match="no block type IQ2_XXS"):
+        native_module.pack_split(
+            held.data_ptr(), 64, 256, weight.data_ptr(), [("IQ2_XXS", *part[1:])]
+        )
+
+
 @needs_quantized_linear
 def test_weights_no_block_holds_exactly_stay_float32():
     """Random values, a block kind's values with one of them a float32 ulp off, and inputs
@@ -822,7 +894,7 @@ def test_a_weight_of_blocks_is_refused_where_its_kernel_cannot_run():
 
     with pytest.raises(ValueError, match="whole groups of 32"):
         call(40, held.weight_kind)
-    with pytest.raises(ValueError, match="allowed: 0 to 4"):
+    with pytest.raises(ValueError, match="allowed: 0 to 5"):
         call(64, 9)
 
 

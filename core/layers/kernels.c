@@ -1912,6 +1912,60 @@ static PyObject *pack_quantized(PyObject *self, PyObject *const *args, Py_ssize_
     return PyBool_FromLong(packed);
 }
 
+/* pack_split(dest, out, in, weight, parts): parts a sequence of (type name, raw address,
+ * raw row stride, first row, rows), the file's blocks of those rows of the weight. */
+static PyObject *pack_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 5, "pack_split") < 0) return NULL;
+    uint8_t *dest = ADDRESS(0);
+    long out = SIZE(1), in = SIZE(2);
+    const float *weight = ADDRESS(3);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *parts = PySequence_Fast(args[4], "pack_split: parts must be a sequence");
+    if (parts == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(parts);
+    const GGUFType **types = PyMem_Calloc((size_t)count + 1, sizeof *types);
+    long(*where)[4] = PyMem_Calloc((size_t)count + 1, sizeof *where);
+    PyObject *result = NULL;
+    if (types == NULL || where == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    long covered = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const char *name;
+        unsigned long long raw;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(parts, i), "sKlll", &name, &raw,
+                              &where[i][1], &where[i][2], &where[i][3]))
+            goto done;
+        where[i][0] = (long)(uintptr_t)raw;
+        types[i] = gguf_type(name);
+        if (types[i] == NULL) {
+            PyErr_Format(PyExc_ValueError, "pack_split: no block type %s (%s)", name,
+                         GGUF_TYPE_NAMES);
+            goto done;
+        }
+        covered += where[i][3];
+    }
+    if (out < 1 || in < 1 || covered != out) {
+        PyErr_Format(PyExc_ValueError, "pack_split: parts cover %ld rows of out %ld (in %ld)",
+                     covered, out, in);
+        goto done;
+    }
+    int packed = 1;
+    Py_BEGIN_ALLOW_THREADS
+    memset(dest, 0, (size_t)quantized_bytes(WEIGHT_INT8_SCALED, out, in));
+    for (Py_ssize_t i = 0; i < count && packed; i++)
+        packed = pack_split_rows(types[i], (const uint8_t *)(uintptr_t)where[i][0], where[i][1],
+                                 where[i][2], where[i][3], out, in, weight, dest);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(packed);
+done:
+    PyMem_Free(types);
+    PyMem_Free(where);
+    Py_DECREF(parts);
+    return result;
+}
+
 static PyObject *quantized_size(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (take_args(args, nargs, 3, "quantized_size") < 0) return NULL;
     int kind = (int)SIZE(0);
@@ -1984,6 +2038,11 @@ static PyMethodDef methods[] = {
      "contiguous) into dest (quantized_size bytes) as blocks of kind (WEIGHT_Q8_0, _Q4_0, "
      "_Q4_1); True, or False where no such blocks hold its values exactly (or in is not a "
      "multiple of QUANT_GROUP); without the GIL"},
+    {"pack_split", (PyCFunction)(void (*)(void))pack_split, METH_FASTCALL,
+     "pack_split(dest, out, in, weight, parts): a weight (float32 out x in, rows contiguous, "
+     "as loaded) into dest (quantized_size(WEIGHT_INT8_SCALED, ...) bytes) from its file's "
+     "blocks: parts, (GGUF type name, address, row stride in bytes, first row, rows) covering "
+     "every row; False where a value so held is not the weight's"},
     {"quantized_size", (PyCFunction)(void (*)(void))quantized_size, METH_FASTCALL,
      "quantized_size(kind, out, in): the bytes pack_quantized writes"},
     {"team", team, METH_O,
@@ -2037,7 +2096,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
          PyModule_AddIntConstant(result, "WEIGHT_BFLOAT16", WEIGHT_BFLOAT16) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q8_0", WEIGHT_Q8_0) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q4_0", WEIGHT_Q4_0) < 0 ||
-         PyModule_AddIntConstant(result, "WEIGHT_Q4_1", WEIGHT_Q4_1) < 0))
+         PyModule_AddIntConstant(result, "WEIGHT_Q4_1", WEIGHT_Q4_1) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_INT8_SCALED", WEIGHT_INT8_SCALED) < 0))
         Py_CLEAR(result);
     return result;
 }

@@ -12,27 +12,49 @@
  * each output's sum has the same terms in the same order, so a layer's results are the
  * float32 layer's, bit for bit, from a fraction of the bytes.
  *
+ * A weight of any other GGUF block type (gguf_blocks.h: Q5_1, IQ4_NL, the K types), or of
+ * several types (a merged projection's parts), is held from the file's bytes instead
+ * (pack_split_weight): INT8_SCALED, each block split into int8 q and a float32 scale and
+ * offset per 16 inputs, widened as scale * q + offset (a subtracted offset held negated: the
+ * same sum), checked against the values loaded: 1.5 bytes a weight.
+ *
  * Layout: block after block of LINEAR_BLOCK outputs (the last padded with outputs of scale 0,
  * never stored), each group of QUANT_GROUP inputs in turn: the block's scales (float16), for
  * Q4_1 its minimums (float16), then the values, input by input, the block's outputs side by
  * side: Q8_0 one int8 each; Q4_0 and Q4_1 a byte for each pair of inputs, the first in its low
- * nibble. */
+ * nibble. INT8_SCALED: the scales (float32) of the group's first 16 inputs, then of its last
+ * 16, the offsets so, then one int8 each. */
 
-#include "half.h"
+#include "gguf_blocks.h"
 
-/* How a blocked weight holds its values (kernels.py's WEIGHT_KINDS names them). */
-enum { WEIGHT_FLOAT32, WEIGHT_BFLOAT16, WEIGHT_Q8_0, WEIGHT_Q4_0, WEIGHT_Q4_1, WEIGHT_KINDS };
+/* How a blocked weight holds its values (the module's WEIGHT_* constants). */
+enum {
+    WEIGHT_FLOAT32,
+    WEIGHT_BFLOAT16,
+    WEIGHT_Q8_0,
+    WEIGHT_Q4_0,
+    WEIGHT_Q4_1,
+    WEIGHT_INT8_SCALED,
+    WEIGHT_KINDS
+};
 
 #define QUANT_GROUP 32
+#define QUANT_HALF (QUANT_GROUP / 2)
 
 static inline int is_quantized(int kind) { return kind >= WEIGHT_Q8_0 && kind < WEIGHT_KINDS; }
 
+/* Whether a kind holds one byte an input (else a nibble). */
+static inline int holds_bytes(int kind) {
+    return kind == WEIGHT_Q8_0 || kind == WEIGHT_INT8_SCALED;
+}
+
 /* Bytes of one block's group: scales (and minimums), then the values. */
 static inline long quantized_header_bytes(int kind) {
+    if (kind == WEIGHT_INT8_SCALED) return 4 * (int)sizeof(float) * LINEAR_BLOCK;
     return (kind == WEIGHT_Q4_1 ? 4 : 2) * LINEAR_BLOCK;
 }
 static inline long quantized_group_bytes(int kind) {
-    long values = kind == WEIGHT_Q8_0 ? QUANT_GROUP * LINEAR_BLOCK : QUANT_GROUP / 2 * LINEAR_BLOCK;
+    long values = holds_bytes(kind) ? QUANT_GROUP * LINEAR_BLOCK : QUANT_GROUP / 2 * LINEAR_BLOCK;
     return quantized_header_bytes(kind) + values;
 }
 
@@ -143,7 +165,7 @@ static int group_of(int kind, const float *values, uint16_t *scale, uint16_t *mi
  * values are not a block of kind exactly (dest then holds part of it). */
 static int pack_quantized_weight(int kind, const float *weight, long out, long in,
                                  uint8_t *dest) {
-    if (!is_quantized(kind) || in % QUANT_GROUP != 0) return 0;
+    if (!is_quantized(kind) || kind == WEIGHT_INT8_SCALED || in % QUANT_GROUP != 0) return 0;
     long groups = in / QUANT_GROUP, header = quantized_header_bytes(kind);
     long group_bytes = quantized_group_bytes(kind);
     int q[QUANT_GROUP];
@@ -167,6 +189,44 @@ static int pack_quantized_weight(int kind, const float *weight, long out, long i
                 }
             }
         }
+    return 1;
+}
+
+/* Rows [first, first + rows) of a weight (out x in, in whole blocks of type) held as
+ * INT8_SCALED in dest (quantized_bytes(WEIGHT_INT8_SCALED, out, in), zeroed by the caller),
+ * from the file's blocks of those rows (row r's at raw + (r - first) * raw_stride); 1, or 0
+ * where a value so held is not the loaded weight's (float32, rows contiguous), bit for bit
+ * (any NaN for a NaN). */
+static int pack_split_rows(const GGUFType *type, const uint8_t *raw, long raw_stride, long first,
+                           long rows, long out, long in, const float *weight, uint8_t *dest) {
+    if (in % type->block_values != 0 || in % QUANT_GROUP != 0 || first < 0 || rows < 0 ||
+        first + rows > out)
+        return 0;
+    long groups = in / QUANT_GROUP, group_bytes = quantized_group_bytes(WEIGHT_INT8_SCALED);
+    long header = quantized_header_bytes(WEIGHT_INT8_SCALED);
+    GGUFSplit split;
+    for (long o = first; o < first + rows; o++) {
+        const uint8_t *row = raw + (o - first) * raw_stride;
+        long lane = o % LINEAR_BLOCK;
+        for (long start = 0; start < in; start += type->block_values) {
+            type->split(row + start / type->block_values * type->block_bytes, &split);
+            for (long i = start; i < start + type->block_values; i++) {
+                long within = i - start, g = i / QUANT_GROUP, half = i % QUANT_GROUP / QUANT_HALF;
+                uint8_t *group = dest + (o / LINEAR_BLOCK * groups + g) * group_bytes;
+                float *scales = (float *)group, *offsets = scales + 2 * LINEAR_BLOCK;
+                float scale = split.scale[within / GGUF_SPLIT];
+                float offset = split.offset[within / GGUF_SPLIT];
+                scales[half * LINEAR_BLOCK + lane] = scale;
+                offsets[half * LINEAR_BLOCK + lane] = type->subtracts ? -offset : offset;
+                int8_t q = split.q[within];
+                group[header + i % QUANT_GROUP * LINEAR_BLOCK + lane] = (uint8_t)q;
+                float held = scale * (float)q + offsets[half * LINEAR_BLOCK + lane];
+                float loaded = weight[o * in + i];
+                if (bits_of(held) != bits_of(loaded) && !(held != held && loaded != loaded))
+                    return 0;
+            }
+        }
+    }
     return 1;
 }
 
@@ -205,11 +265,13 @@ static int pack_quantized_weight(int kind, const float *weight, long out, long i
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q8_0, WEIGHT_Q8_0, ROW, ROWS)              \
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_0, WEIGHT_Q4_0, ROW, ROWS)              \
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_1, WEIGHT_Q4_1, ROW, ROWS)              \
+    DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_int8_scaled, WEIGHT_INT8_SCALED, ROW, ROWS)\
     static void NAME(int kind, const void *weight, const float *x, float *y,                 \
                      const float *bias, long rows, long out, long in, long first, long end) { \
         switch (kind) {                                                                      \
         case WEIGHT_Q8_0: NAME##_q8_0(weight, x, y, bias, rows, out, in, first, end); break; \
         case WEIGHT_Q4_0: NAME##_q4_0(weight, x, y, bias, rows, out, in, first, end); break; \
-        default: NAME##_q4_1(weight, x, y, bias, rows, out, in, first, end);                 \
+        case WEIGHT_Q4_1: NAME##_q4_1(weight, x, y, bias, rows, out, in, first, end); break; \
+        default: NAME##_int8_scaled(weight, x, y, bias, rows, out, in, first, end);          \
         }                                                                                    \
     }

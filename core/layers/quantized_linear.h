@@ -2,15 +2,17 @@
  * layout and why the sums are the float32 kernel's), for kernels.c, which includes this after
  * its own blocked kernels (LINEAR_BLOCK, tail_mask, AVX512). */
 
-/* The weights of inputs 2p and 2p + 1 (Q4_0, Q4_1), or of input p (Q8_0: first only), for
- * outputs 16k..16k+15 of a group (values: its values; scale, minimum: those outputs'). */
+/* The weights of inputs 2p and 2p + 1 (Q4_0, Q4_1), or of input p (Q8_0, INT8_SCALED: first
+ * only), for outputs 16k..16k+15 of a group (values: its values; scale, minimum: those
+ * outputs', of p's half for INT8_SCALED). */
 AVX512 static inline __attribute__((always_inline)) void widen_16(
     const int kind, const uint8_t *values, long p, int k, __m512 scale, __m512 minimum,
     __m512 *first, __m512 *second) {
     const __m128i *bytes = (const __m128i *)(values + p * LINEAR_BLOCK + 16 * k);
-    if (kind == WEIGHT_Q8_0) {
+    if (holds_bytes(kind)) {
         __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(bytes));
         *first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
+        if (kind == WEIGHT_INT8_SCALED) *first = _mm512_add_ps(*first, minimum);
         return;
     }
     __m512i pair = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
@@ -28,9 +30,18 @@ AVX512 static inline __attribute__((always_inline)) void widen_16(
     }
 }
 
-/* A group's scales (and minimums) for outputs 16k..16k+15. */
+/* A group's scales (and minimums) for outputs 16k..16k+15: of its inputs' first or second
+ * half for INT8_SCALED (the same for both halves in the other kinds). */
 AVX512 static inline __attribute__((always_inline)) void group_scales(
-    const int kind, const uint8_t *group, __m512 scale[4], __m512 minimum[4]) {
+    const int kind, const uint8_t *group, int half, __m512 scale[4], __m512 minimum[4]) {
+    if (kind == WEIGHT_INT8_SCALED) {
+        const float *scales = (const float *)group + half * LINEAR_BLOCK;
+        for (int k = 0; k < 4; k++) {
+            scale[k] = _mm512_loadu_ps(scales + 16 * k);
+            minimum[k] = _mm512_loadu_ps(scales + 2 * LINEAR_BLOCK + 16 * k);
+        }
+        return;
+    }
     for (int k = 0; k < 4; k++) {
         scale[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 32 * k)));
         minimum[k] = kind == WEIGHT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -51,9 +62,11 @@ AVX512 static inline __attribute__((always_inline)) void quantized_row(
         const uint8_t *group = block + g * group_bytes, *values = group + header;
         const float *xg = x + g * QUANT_GROUP;
         __m512 scale[4], minimum[4];
-        group_scales(kind, group, scale, minimum);
-        if (kind == WEIGHT_Q8_0) {
+        group_scales(kind, group, 0, scale, minimum);
+        if (holds_bytes(kind)) {
             for (long i = 0; i < QUANT_GROUP; i++) {
+                if (kind == WEIGHT_INT8_SCALED && i == QUANT_HALF)
+                    group_scales(kind, group, 1, scale, minimum);
                 __m512 value = _mm512_set1_ps(xg[i]), w, unused;
                 for (int k = 0; k < 4; k++) {
                     widen_16(kind, values, i, k, scale[k], minimum[k], &w, &unused);
@@ -87,18 +100,21 @@ AVX512 static inline __attribute__((always_inline)) void widen_group(const int k
                                                                     const uint8_t *group,
                                                                     float *wide) {
     __m512 scale[4], minimum[4];
-    group_scales(kind, group, scale, minimum);
+    group_scales(kind, group, 0, scale, minimum);
     const uint8_t *values = group + quantized_header_bytes(kind);
-    long steps = kind == WEIGHT_Q8_0 ? QUANT_GROUP : QUANT_GROUP / 2;
-    for (long p = 0; p < steps; p++)
+    long steps = holds_bytes(kind) ? QUANT_GROUP : QUANT_GROUP / 2;
+    for (long p = 0; p < steps; p++) {
+        if (kind == WEIGHT_INT8_SCALED && p == QUANT_HALF)
+            group_scales(kind, group, 1, scale, minimum);
         for (int k = 0; k < 4; k++) {
             __m512 first, second;
             widen_16(kind, values, p, k, scale[k], minimum[k], &first, &second);
-            long input = kind == WEIGHT_Q8_0 ? p : 2 * p;
+            long input = holds_bytes(kind) ? p : 2 * p;
             _mm512_storeu_ps(wide + input * LINEAR_BLOCK + 16 * k, first);
-            if (kind != WEIGHT_Q8_0)
+            if (!holds_bytes(kind))
                 _mm512_storeu_ps(wide + (input + 1) * LINEAR_BLOCK + 16 * k, second);
         }
+    }
 }
 
 /* R rows (x: R rows of in) against one widened group (inputs from, QUANT_GROUP of them):

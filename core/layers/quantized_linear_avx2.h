@@ -11,13 +11,20 @@ static int cpu_has_avx2_f16c(void) {
     return cpu_has_avx2_fma() && __builtin_cpu_supports("f16c");
 }
 
-/* The weights of inputs 2p and 2p + 1 (Q4_0, Q4_1), or of input p (Q8_0: first only), for
- * outputs 8k..8k+7 of a group (group: its start; values: its values). */
+/* The weights of inputs 2p and 2p + 1 (Q4_0, Q4_1), or of input p (Q8_0, INT8_SCALED: first
+ * only), for outputs 8k..8k+7 of a group (group: its start; values: its values). */
 AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
     const int kind, const uint8_t *group, const uint8_t *values, long p, int k, __m256 *first,
     __m256 *second) {
-    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16 * k)));
     __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + p * LINEAR_BLOCK + 8 * k));
+    if (kind == WEIGHT_INT8_SCALED) {
+        const float *scales = (const float *)group + p / QUANT_HALF * LINEAR_BLOCK + 8 * k;
+        __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        *first = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(scales), q),
+                               _mm256_loadu_ps(scales + 2 * LINEAR_BLOCK));
+        return;
+    }
+    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16 * k)));
     if (kind == WEIGHT_Q8_0) {
         *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
         return;
@@ -47,19 +54,19 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_row_avx2(
     __m256 acc[8];
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
     long group_bytes = quantized_group_bytes(kind), header = quantized_header_bytes(kind);
-    long steps = kind == WEIGHT_Q8_0 ? QUANT_GROUP : QUANT_GROUP / 2;
+    long steps = holds_bytes(kind) ? QUANT_GROUP : QUANT_GROUP / 2;
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
         const float *xg = x + g * QUANT_GROUP;
         for (long p = 0; p < steps; p++) {
-            long input = kind == WEIGHT_Q8_0 ? p : 2 * p;
+            long input = holds_bytes(kind) ? p : 2 * p;
             __m256 first_value = _mm256_set1_ps(xg[input]);
-            __m256 second_value = _mm256_set1_ps(kind == WEIGHT_Q8_0 ? 0.0f : xg[input + 1]);
+            __m256 second_value = _mm256_set1_ps(holds_bytes(kind) ? 0.0f : xg[input + 1]);
             for (int k = 0; k < 8; k++) {
                 __m256 first, second;
                 widen_8(kind, group, values, p, k, &first, &second);
                 acc[k] = _mm256_fmadd_ps(first, first_value, acc[k]);
-                if (kind != WEIGHT_Q8_0) acc[k] = _mm256_fmadd_ps(second, second_value, acc[k]);
+                if (!holds_bytes(kind)) acc[k] = _mm256_fmadd_ps(second, second_value, acc[k]);
             }
         }
     }
@@ -74,16 +81,16 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_rows_avx2(
     const int kind, const uint8_t *block, long groups, const float *x, long in, float *y,
     long y_stride, long rows, long width, const float *bias, float *wide, float *sums) {
     long group_bytes = quantized_group_bytes(kind), header = quantized_header_bytes(kind);
-    long steps = kind == WEIGHT_Q8_0 ? QUANT_GROUP : QUANT_GROUP / 2;
+    long steps = holds_bytes(kind) ? QUANT_GROUP : QUANT_GROUP / 2;
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
         for (long p = 0; p < steps; p++)
             for (int k = 0; k < 8; k++) {
                 __m256 first, second;
                 widen_8(kind, group, values, p, k, &first, &second);
-                long input = kind == WEIGHT_Q8_0 ? p : 2 * p;
+                long input = holds_bytes(kind) ? p : 2 * p;
                 _mm256_storeu_ps(wide + input * LINEAR_BLOCK + 8 * k, first);
-                if (kind != WEIGHT_Q8_0)
+                if (!holds_bytes(kind))
                     _mm256_storeu_ps(wide + (input + 1) * LINEAR_BLOCK + 8 * k, second);
             }
         for (long r = 0; r < rows; r++) {

@@ -3,6 +3,7 @@ Q8_0, Q4_0, Q4_1 or Q5_0 tensor decodes to, made here by quantizing as GGML's re
 does (32 inputs of a row share a float16 scale; Q4_1 a float16 minimum too) and decoding as
 the gguf package does (one float32 multiply, for Q4_1 one add)."""
 
+import numpy as np
 import torch
 
 GROUP = 32
@@ -41,3 +42,24 @@ def _divided(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """values / scale, 0 where the scale is; rounded by the caller, whose q are then made
     whole numbers without a sign on zero (as a file's integers are: + 0.0 turns -0 into 0)."""
     return torch.where(scale == 0, torch.zeros_like(values), values / scale)
+
+
+#: Byte offsets of each GGUF block type's float16 fields (scales, minimums).
+_HALF_FIELDS = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
+
+
+def random_blocks(kind: str, rows: int, inputs: int, generator: np.random.Generator) -> np.ndarray:
+    """``rows`` rows of ``inputs`` weights as random GGUF blocks of ``kind`` (bytes, as a
+    file holds them): every q and packed scale random, the float16 fields small finite
+    numbers."""
+    import gguf
+
+    values, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = generator.integers(0, 256, (rows, inputs // values, block_bytes), dtype=np.uint8)
+    for at in _HALF_FIELDS[kind]:
+        halves = (generator.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
+        raw[:, :, at : at + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
