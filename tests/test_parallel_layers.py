@@ -76,6 +76,12 @@ def _run_layers(ctx) -> dict:
     embedding = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
     embedding.load_full(w["embedding"])
     out["embedding"] = embedding(w["ids"])
+    # Loading writes every row, padding too: a table made over memory holding NaN looks up
+    # alike (a lookup outside a rank's shard reads its row 0, masked with a 0 multiply).
+    stale = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
+    stale.weight.data.fill_(float("nan"))
+    stale.load_full(w["embedding"])
+    out["embedding_over_stale_memory"] = stale(w["ids"])
     head = ParallelLMHead(VOCAB, HIDDEN, tp, tied_to=embedding)
     out["logits"] = head(w["x"])
     out["greedy"] = head(w["x"], greedy=True)
@@ -124,6 +130,7 @@ def test_layers_match_the_unsharded_computation(tp_world):
         torch.testing.assert_close(out["row"], full_row, **close)
         torch.testing.assert_close(out["row_uneven"], F.linear(w["o_x"], w["o_w"]), **close)
         assert torch.equal(out["embedding"], F.embedding(w["ids"], w["embedding"]))
+        assert torch.equal(out["embedding_over_stale_memory"], out["embedding"])
         torch.testing.assert_close(out["logits"], F.linear(w["x"], w["embedding"]), **close)
         # Greedy without gathering: the argmax of the logits, the lowest id among equals.
         assert torch.equal(out["greedy"], out["logits"].argmax(dim=-1))

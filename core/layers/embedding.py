@@ -15,7 +15,7 @@ from torch import nn
 from shardline.distributed import GroupCoordinator
 from shardline.interfaces import ReduceOp
 from shardline.layers.kernels import TORCH_KERNELS, TorchKernels, WeightPacker
-from shardline.layers.linear import weight_matrix
+from shardline.layers.linear import note_file_blocks, weight_matrix
 from shardline.layers.sharding import TensorSource, vocab_shard
 from shardline.profiling import EMBEDDING_LOOKUP, MATMUL
 
@@ -43,15 +43,20 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = weight_matrix(self.shard.padded_per_rank, hidden_size, dtype)
 
     def load_full(self, weight: TensorSource) -> None:
-        """Copy this rank's rows of the full ``[vocab, hidden]`` table; padding rows stay 0."""
+        """Copy this rank's rows of the full ``[vocab, hidden]`` table; padding rows are zeros."""
         if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
             raise ValueError(
                 f"embedding: checkpoint shape {tuple(weight.shape)}, expected "
                 f"{(self.vocab_size, self.hidden_size)}"
             )
         rows = self.shard.end - self.shard.start
+        shard = weight[self.shard.start : self.shard.end]
         with torch.no_grad():
-            self.weight[:rows].copy_(weight[self.shard.start : self.shard.end])
+            self.weight[:rows].copy_(shard)
+            # Made uninitialized (weight_matrix): a lookup outside the shard reads row 0 and
+            # masks it with a 0 multiply, which a NaN left here would survive.
+            self.weight[rows:].zero_()
+        note_file_blocks(self.weight, 0, shard)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
