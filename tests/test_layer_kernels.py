@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,8 +26,8 @@ from shardline.layers.kernels import (
 )
 from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
-from shardline.models.memory import HeldBlocks, block_bytes
-from support.gguf_values import gguf_valued, random_blocks
+from shardline.models.memory import HeldBlocks, HeldKind, block_bytes
+from support.gguf_values import file_weight, quantized_weight, random_blocks
 
 native_module = pytest.importorskip(
     "shardline.layers._kernels",
@@ -724,32 +725,24 @@ def _assert_layers_run_alike(first, second, hidden: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(keys, expected_keys, strict=True))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
-@pytest.mark.parametrize("out_features,in_features", [(100, 64), (130, 576), (64, 32), (7, 96)])
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
-@needs_quantized_linear
-def test_a_weight_held_in_quantization_blocks_gives_the_bits_of_its_float32_weight(
-    kind, rows, out_features, in_features
-):
-    """A float32 weight whose values are a GGUF block kind's is held in that kind (1.06, 0.56
-    or 0.63 bytes a weight in whole blocks of 64 outputs; Q5_0's values in Q8_0 blocks) and
-    multiplies to the very bits of the float32 kernel (one row, tiles of rows, a partial last
-    block, with a bias; alone and on a team of three)."""
-    weight = gguf_valued(torch.randn(out_features, in_features), kind)
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+              "Q6_K")  # fmt: skip
+#: The kind each type is held in alone: the first that holds it (quantized_blocks.h).
+HELD_AS = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0"}
+BYTES_PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "INT8_SCALED": 48 / 32}
+
+
+def _assert_multiplies_as_float32(held, weight, rows):
+    """``held`` gives the float32 kernel's bits for ``weight``: with a bias, on a team of
+    three, and on the AVX2 kernels where this CPU runs them."""
+    out_features, in_features = weight.shape
     bias = torch.randn(out_features)
-    held = BLOCK_WEIGHTS.pack_linear(weight.clone())
-    held_as = "Q8_0" if kind == "Q5_0" else kind
-    assert held.held_as == held_as and held.dtype is torch.uint8
-    assert held.blocked_shape == (out_features, in_features)
-    per_weight = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}[held_as]
-    padded = -(-out_features // 64) * 64
-    assert held.numel() == padded * in_features * per_weight
-    team = NativeKernels(native_module, threads=3, quantized=True)
     x = torch.randn(rows, in_features)
     expected = _float32_product(x, weight, bias)
     assert torch.equal(BLOCK_WEIGHTS.linear(x, held, bias), expected)
+    team = NativeKernels(native_module, threads=3, quantized=True)
     assert torch.equal(team.linear(x, held, None), _float32_product(x, weight))
-    if native_module.quantized_linear_available() and _has_avx2_f16c():
+    if _has_avx2_f16c():
         y = torch.empty(rows, out_features)
         native_module.blocked_linear(
             held.data_ptr(),
@@ -766,114 +759,119 @@ def test_a_weight_held_in_quantization_blocks_gives_the_bits_of_its_float32_weig
         assert torch.equal(y, expected)
 
 
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-              "Q6_K")  # fmt: skip
-
-
-def _held_from_file_blocks(parts, out_features, in_features):
-    """A weight of GGUF blocks (``parts``: (type, rows of bytes) from the first row on),
-    decoded as a rank loads it, and held from those bytes as INT8_SCALED: (float32 weight,
-    held bytes, whether pack_split took it)."""
-    from shardline.weights import _dequantize
-
-    weight = torch.empty(out_features, in_features)
-    described, first = [], 0
-    for kind, raw in parts:
-        _dequantize.dequantize(kind, raw, weight[first : first + raw.shape[0]].numpy())
-        described.append((kind, raw.ctypes.data, raw.strides[0], first, raw.shape[0]))
-        first += raw.shape[0]
-    code = native_module.WEIGHT_INT8_SCALED
-    held = torch.empty(
-        native_module.quantized_size(code, out_features, in_features), dtype=torch.uint8
-    )
-    took = native_module.pack_split(
-        held.data_ptr(), out_features, in_features, weight.data_ptr(), described
-    )
-    return weight, held, took
-
-
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
 @pytest.mark.parametrize("kind", GGUF_TYPES)
 @needs_quantized_linear
-def test_a_weight_held_from_its_files_blocks_gives_the_bits_of_its_float32_weight(kind):
-    """Any GGUF block type (here a weight of two parts, the second of another type: a merged
-    projection's) held as INT8_SCALED (1.5 bytes a weight) multiplies to the float32 kernel's
-    bits: one row, tiles of rows, a partial last block, a bias, on AVX-512 and AVX2."""
-    import numpy as np
+def test_a_weight_held_as_its_files_blocks_gives_the_bits_of_its_float32_weight(kind, rows):
+    """A weight decoded from a GGUF file's blocks of any type, carrying them, is held as
+    them: Q4_0 and Q4_1 in their own blocks, Q8_0, Q5_0 and IQ4_NL in Q8_0 blocks, any other
+    type split (INT8_SCALED), in whole blocks of 64 outputs; and multiplies to the very bits
+    of the float32 kernel (one row, tiles of rows, partial last blocks, a bias; alone, on a
+    team of three, on the AVX2 kernels)."""
+    rng = np.random.default_rng([GGUF_TYPES.index(kind), rows])
+    shapes = [(130, 512), (7, 256)] if kind.endswith("_K") else [(100, 64), (130, 576), (7, 96)]
+    for out_features, in_features in shapes:
+        weight = file_weight([(kind, random_blocks(kind, out_features, in_features, rng))],
+                             out_features)  # fmt: skip
+        held = BLOCK_WEIGHTS.pack_linear(weight)
+        held_as = HELD_AS.get(kind, "INT8_SCALED")
+        assert held.held_as == held_as and held.dtype is torch.uint8
+        assert held.blocked_shape == (out_features, in_features)
+        padded = -(-out_features // 64) * 64
+        assert held.numel() == padded * in_features * BYTES_PER_WEIGHT[held_as]
+        _assert_multiplies_as_float32(held, weight, rows)
 
-    rng = np.random.default_rng(GGUF_TYPES.index(kind))
-    other = "Q6_K" if kind != "Q6_K" else "Q4_0"
-    parts = [(kind, random_blocks(kind, 70, 512, rng)), (other, random_blocks(other, 60, 512, rng))]
-    weight, held, took = _held_from_file_blocks(parts, 130, 512)
-    assert took and held.numel() == 192 * 512 * 1.5
-    bias = torch.randn(130)
-    for rows in (1, 2, 5, 16):
-        x = torch.randn(rows, 512)
-        expected = _float32_product(x, weight, bias)
-        for avx2 in (False, True) if _has_avx2_f16c() else (False,):
-            y = torch.empty(rows, 130)
-            native_module.blocked_linear(
-                held.data_ptr(), x.data_ptr(), y.data_ptr(), bias.data_ptr(), rows, 130, 512,
-                None, native_module.WEIGHT_INT8_SCALED, avx2,
-            )  # fmt: skip
-            assert torch.equal(y, expected), (rows, avx2)
+
+@needs_quantized_linear
+def test_a_weight_of_parts_of_several_types_is_held_in_the_first_kind_holding_them_all():
+    """A merged projection's parts: Q4_0 with Q8_0 in Q8_0 blocks; Q4_1 with Q8_0, or a K
+    type with a legacy one, split; vocabulary padding rows after them held as zeros."""
+    rng = np.random.default_rng(5)
+    for (first, second), held_as in (
+        (("Q4_0", "Q8_0"), "Q8_0"), (("Q4_1", "Q8_0"), "INT8_SCALED"),
+        (("Q6_K", "Q5_0"), "INT8_SCALED"),
+    ):  # fmt: skip
+        parts = [(first, random_blocks(first, 70, 512, rng)),
+                 (second, random_blocks(second, 60, 512, rng))]  # fmt: skip
+        weight = file_weight(parts, 136)
+        held = BLOCK_WEIGHTS.pack_linear(weight)
+        assert held.held_as == held_as
+        _assert_multiplies_as_float32(held, weight, 3)
 
 
 @needs_quantized_linear
 def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
-    """pack_split says False where one loaded value is not its block's (a float32 ulp off),
-    and refuses parts that do not cover the rows or name no block type."""
-    import numpy as np
-
+    """pack_file_blocks says False where one loaded value is not its block's (a float32 ulp
+    off), a row no part covers is not zeros, or the kind does not hold a part's type; and
+    refuses parts outside the weight, overlapping, or naming no block type."""
     raw = random_blocks("Q4_K", 64, 256, np.random.default_rng(3))
-    weight, held, took = _held_from_file_blocks([("Q4_K", raw)], 64, 256)
-    assert took
-    weight[40, 100] = torch.nextafter(weight[40, 100], torch.tensor(1.0))
+    weight = file_weight([("Q4_K", raw)], 72)
+    code = native_module.WEIGHT_INT8_SCALED
+    held = torch.empty(native_module.quantized_size(code, 72, 256), dtype=torch.uint8)
     part = ("Q4_K", raw.ctypes.data, raw.strides[0], 0, 64)
-    assert not native_module.pack_split(held.data_ptr(), 64, 256, weight.data_ptr(), [part])
-    with pytest.raises(ValueError, match="parts cover 32 rows of out 64"):
-        native_module.pack_split(held.data_ptr(), 64, 256, weight.data_ptr(), [(*part[:4], 32)])
+
+    def pack(values, parts, kind=code):
+        return native_module.pack_file_blocks(kind, held.data_ptr(), 72, 256, values.data_ptr(),
+                                              parts)  # fmt: skip
+
+    assert pack(weight, [part])
+    nudged = weight.clone()
+    nudged[40, 100] = torch.nextafter(nudged[40, 100], torch.tensor(1.0))
+    assert not pack(nudged, [part])
+    padding = weight.clone()
+    padding[70, 3] = 1.0
+    assert not pack(padding, [part])
+    assert not pack(weight, [part], native_module.WEIGHT_Q8_0)
+    with pytest.raises(ValueError, match=r"part 0, rows \[40, 104\), lies outside out 72"):
+        pack(weight, [(*part[:3], 40, 64)])
+    with pytest.raises(ValueError, match="parts overlap at row 32"):
+        pack(weight, [part, (*part[:3], 32, 8)])
     with pytest.raises(ValueError, match="no block type IQ2_XXS"):
-        native_module.pack_split(
-            held.data_ptr(), 64, 256, weight.data_ptr(), [("IQ2_XXS", *part[1:])]
-        )
+        pack(weight, [("IQ2_XXS", *part[1:])])
+    with pytest.raises(ValueError, match="kind 1; allowed: 2 to 5"):
+        pack(weight, [part], native_module.WEIGHT_BFLOAT16)
 
 
 @needs_quantized_linear
-def test_weights_no_block_holds_exactly_stay_float32():
-    """Random values, a block kind's values with one of them a float32 ulp off, and inputs
-    not in whole groups of 32 are held blocked in float32 (and still multiply right); the
-    torch path and a C path without ``quantized`` never hold blocks."""
-    exact = gguf_valued(torch.randn(64, 64), "Q4_1")
-    nudged = exact.clone()
-    nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))
-    uneven = gguf_valued(torch.randn(64, 64), "Q8_0")[:, :40]
-    for weight in (torch.randn(64, 64), nudged, uneven):
-        held = BLOCK_WEIGHTS.pack_linear(weight.clone())
+def test_weights_without_their_blocks_stay_float32():
+    """Weights carrying no file blocks (random values; the same values as a file's blocks,
+    but without them), or inputs not in whole groups of 32, are held blocked in float32 (and
+    still multiply right); the torch path and a C path without ``quantized`` never hold
+    blocks."""
+    rng = np.random.default_rng(4)
+    blocked = file_weight([("Q4_1", random_blocks("Q4_1", 64, 64, rng))], 64)
+    uneven = file_weight([("IQ4_NL", random_blocks("IQ4_NL", 64, 32, rng))], 64)[:, :24]
+    uneven.file_blocks = blocked.file_blocks
+    for weight in (torch.randn(64, 64), blocked.clone(), uneven):
+        held = BLOCK_WEIGHTS.pack_linear(weight)
         assert held.dtype is torch.float32 and not hasattr(held, "held_as")
         x = torch.randn(3, weight.shape[1])
         assert torch.equal(BLOCK_WEIGHTS.linear(x, held, None), _float32_product(x, weight))
-    assert NATIVE.pack_linear(exact.clone()).dtype is torch.float32
-    assert TorchKernels().pack_linear(exact.clone()).dtype is torch.float32
+    assert NATIVE.pack_linear(blocked).dtype is torch.float32
+    assert TorchKernels().pack_linear(blocked).dtype is torch.float32
 
 
 @needs_quantized_linear
 def test_block_kinds_are_tried_fewest_bytes_first_and_lie_back_to_back():
-    """A model's weights share one buffer, each in the first kind that holds it exactly
-    (Q4_0's values are Q4_1's too only by chance; Q8_0 holds both 4-bit kinds' values but
-    comes last), each on a cache line after the one before; a float32 one among them too."""
+    """A model's weights share one buffer, each in the first kind that holds its blocks, each
+    on a cache line after the one before; a float32 one among them too."""
+    rng = np.random.default_rng(6)
     weights = [
-        gguf_valued(torch.randn(64, 64), "Q4_1"),
-        gguf_valued(torch.randn(70, 32), "Q4_0"),
+        file_weight([("Q4_1", random_blocks("Q4_1", 64, 64, rng))], 64),
+        file_weight([("Q4_0", random_blocks("Q4_0", 70, 32, rng))], 70),
         torch.randn(64, 32),
-        gguf_valued(torch.randn(64, 64), "Q8_0"),
+        file_weight([("Q6_K", random_blocks("Q6_K", 64, 256, rng))], 64),
+        file_weight([("Q8_0", random_blocks("Q8_0", 64, 64, rng))], 64),
     ]
     pack = BLOCK_WEIGHTS.weight_packer(weights)
-    held = [pack(weight.clone()) for weight in weights]
-    assert [getattr(h, "held_as", None) for h in held] == ["Q4_1", "Q4_0", None, "Q8_0"]
+    held = [pack(weight) for weight in weights]
+    assert [getattr(h, "held_as", None) for h in held] == [
+        "Q4_1", "Q4_0", None, "INT8_SCALED", "Q8_0"
+    ]  # fmt: skip
     starts = [h.data_ptr() for h in held]
     sizes = [h.numel() * h.element_size() for h in held]
     assert len({h.untyped_storage().data_ptr() for h in held}) == 1
-    assert starts == [starts[0] + sum(-(-size // 64) * 64 for size in sizes[:i]) for i in range(4)]
+    assert starts == [starts[0] + sum(-(-size // 64) * 64 for size in sizes[:i]) for i in range(5)]
     for weight, h in zip(weights, held, strict=True):
         x = torch.randn(2, weight.shape[1])
         assert torch.equal(BLOCK_WEIGHTS.linear(x, h, None), _float32_product(x, weight))
@@ -883,7 +881,7 @@ def test_block_kinds_are_tried_fewest_bytes_first_and_lie_back_to_back():
 def test_a_weight_of_blocks_is_refused_where_its_kernel_cannot_run():
     """The C call refuses a quantized kind for inputs not in whole groups and an unknown
     kind, naming what it needs."""
-    weight = gguf_valued(torch.randn(64, 64), "Q8_0")
+    weight = file_weight([("Q8_0", random_blocks("Q8_0", 64, 64, np.random.default_rng(7)))], 64)
     held = BLOCK_WEIGHTS.pack_linear(weight)
     x, y = torch.randn(1, 64), torch.empty(1, 64)
 
@@ -904,12 +902,13 @@ def test_layers_with_weights_in_blocks_run_as_with_their_float32_weights():
     blocks (each layer another kind): the bits of the same layers with the float32 weights."""
     heads, hidden, size = (3, 2, 32), 64, 64
     held, plain = [], []
-    for seed, kind in enumerate(("Q4_1", "Q8_0", "Q4_0")):
+    types = ("Q4_1", "Q8_0", "Q4_0", "Q5_1")
+    for seed, kind in enumerate(types):
         torch.manual_seed(seed)
-        held.append(_layer_blocks(hidden, heads, size, True, _GGUFValued(kind, True))[2])
+        held.append(_layer_blocks(hidden, heads, size, True, _FileBlocks(kind, True))[2])
         torch.manual_seed(seed)
-        plain.append(_layer_blocks(hidden, heads, size, True, _GGUFValued(kind, False))[2])
-    kinds = [getattr(native_module, f"WEIGHT_{k}") for k in ("Q4_1", "Q8_0", "Q4_0")]
+        plain.append(_layer_blocks(hidden, heads, size, True, _FileBlocks(kind, False))[2])
+    kinds = [getattr(native_module, f"WEIGHT_{k}") for k in ("Q4_1", "Q8_0", "Q4_0", "INT8_SCALED")]
     assert [b.weight_kinds for b in held] == [(k,) * 4 for k in kinds]
     _assert_layers_run_alike((held, NATIVE), (plain, NATIVE), hidden)
 
@@ -926,16 +925,16 @@ def _float32_product(x, weight, bias=None):
     return NATIVE.linear(x, NATIVE.pack_linear(weight), bias)
 
 
-class _GGUFValued(NativeKernels):
-    """The C path with weights whose values are made a GGUF block kind's, held in blocks
-    (``quantized``) or in float32."""
+class _FileBlocks(NativeKernels):
+    """The C path with weights quantized to a GGUF type's blocks and decoded again, carrying
+    them: held as those blocks (``quantized``) or in float32."""
 
     def __init__(self, kind: str, quantized: bool) -> None:
         super().__init__(native_module, quantized=quantized)
         self.kind = kind
 
     def pack_linear(self, weight):
-        return super().pack_linear(gguf_valued(weight, self.kind))
+        return super().pack_linear(quantized_weight(weight, self.kind))
 
 
 class _Rounding(NativeKernels):
@@ -1028,11 +1027,11 @@ def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take
     ) is None  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "INT8_SCALED"])
 def test_the_memory_plan_counts_blocks_as_the_kernel_holds_them(kind):
     """memory.block_bytes (what a plan counts) is what the C packing takes, in whole blocks
-    of 64 outputs; float32 where the inputs do not fall in whole groups of 32; and a file's
-    linear kind is the one with the most bytes among its layers' (the head's its own)."""
+    of 64 outputs; float32 where the inputs do not fall in whole blocks of the file (32, or
+    256 for a K type)."""
     code = getattr(native_module, f"WEIGHT_{kind}")
     for out_features, in_features in ((64, 64), (65, 32), (7, 576)):
         planned = block_bytes(kind, out_features, in_features)
@@ -1040,12 +1039,34 @@ def test_the_memory_plan_counts_blocks_as_the_kernel_holds_them(kind):
     assert block_bytes(kind, 64, 40) == 4 * 64 * 40
     assert block_bytes(kind, 64, 64, first_input=16) == 4 * 64 * 64
     assert block_bytes("F16", 64, 64) == 4 * 64 * 64
-    types = {"blk.0.attn_q.weight": "Q4_1", "blk.1.ffn_down.weight": kind, "output.weight": "F32"}
-    widest = max(("Q4_1", kind), key={"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}.get)
-    assert HeldBlocks.of(types, tied=False) == HeldBlocks(widest, "F32")
-    assert HeldBlocks.of({**types, "token_embd.weight": "Q8_0"}, tied=True).head == "Q8_0"
-    # Q5_0 is held as Q8_0; a K type, Q5_1 and a float type in float32.
-    mixed = {"blk.0.attn_q.weight": "Q5_0", "output.weight": "Q6_K"}
-    assert HeldBlocks.of(mixed, tied=False) == HeldBlocks("Q8_0", "F32")
-    for other in ("Q4_K", "Q5_1", "BF16"):
-        assert HeldBlocks.of({**mixed, "blk.1.ffn_down.weight": other}, tied=False).linear == "F32"
+    super_blocks = HeldKind(kind, 256)
+    assert block_bytes(super_blocks, 64, 512) == block_bytes(kind, 64, 512)
+    assert block_bytes(super_blocks, 64, 512, first_input=32) == 4 * 64 * 512
+    assert block_bytes(super_blocks, 64, 288) == 4 * 64 * 288
+
+
+def test_the_plan_holds_each_weight_in_the_widest_kind_of_its_layers():
+    """Each weight a layer multiplies by is planned, per layer, in the first kind holding all
+    its parts' types (Q4_0, Q4_1 as themselves; Q8_0 for Q8_0, Q4_0, Q5_0 and IQ4_NL;
+    INT8_SCALED for any, of 256 inputs where a K type is among them; float32 where a float
+    type is), and over the layers in the one with the most bytes; the head as its own
+    tensor's (the embedding's where tied)."""
+    types = {
+        "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0",
+        "blk.0.attn_v.weight": "Q8_0", "blk.1.attn_q.weight": "Q4_0",
+        "blk.1.attn_k.weight": "Q4_0", "blk.1.attn_v.weight": "Q4_0",
+        "blk.0.attn_output.weight": "Q4_1", "blk.0.attn_q.bias": "F32",
+        "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q5_1",
+        "blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_down.weight": "BF16",
+        "output.weight": "Q6_K", "token_embd.weight": "IQ4_NL",
+    }  # fmt: skip
+    assert HeldBlocks.of(types, tied=False) == HeldBlocks(
+        qkv=HeldKind("Q8_0"),
+        o=HeldKind("Q4_1"),
+        gate_up=HeldKind("INT8_SCALED", 256),
+        down=HeldKind("F32", 256),
+        head=HeldKind("INT8_SCALED", 256),
+    )
+    assert HeldBlocks.of(types, tied=True).head == HeldKind("Q8_0")
+    mixed = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q8_0"}
+    assert HeldBlocks.of(mixed, tied=True).qkv == HeldKind("INT8_SCALED")

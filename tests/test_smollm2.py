@@ -309,11 +309,14 @@ def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
     assert all(b < 0.21 * f for b, f in zip(blocks_held, float32_held, strict=True))
 
 
-def test_a_file_whose_values_are_not_its_blocks_is_refused_with_gguf_blocks(gguf_path, tmp_path):
+def test_another_quantizers_blocks_are_held_and_a_rank_holding_float32_is_refused(
+    gguf_path, tmp_path, monkeypatch
+):
     """One block of one tensor whose 4-bit values never reach 0 (its minimum then is no
-    value: not what GGML's quantizer writes) cannot be found again exactly: that weight would
-    stay float32, beyond the memory the plan counted, so the load is refused, naming the rank,
-    both sizes and what to set instead."""
+    value: not what GGML's reference quantizer writes, as an importance-matrix one may) is
+    held as the file has it, as planned. A rank that holds weights in float32 where the plan
+    (made on the driver's host) counted blocks, as one whose CPU lacks the block kernels
+    would, refuses the load naming the rank, both sizes and what to set instead."""
     kernels = pytest.importorskip("shardline.layers._kernels", reason="C extension not built")
     if not kernels.quantized_linear_available():
         pytest.skip("weights held in quantization blocks need AVX-512 or AVX2 with F16C")
@@ -328,8 +331,20 @@ def test_a_file_whose_values_are_not_its_blocks_is_refused_with_gguf_blocks(gguf
     with copy.open("r+b") as handle:
         handle.seek(offset + 4)  # the first Q4_1 block's values, after its scale and minimum
         handle.write(bytes([0x11] * 16))
+    overrides = [f"model.path={copy}", "model.weight_dtype=gguf"]
+    with LLM(overrides=overrides, environ={}) as llm:
+        planned = {r: share for share in llm.engine.capacity.shares for r in share.ranks}
+        ((parameters, _),) = llm.engine.executor.collective_rpc(bytes_held)
+        assert parameters == planned[0].memory.weights
+    from shardline.models import llama_runner
+
+    def without_blocks(*args, quantized=False):
+        return layer_kernels(*args, quantized=False)
+
+    layer_kernels = llama_runner.layer_kernels
+    monkeypatch.setattr(llama_runner, "layer_kernels", without_blocks)
     with pytest.raises(ConfigError, match=r"model.weight_dtype = 'gguf': rank 0 holds [\d.]+ MiB"):
-        LLM(overrides=[f"model.path={copy}", "model.weight_dtype=gguf"], environ={})
+        LLM(overrides=overrides, environ={})
 
 
 def test_prompt_logprobs_of_a_prompt_run_in_chunks(gguf_path, prompts, reference):

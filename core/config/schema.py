@@ -53,12 +53,11 @@ class ModelConfig(Section):
         description="dtype the linear layers' weights (the LM head's too) are held in; None: "
         "dtype. bfloat16 with dtype float32: each weight rounded to bfloat16, multiplied in "
         "float32 (held in half the memory where the C linear kernel runs: a CPU with AVX-512 "
-        "or AVX2 and FMA). gguf with dtype float32 and a GGUF file: each weight held in the "
-        "file's quantization blocks (Q8_0, Q4_0, Q4_1; Q5_0 as Q8_0; other types float32), "
-        "widened as read: the float32 "
-        "results, bit for bit, from 0.56-1.06 bytes a weight, planned so (where the CPU has "
-        "AVX-512 or AVX2 with F16C; else float32; a file whose values are not its blocks' is "
-        "refused at load)",
+        "or AVX2 and FMA). gguf with dtype float32 and a GGUF file: each weight held as the "
+        "file's own quantization blocks (Q4_0, Q4_1 as they are; Q8_0, Q5_0, IQ4_NL in Q8_0 "
+        "blocks; other types split into int8 and float32 scales), widened as read: the "
+        "float32 results, bit for bit, from 0.56-1.5 bytes a weight, planned so (where the "
+        "CPU has AVX-512 or AVX2 with F16C; else float32)",
     )
     runner: Name = Field(
         default="llama", description="model runner: a registered name or package.module:Class"

@@ -1893,44 +1893,37 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-static PyObject *pack_quantized(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 5, "pack_quantized") < 0) return NULL;
+/* pack_file_blocks(kind, dest, out, in, weight, parts): parts a sequence of (type name, raw
+ * address, raw row stride, first row, rows), the file's blocks of those rows of the weight; a
+ * row no part covers must be zeros (a vocabulary's padding), held so. */
+static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 6, "pack_file_blocks") < 0) return NULL;
     int kind = (int)SIZE(0);
-    const float *weight = ADDRESS(1);
+    uint8_t *dest = ADDRESS(1);
     long out = SIZE(2), in = SIZE(3);
-    uint8_t *dest = ADDRESS(4);
+    const float *weight = ADDRESS(4);
     if (PyErr_Occurred()) return NULL;
-    if (!is_quantized(kind) || out < 1 || in < 1) {
-        PyErr_Format(PyExc_ValueError, "pack_quantized: kind %d, out %ld, in %ld; allowed: "
-                     "kinds %d to %d, sizes from 1", kind, out, in, WEIGHT_Q8_0, WEIGHT_KINDS - 1);
+    if (!is_quantized(kind)) {
+        PyErr_Format(PyExc_ValueError, "pack_file_blocks: kind %d; allowed: %d to %d", kind,
+                     WEIGHT_Q8_0, WEIGHT_KINDS - 1);
         return NULL;
     }
-    int packed;
-    Py_BEGIN_ALLOW_THREADS
-    packed = pack_quantized_weight(kind, weight, out, in, dest);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(packed);
-}
-
-/* pack_split(dest, out, in, weight, parts): parts a sequence of (type name, raw address,
- * raw row stride, first row, rows), the file's blocks of those rows of the weight. */
-static PyObject *pack_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 5, "pack_split") < 0) return NULL;
-    uint8_t *dest = ADDRESS(0);
-    long out = SIZE(1), in = SIZE(2);
-    const float *weight = ADDRESS(3);
-    if (PyErr_Occurred()) return NULL;
-    PyObject *parts = PySequence_Fast(args[4], "pack_split: parts must be a sequence");
+    PyObject *parts = PySequence_Fast(args[5], "pack_file_blocks: parts must be a sequence");
     if (parts == NULL) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(parts);
     const GGUFType **types = PyMem_Calloc((size_t)count + 1, sizeof *types);
     long(*where)[4] = PyMem_Calloc((size_t)count + 1, sizeof *where);
+    uint8_t *covered = out > 0 ? PyMem_Calloc((size_t)out, 1) : NULL;
     PyObject *result = NULL;
-    if (types == NULL || where == NULL) {
+    if (types == NULL || where == NULL || (out > 0 && covered == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
-    long covered = 0;
+    if (out < 1 || in < 1) {
+        PyErr_Format(PyExc_ValueError, "pack_file_blocks: out %ld, in %ld; allowed: from 1", out,
+                     in);
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < count; i++) {
         const char *name;
         unsigned long long raw;
@@ -1940,26 +1933,38 @@ static PyObject *pack_split(PyObject *self, PyObject *const *args, Py_ssize_t na
         where[i][0] = (long)(uintptr_t)raw;
         types[i] = gguf_type(name);
         if (types[i] == NULL) {
-            PyErr_Format(PyExc_ValueError, "pack_split: no block type %s (%s)", name,
+            PyErr_Format(PyExc_ValueError, "pack_file_blocks: no block type %s (%s)", name,
                          GGUF_TYPE_NAMES);
             goto done;
         }
-        covered += where[i][3];
+        long first = where[i][2], rows = where[i][3];
+        for (long r = first; r >= 0 && rows >= 0 && r < first + rows && r < out; r++)
+            covered[r]++;
+        if (first < 0 || rows < 0 || first + rows > out) {
+            PyErr_Format(PyExc_ValueError,
+                         "pack_file_blocks: part %zd, rows [%ld, %ld), lies outside out %ld", i,
+                         first, first + rows, out);
+            goto done;
+        }
     }
-    if (out < 1 || in < 1 || covered != out) {
-        PyErr_Format(PyExc_ValueError, "pack_split: parts cover %ld rows of out %ld (in %ld)",
-                     covered, out, in);
-        goto done;
-    }
+    for (long r = 0; r < out; r++)
+        if (covered[r] > 1) {
+            PyErr_Format(PyExc_ValueError, "pack_file_blocks: parts overlap at row %ld", r);
+            goto done;
+        }
     int packed = 1;
     Py_BEGIN_ALLOW_THREADS
-    memset(dest, 0, (size_t)quantized_bytes(WEIGHT_INT8_SCALED, out, in));
+    memset(dest, 0, (size_t)quantized_bytes(kind, out, in));
     for (Py_ssize_t i = 0; i < count && packed; i++)
-        packed = pack_split_rows(types[i], (const uint8_t *)(uintptr_t)where[i][0], where[i][1],
-                                 where[i][2], where[i][3], out, in, weight, dest);
+        packed = pack_file_rows(kind, types[i], (const uint8_t *)(uintptr_t)where[i][0],
+                                where[i][1], where[i][2], where[i][3], out, in, weight, dest);
+    for (long r = 0; r < out && packed; r++)
+        for (long i = 0; i < in && !covered[r] && packed; i++)
+            packed = bits_of(weight[r * in + i]) == 0;
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(packed);
 done:
+    PyMem_Free(covered);
     PyMem_Free(types);
     PyMem_Free(where);
     Py_DECREF(parts);
@@ -2033,18 +2038,14 @@ static PyMethodDef methods[] = {
      "float32 rows, the weight blocked by LINEAR_BLOCK outputs and held as kind says "
      "(WEIGHT_FLOAT32, _BFLOAT16, or quantization blocks), on the widest kernels this CPU "
      "runs (avx2: the AVX2 ones, which give the same bits); without the GIL"},
-    {"pack_quantized", (PyCFunction)(void (*)(void))pack_quantized, METH_FASTCALL,
-     "pack_quantized(kind, weight, out, in, dest): the float32 weight (out x in, rows "
-     "contiguous) into dest (quantized_size bytes) as blocks of kind (WEIGHT_Q8_0, _Q4_0, "
-     "_Q4_1); True, or False where no such blocks hold its values exactly (or in is not a "
-     "multiple of QUANT_GROUP); without the GIL"},
-    {"pack_split", (PyCFunction)(void (*)(void))pack_split, METH_FASTCALL,
-     "pack_split(dest, out, in, weight, parts): a weight (float32 out x in, rows contiguous, "
-     "as loaded) into dest (quantized_size(WEIGHT_INT8_SCALED, ...) bytes) from its file's "
-     "blocks: parts, (GGUF type name, address, row stride in bytes, first row, rows) covering "
-     "every row; False where a value so held is not the weight's"},
+    {"pack_file_blocks", (PyCFunction)(void (*)(void))pack_file_blocks, METH_FASTCALL,
+     "pack_file_blocks(kind, dest, out, in, weight, parts): a weight (float32 out x in, rows "
+     "contiguous, as loaded) into dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, "
+     "_Q4_0, _Q4_1, _INT8_SCALED) from its file's blocks: parts, (GGUF type name, address, "
+     "row stride in bytes, first row, rows), a row no part covers held as zeros; False where "
+     "kind does not hold a part's type or a value so held is not the weight's"},
     {"quantized_size", (PyCFunction)(void (*)(void))quantized_size, METH_FASTCALL,
-     "quantized_size(kind, out, in): the bytes pack_quantized writes"},
+     "quantized_size(kind, out, in): the bytes pack_file_blocks writes"},
     {"team", team, METH_O,
      "team(threads): a team of threads (this one and threads - 1 helpers) that the linear calls "
      "share each multiply with; its helpers end when it is freed"},

@@ -46,10 +46,13 @@ PACKED_FOR_ROWS = 16
 #: parameter, or the weight itself where it stays as it is).
 WeightPacker = Callable[[torch.Tensor], torch.Tensor]
 
-#: The GGUF block kinds a weight is tried in when quantization blocks are held
-#: (``model.weight_dtype: gguf``), fewest bytes first: the first that gives back every value
-#: exactly holds it (``quantized_blocks.h``).
-QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+#: The kinds a weight may be held in as its GGUF file's blocks (``model.weight_dtype:
+#: gguf``), fewest bytes first: the first that holds every part's type holds it
+#: (``quantized_blocks.h``).
+QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q8_0", "INT8_SCALED")
+#: The attribute of a loaded weight that lists the file blocks its rows were decoded from
+#: (:func:`~shardline.layers.linear.note_file_blocks`).
+FILE_BLOCKS = "file_blocks"
 
 
 def packs(device: str, dtype: str) -> bool:
@@ -337,11 +340,12 @@ class NativeKernels(TorchKernels):
         lives as long as this object. ``weight_dtype`` bfloat16: float32 weights blocked for
         the C kernel are held in bfloat16 (half the bytes a step reads; the C kernel widens
         them exactly, so results are those of float32 weights rounded to bfloat16).
-        ``quantized``: a float32 weight whose values are those of GGUF quantization blocks
-        (:data:`QUANTIZED_KINDS`; a GGUF file's, as loaded) is held in them where this CPU
-        has AVX-512, or AVX2 with FMA and F16C (1.06 bytes a weight or less; the C kernel
-        widens each weight as the file's decoder does, so results are the float32 weight's,
-        bit for bit); any other weight is held in float32."""
+        ``quantized``: a float32 weight decoded from a GGUF file's blocks, carrying them
+        (:func:`~shardline.layers.linear.note_file_blocks`), is held as those blocks
+        (:data:`QUANTIZED_KINDS`) where this CPU has AVX-512, or AVX2 with FMA and F16C (1.5
+        bytes a weight or less; the C kernel widens each weight as the file's decoder does,
+        so results are the float32 weight's, bit for bit); any other weight is held in
+        float32."""
         super().__init__(weight_dtype)
         self.native = native
         #: (name, the C calls' WEIGHT_* code) of the block kinds weights are tried in; none
@@ -364,16 +368,21 @@ class NativeKernels(TorchKernels):
 
     def _held(self, weight: torch.Tensor, arena: WeightArena | None) -> nn.Parameter:
         """``weight`` blocked for the C kernel (in ``arena``'s next piece, else its own
-        memory): in the first of :data:`QUANTIZED_KINDS` that holds it exactly where
-        ``quantized``, else :func:`blocked` in ``weight_dtype``."""
+        memory): where ``quantized`` and it carries the file blocks it was decoded from
+        (:func:`~shardline.layers.linear.note_file_blocks`), as those blocks, in the first of
+        :data:`QUANTIZED_KINDS` that holds their types, else split (``INT8_SCALED``: 1.5
+        bytes a weight); else :func:`blocked` in ``weight_dtype``."""
         out_features, in_features = weight.shape
-        if self._block_kinds and in_features % self.native.QUANT_GROUP == 0:
+        parts = getattr(weight, FILE_BLOCKS, None)
+        if self._block_kinds and parts:
             values = weight.detach().contiguous()
+            described = [(kind, raw.ctypes.data, raw.strides[0], first, raw.shape[0])
+                         for first, kind, raw in parts]  # fmt: skip
             for name, kind in self._block_kinds:
                 size = self.native.quantized_size(kind, out_features, in_features)
                 place = torch.empty(size, dtype=torch.uint8) if arena is None else arena.peek(size)
-                if self.native.pack_quantized(
-                    kind, values.data_ptr(), out_features, in_features, place.data_ptr()
+                if self.native.pack_file_blocks(
+                    kind, place.data_ptr(), out_features, in_features, values.data_ptr(), described
                 ):
                     if arena is not None:
                         arena.take(size, torch.uint8)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardline.distributed import GroupCoordinator
-from shardline.layers.kernels import TORCH_KERNELS, TorchKernels, WeightPacker
+from shardline.layers.kernels import FILE_BLOCKS, TORCH_KERNELS, TorchKernels, WeightPacker
 from shardline.layers.sharding import (
     ShardSlice,
     TensorSource,
@@ -70,11 +70,14 @@ class LinearPacking:
         self._packed: set[int] = set()
 
     def pack(self, part: nn.Module) -> None:
-        """Pack every layer with a ``pack`` method in ``part`` (loaded) not packed yet."""
+        """Pack every layer with a ``pack`` method in ``part`` (loaded) not packed yet; the
+        file blocks its weight carried (:func:`note_file_blocks`) are let go."""
         for module in part.modules():
             if callable(getattr(module, "pack", None)) and id(module) not in self._packed:
                 self._packed.add(id(module))
+                loaded = module.weight
                 module.pack(self._packers[id(module.kernels)])
+                loaded.__dict__.pop(FILE_BLOCKS, None)
 
 
 def pack_linear_weights(model: nn.Module) -> None:
@@ -82,6 +85,16 @@ def pack_linear_weights(model: nn.Module) -> None:
     weights are loaded; loading into a packed weight is not possible): :class:`LinearPacking`
     of the whole model at once."""
     LinearPacking(model).pack(model)
+
+
+def note_file_blocks(weight: nn.Parameter, first_row: int, shard: torch.Tensor) -> None:
+    """Where ``shard`` (a checkpoint tensor's part, copied into ``weight`` from row
+    ``first_row``) carries the file's blocks it was decoded from (a GGUF file's, read with
+    ``keep_blocks``), add ``(first_row, type name, bytes)`` to ``weight``'s
+    :data:`FILE_BLOCKS`: its kernels may hold it as those blocks."""
+    blocks = getattr(shard, FILE_BLOCKS, None)
+    if blocks is not None:
+        weight.__dict__.setdefault(FILE_BLOCKS, []).append((first_row, *blocks))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -112,7 +125,9 @@ class ColumnParallelLinear(nn.Module):
     def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
         """Copy this rank's rows of the full ``[out, in]`` weight (and bias)."""
         part = column_slice(self.out_features, self.tp.world_size, self.tp.rank_in_group)
-        copy_into(self.weight, part.apply(weight), "weight")
+        shard = part.apply(weight)
+        copy_into(self.weight, shard, "weight")
+        note_file_blocks(self.weight, 0, shard)
         if self.bias is not None and bias is not None:
             copy_into(self.bias, part.apply(bias), "bias")
 
@@ -149,9 +164,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[index]
         part = column_slice(size, self.tp.world_size, self.tp.rank_in_group)
         offset = sum(self.output_sizes[:index]) // self.tp.world_size
-        copy_into(
-            self.weight[offset : offset + part.length], part.apply(weight), f"weight part {index}"
-        )
+        shard = part.apply(weight)
+        copy_into(self.weight[offset : offset + part.length], shard, f"weight part {index}")
+        note_file_blocks(self.weight, offset, shard)
         if self.bias is not None and bias is not None:
             copy_into(
                 self.bias[offset : offset + part.length], part.apply(bias), f"bias part {index}"
@@ -206,7 +221,9 @@ class QKVParallelLinear(nn.Module):
         )
         offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[name]
         part = slices[name]
-        copy_into(self.weight[offset : offset + part.length], part.apply(weight), f"{name} weight")
+        shard = part.apply(weight)
+        copy_into(self.weight[offset : offset + part.length], shard, f"{name} weight")
+        note_file_blocks(self.weight, offset, shard)
         if self.bias is not None and bias is not None:
             copy_into(self.bias[offset : offset + part.length], part.apply(bias), f"{name} bias")
 
@@ -246,7 +263,9 @@ class RowParallelLinear(nn.Module):
         self.bias = _parameter(out_features, dtype=dtype) if bias else None
 
     def load_full(self, weight: TensorSource, bias: TensorSource | None = None) -> None:
-        copy_into(self.weight, self.input_shard.apply(weight), "weight")
+        shard = self.input_shard.apply(weight)
+        copy_into(self.weight, shard, "weight")
+        note_file_blocks(self.weight, 0, shard)
         if self.bias is not None and bias is not None:
             copy_into(self.bias, bias[:], "bias")
 

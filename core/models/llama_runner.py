@@ -30,7 +30,9 @@ class LlamaModelRunner(CausalLMRunner):
         return _plan_of(open_checkpoint(config.model.path), config)
 
     def build_model(self) -> LlamaForCausalLM:
-        checkpoint = open_checkpoint(self.config.model.path, os.environ)
+        checkpoint = open_checkpoint(
+            self.config.model.path, os.environ, keep_blocks=self.config.model.holds_gguf_blocks
+        )
         model = LlamaForCausalLM(
             checkpoint.architecture,
             self.state,
@@ -51,8 +53,9 @@ class LlamaModelRunner(CausalLMRunner):
         self, model: LlamaForCausalLM, checkpoint: GGUFCheckpoint | HFCheckpoint
     ) -> None:
         """A ConfigError where this rank holds more weight bytes than its plan counted with
-        the file's block kinds (planned from ``checkpoint``, already open): some weight's
-        values were not its blocks' exactly (another quantizer's) and are held in float32."""
+        the file's block kinds (planned from ``checkpoint``, already open): some weight is
+        held in float32 here (the plan was made on the driver's host: this rank's CPU may
+        lack the block kernels)."""
         plan = _plan_of(checkpoint, self.config)
         memory = plan.rank_memory(self.state.pp.rank_in_group, self.state.tp.rank_in_group, 1, 0)
         held = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -61,8 +64,9 @@ class LlamaModelRunner(CausalLMRunner):
             raise ConfigError(
                 f"model.weight_dtype = {GGUF_BLOCKS!r}: rank {self.state.rank} holds "
                 f"{held / mib:.1f} MiB of weights, {memory.weights / mib:.1f} MiB planned from "
-                f"the file's block kinds: some weight's values are not its blocks' exactly and "
-                "stay float32; allowed for this file: model.weight_dtype null"
+                "the file's block kinds: some weight stays float32 on this rank (its CPU "
+                "needs AVX-512, or AVX2 with F16C, for the block kernels); allowed here: "
+                "model.weight_dtype null"
             )
 
 

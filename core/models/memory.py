@@ -23,53 +23,105 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Logits and attention scores are computed in float32 whatever the weights' dtype.
 _FLOAT32 = 4
 #: Bytes of one output's group of 32 inputs held in each GGUF block kind (float16 scale,
-#: Q4_1's float16 minimum, the values), in blocks of 64 outputs (``quantized_blocks.h``).
-_BLOCK_GROUP_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+#: Q4_1's float16 minimum, the values; INT8_SCALED: two float32 scales and offsets, 32 int8),
+#: in blocks of 64 outputs (``quantized_blocks.h``).
+_BLOCK_GROUP_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "INT8_SCALED": 48}
 _GROUP, _BLOCK_OUTPUTS = 32, 64
-#: The block kind a file's tensor type is held in: its own, or Q8_0 for Q5_0 (whose values
-#: are a Q8_0 block's of the same scale); float32 for any other type.
-_HELD_AS = {**{kind: kind for kind in _BLOCK_GROUP_BYTES}, "Q5_0": "Q8_0"}
+#: The file's block types each kind holds (``quantized_blocks.h``: holds_type), in the order
+#: a weight's kind is chosen: the first that holds all of its parts' types.
+_HOLDS = {
+    "Q4_0": ("Q4_0",),
+    "Q4_1": ("Q4_1",),
+    "Q8_0": ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL"),
+    "INT8_SCALED": ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
+                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+}  # fmt: skip
+#: The inputs one block of a file's type spans: a shard that cuts one is held in float32.
+_K_TYPES, _SUPER_BLOCK = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), 256
+
+
+@dataclass(frozen=True)
+class HeldKind:
+    """How one weight is held (``model.weight_dtype: gguf``): ``kind``, a block kind
+    (``Q8_0``, ``Q4_0``, ``Q4_1``, ``INT8_SCALED``) or ``F32``, and ``inputs``, the inputs
+    one of the file's blocks spans (a shard's inputs must be whole blocks)."""
+
+    kind: str
+    inputs: int = _GROUP
+
+    @classmethod
+    def of(cls, types: list[list[str]]) -> HeldKind:
+        """The kind a weight is held in, each of whose layers has parts of the file's
+        ``types`` (a list a layer): the one with the most bytes among its layers', each
+        layer's the first kind that holds all its parts' types (``F32`` where none does)."""
+
+        def layer_kind(parts: list[str]) -> str:
+            held = [kind for kind, holds in _HOLDS.items() if set(parts) <= set(holds)]
+            return held[0] if parts and held else "F32"
+
+        kinds = [layer_kind(parts) for parts in types]
+        inputs = _SUPER_BLOCK if any(t in _K_TYPES for parts in types for t in parts) else _GROUP
+        return cls(max(kinds, key=_bytes_per_weight, default="F32"), inputs)
 
 
 @dataclass(frozen=True)
 class HeldBlocks:
-    """The GGUF block kinds a model's weights are held in (``model.weight_dtype: gguf``):
-    its layers' linear weights' (the kind with the most bytes among them) and its LM head's;
-    ``F32`` where a file's type is held in float32 (a float type, Q5_1, IQ4_NL, the K types)."""
+    """The GGUF block kinds a model's weights are held in (``model.weight_dtype: gguf``),
+    one for each weight a layer multiplies by (the query, key and value projections merged;
+    the output projection; gate and up merged; down), over every layer, and the LM head's."""
 
-    linear: str
-    head: str
+    qkv: HeldKind
+    o: HeldKind
+    gate_up: HeldKind
+    down: HeldKind
+    head: HeldKind
 
     @classmethod
     def of(cls, tensor_types: Mapping[str, str], tied: bool) -> HeldBlocks:
         """From the file's tensor types (GGUF name -> type name)."""
-        linear = [
-            _HELD_AS.get(kind, "F32") for name, kind in tensor_types.items()
-            if name.startswith("blk.") and name.rsplit(".", 2)[-2] in _LINEAR_TENSORS
-        ]  # fmt: skip
+
+        layers: dict[str, dict[str, str]] = {}
+        for name, kind in tensor_types.items():
+            if name.startswith("blk.") and name.endswith(".weight"):
+                _, layer, role, _ = name.split(".", 3)
+                layers.setdefault(layer, {})[role] = kind
+
+        def held(*roles: str) -> HeldKind:
+            return HeldKind.of([
+                [parts[role] for role in roles if role in parts]
+                for parts in layers.values() if any(role in parts for role in roles)
+            ])  # fmt: skip
+
         head = tensor_types.get("token_embd.weight" if tied else "output.weight", "F32")
-        return cls(max(linear, key=_bytes_per_weight, default="F32"), _HELD_AS.get(head, "F32"))
-
-
-_LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        return cls(
+            held("attn_q", "attn_k", "attn_v"),
+            held("attn_output"),
+            held("ffn_gate", "ffn_up"),
+            held("ffn_down"),
+            HeldKind.of([[head]]),
+        )
 
 
 def _bytes_per_weight(kind: str) -> float:
     return _BLOCK_GROUP_BYTES[kind] / _GROUP if kind in _BLOCK_GROUP_BYTES else _FLOAT32
 
 
-def block_bytes(kind: str, out_features: int, in_features: int, first_input: int = 0) -> int:
-    """Bytes of an ``[out, in]`` weight shard held in blocks of ``kind``: float32 where the
-    kind is not a block kind or the shard's inputs (from ``first_input`` of the full row) do
-    not fall in whole groups of 32, as the kernel then holds it."""
+def block_bytes(
+    held: HeldKind | str, out_features: int, in_features: int, first_input: int = 0
+) -> int:
+    """Bytes of an ``[out, in]`` weight shard held as ``held`` (a kind name: blocks of 32
+    inputs): float32 where the kind is not a block kind or the shard's inputs (from
+    ``first_input`` of the full row) do not fall in whole blocks, as the kernel then holds
+    it."""
+    held = HeldKind(held) if isinstance(held, str) else held
     if (
-        kind not in _BLOCK_GROUP_BYTES
-        or in_features % _GROUP
-        or first_input % _GROUP
+        held.kind not in _BLOCK_GROUP_BYTES
+        or in_features % held.inputs
+        or first_input % held.inputs
     ):  # fmt: skip
         return out_features * in_features * _FLOAT32
     outputs = -(-out_features // _BLOCK_OUTPUTS) * _BLOCK_OUTPUTS
-    return outputs * in_features // _GROUP * _BLOCK_GROUP_BYTES[kind]
+    return outputs * in_features // _GROUP * _BLOCK_GROUP_BYTES[held.kind]
 
 
 @dataclass(frozen=True)
@@ -148,12 +200,12 @@ class LlamaPlan(ModelPlan):
         linear = (q + 2 * kv) * hidden + hidden * q + 3 * mlp * hidden
         linear_bytes = linear * held
         if self.held_blocks is not None:
-            kind = self.held_blocks.linear
+            blocks = self.held_blocks
             linear_bytes = (
-                block_bytes(kind, q + 2 * kv, hidden)
-                + block_bytes(kind, hidden, q, heads.q_start * arch.head_dim)
-                + block_bytes(kind, 2 * mlp, hidden)
-                + block_bytes(kind, hidden, mlp, tp_rank * mlp)
+                block_bytes(blocks.qkv, q + 2 * kv, hidden)
+                + block_bytes(blocks.o, hidden, q, heads.q_start * arch.head_dim)
+                + block_bytes(blocks.gate_up, 2 * mlp, hidden)
+                + block_bytes(blocks.down, hidden, mlp, tp_rank * mlp)
             )
         others = 2 * hidden  # the norms
         if arch.attention_bias:

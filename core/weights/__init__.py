@@ -9,9 +9,12 @@ from typing import Any
 from shardline.errors import ConfigError, echo
 
 
-def open_checkpoint(path: str | None, environ: Mapping[str, str] | None = None):
+def open_checkpoint(
+    path: str | None, environ: Mapping[str, str] | None = None, keep_blocks: bool = False
+):
     """An HF directory or a ``.gguf`` file, opened lazily; ``environ`` (where the reader of
-    weights looks for ``SHARDLINE_NATIVE``) lets a GGUF file's blocks be decoded in C."""
+    weights looks for ``SHARDLINE_NATIVE``) lets a GGUF file's blocks be decoded in C, and
+    ``keep_blocks`` has the parts read carry them too (a GGUF file only)."""
     if path is None:
         raise ConfigError("model.path is not set: give an HF model directory or a .gguf file")
     location = Path(path)
@@ -22,7 +25,7 @@ def open_checkpoint(path: str | None, environ: Mapping[str, str] | None = None):
     if location.suffix == ".gguf" and location.is_file():
         from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 
-        return GGUFCheckpoint(location, environ)
+        return GGUFCheckpoint(location, environ, keep_blocks)
     if location.is_dir():
         what = "a directory without config.json"
     elif location.exists():

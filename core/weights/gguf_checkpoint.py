@@ -66,11 +66,15 @@ def gguf_name(hf_name: str) -> str:
 class GGUFCheckpoint:
     """A llama-architecture GGUF file, opened lazily. ``environ`` says whether tensors are
     decoded in C (see the module docstring); None: by the gguf package (a reader of metadata
-    only decodes nothing)."""
+    only decodes nothing). ``keep_blocks``: each quantized tensor part read also carries the
+    file's blocks it was decoded from (:class:`GGUFTensor`)."""
 
-    def __init__(self, path: str | Path, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, path: str | Path, environ: Mapping[str, str] | None = None, keep_blocks: bool = False
+    ) -> None:
         self.path = Path(path)
         self._native = None if environ is None else native_extension(NATIVE, environ)
+        self._keep_blocks = keep_blocks
         try:
             self._layout = GGUFLayout.read(self.path)
         except (OSError, ValueError, KeyError, IndexError) as error:
@@ -133,18 +137,27 @@ class GGUFCheckpoint:
         heads = {"attn_q.weight": arch.num_heads, "attn_k.weight": arch.num_kv_heads}.get(
             name.split(".", 2)[-1]
         )
-        return GGUFTensor(raw, arch.head_dim if heads else None, self._native)
+        return GGUFTensor(raw, arch.head_dim if heads else None, self._native, self._keep_blocks)
 
 
 class GGUFTensor:
-    """One GGUF tensor in torch's ``[out, in]`` order; slicing dequantizes only that part."""
+    """One GGUF tensor in torch's ``[out, in]`` order; slicing dequantizes only that part.
+    With ``keep_blocks``, a part of a quantized tensor whose columns are whole blocks carries
+    them as ``file_blocks``: (type name, its rows of the file's bytes, in the part's row
+    order), for kernels that hold a weight as the file's blocks
+    (:meth:`~shardline.layers.kernels.NativeKernels.pack_linear`)."""
 
     def __init__(
-        self, raw: TensorLayout, permuted_head_dim: int | None, native: ModuleType | None = None
+        self,
+        raw: TensorLayout,
+        permuted_head_dim: int | None,
+        native: ModuleType | None = None,
+        keep_blocks: bool = False,
     ) -> None:
         import gguf
 
         self._native = native
+        self._keep_blocks = keep_blocks
         self._raw = raw
         self._type = raw.tensor_type
         self._block, self._block_bytes = gguf.GGML_QUANT_SIZES[raw.tensor_type]
@@ -170,9 +183,25 @@ class GGUFTensor:
         for first in range(row_start, row_stop, _ROWS_PER_CHUNK):
             last = min(first + _ROWS_PER_CHUNK, row_stop)
             self._rows(first, last, col_start, col_stop, out[first - row_start : last - row_start])
+        blocks = None
+        if self._keep_blocks and self._type.name in NATIVE_TYPES and self._type.name != "BF16":
+            blocks = self._blocks_of(row_start, row_stop, col_start, col_stop)
         if self._head_dim is not None:
             out = _unpermute_rows(out, self._head_dim, row_start)
+            if blocks is not None:
+                blocks = blocks[_unpermuted_order(blocks.shape[0], self._head_dim)]
+        if blocks is not None:
+            out.file_blocks = (self._type.name, blocks)
         return out
+
+    def _blocks_of(self, first: int, last: int, col_start: int, col_stop: int):
+        """Rows ``[first, last)`` of the file's bytes for those columns (a view), or None
+        where the columns cut a block."""
+        if col_start % self._block or col_stop % self._block:
+            return None
+        lo = col_start // self._block * self._block_bytes
+        hi = col_stop // self._block * self._block_bytes
+        return self._raw.data[first:last, lo:hi]
 
     def _rows(self, first: int, last: int, col_start: int, col_stop: int, into: torch.Tensor):
         """Rows ``[first, last)``, columns ``[col_start, col_stop)``, as float32 ``into``
@@ -201,6 +230,12 @@ class GGUFTensor:
 
 
 _ROWS_PER_CHUNK = 1024
+
+
+def _unpermuted_order(count: int, head_dim: int) -> np.ndarray:
+    """Which of ``count`` GGUF rows (whole heads) :func:`_unpermute_rows` puts at each row."""
+    pairs = np.arange(count).reshape(count // head_dim, head_dim // 2, 2)
+    return pairs.transpose(0, 2, 1).reshape(count)
 
 
 def _unpermute_rows(rows: torch.Tensor, head_dim: int, first_row: int) -> torch.Tensor:

@@ -1,48 +1,9 @@
-"""Float32 weights whose values are those of GGUF quantization blocks: what a GGUF file's
-Q8_0, Q4_0, Q4_1 or Q5_0 tensor decodes to, made here by quantizing as GGML's reference quantizer
-does (32 inputs of a row share a float16 scale; Q4_1 a float16 minimum too) and decoding as
-the gguf package does (one float32 multiply, for Q4_1 one add)."""
+"""Float32 weights decoded from GGUF blocks, carrying those blocks as a rank reading a GGUF
+file with ``keep_blocks`` has them (``file_blocks``: ``[(first row, type name, bytes)]``),
+for the kernels that hold a weight as its file's blocks."""
 
 import numpy as np
 import torch
-
-GROUP = 32
-
-
-def gguf_valued(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """``weight`` (``[out, in]``, in a multiple of 32) quantized to blocks of ``kind`` and
-    decoded back to float32."""
-    out_features, in_features = weight.shape
-    groups = weight.float().reshape(out_features, in_features // GROUP, GROUP)
-    if kind == "Q8_0":
-        scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
-        q = _divided(groups, scale).round().clamp(-127, 127) + 0.0
-        values = scale * q
-    elif kind == "Q4_0":
-        widest = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))
-        scale = (widest / -8).half().float()
-        q = (_divided(groups, scale) + 8).round().clamp(0, 15) + 0.0
-        values = scale * (q - 8)
-    elif kind == "Q5_0":
-        widest = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))
-        scale = (widest / -16).half().float()
-        q = (_divided(groups, scale) + 16).round().clamp(0, 31) + 0.0
-        values = scale * (q - 16)
-    elif kind == "Q4_1":
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale, minimum = ((high - low) / 15).half().float(), low.half().float()
-        q = _divided(groups - low, scale).round().clamp(0, 15) + 0.0
-        values = scale * q + minimum
-    else:
-        raise ValueError(f"kind {kind!r}; allowed: Q8_0, Q4_0, Q4_1, Q5_0")
-    return values.reshape(out_features, in_features).contiguous()
-
-
-def _divided(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """values / scale, 0 where the scale is; rounded by the caller, whose q are then made
-    whole numbers without a sign on zero (as a file's integers are: + 0.0 turns -0 into 0)."""
-    return torch.where(scale == 0, torch.zeros_like(values), values / scale)
-
 
 #: Byte offsets of each GGUF block type's float16 fields (scales, minimums).
 _HALF_FIELDS = {
@@ -63,3 +24,31 @@ def random_blocks(kind: str, rows: int, inputs: int, generator: np.random.Genera
         halves = (generator.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
         raw[:, :, at : at + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
     return raw.reshape(rows, -1)
+
+
+def file_weight(parts: list[tuple[str, np.ndarray]], out_features: int) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight whose rows from the first on are ``parts`` ((type
+    name, rows of its blocks' bytes) in turn; rows past them zeros), decoded as the gguf
+    package decodes them, carrying them as ``file_blocks``."""
+    import gguf
+
+    in_features = None
+    decoded, blocks, first = [], [], 0
+    for kind, raw in parts:
+        values = gguf.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+        in_features = values.shape[1]
+        decoded.append(torch.from_numpy(values))
+        blocks.append((first, kind, raw))
+        first += raw.shape[0]
+    padding = torch.zeros(out_features - first, in_features)
+    weight = torch.cat([*decoded, padding]).contiguous()
+    weight.file_blocks = blocks
+    return weight
+
+
+def quantized_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """``weight`` quantized to GGUF blocks of ``kind`` (as ``support.requantized`` writes a
+    file's) and decoded again, carrying them (:func:`file_weight`)."""
+    from support.requantized import quantized
+
+    return file_weight([(kind, quantized(weight.float().numpy(), kind))], weight.shape[0])
