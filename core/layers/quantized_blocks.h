@@ -6,7 +6,8 @@
  * blocks it decoded it from (gguf_blocks.h splits every type), and holds the weight so
  * (pack_file_blocks): in Q4_0 or Q4_1 blocks where the file's are of that type, in Q8_0
  * blocks where they are Q8_0 or another type of one float16 scale per 32 weights and no
- * offset (Q4_0, Q5_0, IQ4_NL: d * q', q' an int8), 0.56, 0.63 or 1.06 bytes a weight; any
+ * offset (Q4_0, Q5_0, IQ4_NL: d * q', q' an int8), 0.56, 0.63 or 1.06 bytes a weight; Q4_K
+ * as Q4_K: nibbles with a float32 scale and offset per 32 inputs, 0.75 bytes a weight; any
  * other type, or parts of several types (a merged projection's), as INT8_SCALED: each block
  * split into int8 q and a float32 scale and offset per 16 inputs, widened as scale * q +
  * offset (a subtracted offset held negated: the same sum), 1.5 bytes a weight. Every value
@@ -20,7 +21,8 @@
  * never stored), each group of QUANT_GROUP inputs in turn: the block's scales (float16), for
  * Q4_1 its minimums (float16), then the values, input by input, the block's outputs side by
  * side: Q8_0 one int8 each; Q4_0 and Q4_1 a byte for each pair of inputs, the first in its low
- * nibble. INT8_SCALED: the scales (float32) of the group's first 16 inputs, then of its last
+ * nibble. Q4_K: the scales (float32), the offsets (float32, negated minimums), then nibbles as
+ * Q4_1's. INT8_SCALED: the scales (float32) of the group's first 16 inputs, then of its last
  * 16, the offsets so, then one int8 each. */
 
 #include "gguf_blocks.h"
@@ -33,6 +35,7 @@ enum {
     WEIGHT_Q4_0,
     WEIGHT_Q4_1,
     WEIGHT_INT8_SCALED,
+    WEIGHT_Q4_K,
     WEIGHT_KINDS
 };
 
@@ -49,6 +52,7 @@ static inline int holds_bytes(int kind) {
 /* Bytes of one block's group: scales (and minimums), then the values. */
 static inline long quantized_header_bytes(int kind) {
     if (kind == WEIGHT_INT8_SCALED) return 4 * (int)sizeof(float) * LINEAR_BLOCK;
+    if (kind == WEIGHT_Q4_K) return 2 * (int)sizeof(float) * LINEAR_BLOCK;
     return (kind == WEIGHT_Q4_1 ? 4 : 2) * LINEAR_BLOCK;
 }
 static inline long quantized_group_bytes(int kind) {
@@ -64,7 +68,7 @@ static inline long quantized_bytes(int kind, long out, long in) {
 
 /* One weight from its block's scale, minimum and q, as dequantize.c computes it. */
 static inline float widened(int kind, float scale, float minimum, int q) {
-    if (kind == WEIGHT_Q4_1) return scale * (float)q + minimum;
+    if (kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K) return scale * (float)q + minimum;
     if (kind == WEIGHT_Q4_0) return scale * (float)(q - 8);
     return scale * (float)q;
 }
@@ -81,7 +85,8 @@ static inline int same_value(float held, float loaded) {
 }
 
 /* Whether blocks of type are held as kind: INT8_SCALED holds every type; Q8_0 those of one
- * float16 scale per 32 weights (at the block's start) and no offset; Q4_0 and Q4_1 their own. */
+ * float16 scale per 32 weights (at the block's start) and no offset; Q4_0, Q4_1 and Q4_K
+ * their own. */
 static int holds_type(int kind, const GGUFType *type) {
     const char *name = type->name;
     switch (kind) {
@@ -91,6 +96,7 @@ static int holds_type(int kind, const GGUFType *type) {
                !strcmp(name, "IQ4_NL");
     case WEIGHT_Q4_0: return !strcmp(name, "Q4_0");
     case WEIGHT_Q4_1: return !strcmp(name, "Q4_1");
+    case WEIGHT_Q4_K: return !strcmp(name, "Q4_K");
     default: return 0;
     }
 }
@@ -116,6 +122,19 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
             float held = scales[half * LINEAR_BLOCK + lane] * (float)q +
                          offsets[half * LINEAR_BLOCK + lane];
             if (!same_value(held, loaded[i])) return 0;
+        }
+        return 1;
+    }
+    if (kind == WEIGHT_Q4_K) {
+        /* A group of 32 of the super-block: one scale and offset (both halves'). */
+        float *scales = (float *)group, *offsets = scales + LINEAR_BLOCK;
+        long split_group = within / GGUF_SPLIT;
+        scales[lane] = split->scale[split_group];
+        offsets[lane] = -split->offset[split_group];
+        for (int i = 0; i < QUANT_GROUP; i++) {
+            int q = split->q[within + i];
+            values[i / 2 * LINEAR_BLOCK + lane] |= (uint8_t)(q << (4 * (i % 2)));
+            if (!same_value(widened(kind, scales[lane], offsets[lane], q), loaded[i])) return 0;
         }
         return 1;
     }
@@ -203,12 +222,14 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_0, WEIGHT_Q4_0, ROW, ROWS)              \
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_1, WEIGHT_Q4_1, ROW, ROWS)              \
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_int8_scaled, WEIGHT_INT8_SCALED, ROW, ROWS)\
+    DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_k, WEIGHT_Q4_K, ROW, ROWS)              \
     static void NAME(int kind, const void *weight, const float *x, float *y,                 \
                      const float *bias, long rows, long out, long in, long first, long end) { \
         switch (kind) {                                                                      \
         case WEIGHT_Q8_0: NAME##_q8_0(weight, x, y, bias, rows, out, in, first, end); break; \
         case WEIGHT_Q4_0: NAME##_q4_0(weight, x, y, bias, rows, out, in, first, end); break; \
         case WEIGHT_Q4_1: NAME##_q4_1(weight, x, y, bias, rows, out, in, first, end); break; \
+        case WEIGHT_Q4_K: NAME##_q4_k(weight, x, y, bias, rows, out, in, first, end); break; \
         default: NAME##_int8_scaled(weight, x, y, bias, rows, out, in, first, end);          \
         }                                                                                    \
     }

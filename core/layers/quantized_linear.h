@@ -24,7 +24,7 @@ AVX512 static inline __attribute__((always_inline)) void widen_16(
     }
     *first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(low));
     *second = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(high));
-    if (kind == WEIGHT_Q4_1) {
+    if (kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K) {
         *first = _mm512_add_ps(*first, minimum);
         *second = _mm512_add_ps(*second, minimum);
     }
@@ -34,11 +34,13 @@ AVX512 static inline __attribute__((always_inline)) void widen_16(
  * half for INT8_SCALED (the same for both halves in the other kinds). */
 AVX512 static inline __attribute__((always_inline)) void group_scales(
     const int kind, const uint8_t *group, int half, __m512 scale[4], __m512 minimum[4]) {
-    if (kind == WEIGHT_INT8_SCALED) {
+    if (kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q4_K) {
+        /* float32: INT8_SCALED's of each half, Q4_K's of the whole group. */
         const float *scales = (const float *)group + half * LINEAR_BLOCK;
+        long offsets = kind == WEIGHT_Q4_K ? LINEAR_BLOCK : 2 * LINEAR_BLOCK;
         for (int k = 0; k < 4; k++) {
             scale[k] = _mm512_loadu_ps(scales + 16 * k);
-            minimum[k] = _mm512_loadu_ps(scales + 2 * LINEAR_BLOCK + 16 * k);
+            minimum[k] = _mm512_loadu_ps(scales + offsets + 16 * k);
         }
         return;
     }

@@ -24,7 +24,9 @@ AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
                                _mm256_loadu_ps(scales + 2 * LINEAR_BLOCK));
         return;
     }
-    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16 * k)));
+    __m256 scale = kind == WEIGHT_Q4_K
+                       ? _mm256_loadu_ps((const float *)group + 8 * k)
+                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16 * k)));
     if (kind == WEIGHT_Q8_0) {
         *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
         return;
@@ -38,9 +40,11 @@ AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
     }
     *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(low));
     *second = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(high));
-    if (kind == WEIGHT_Q4_1) {
+    if (kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K) {
         __m256 minimum =
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 128 + 16 * k)));
+            kind == WEIGHT_Q4_K
+                ? _mm256_loadu_ps((const float *)group + LINEAR_BLOCK + 8 * k)
+                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 128 + 16 * k)));
         *first = _mm256_add_ps(*first, minimum);
         *second = _mm256_add_ps(*second, minimum);
     }

@@ -23,15 +23,17 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Logits and attention scores are computed in float32 whatever the weights' dtype.
 _FLOAT32 = 4
 #: Bytes of one output's group of 32 inputs held in each GGUF block kind (float16 scale,
-#: Q4_1's float16 minimum, the values; INT8_SCALED: two float32 scales and offsets, 32 int8),
-#: in blocks of 64 outputs (``quantized_blocks.h``).
-_BLOCK_GROUP_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "INT8_SCALED": 48}
+#: Q4_1's float16 minimum, the values; Q4_K: a float32 scale and offset, 16 bytes of nibbles;
+#: INT8_SCALED: two float32 scales and offsets, 32 int8), in blocks of 64 outputs
+#: (``quantized_blocks.h``).
+_BLOCK_GROUP_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 24, "INT8_SCALED": 48}
 _GROUP, _BLOCK_OUTPUTS = 32, 64
 #: The file's block types each kind holds (``quantized_blocks.h``: holds_type), in the order
 #: a weight's kind is chosen: the first that holds all of its parts' types.
 _HOLDS = {
     "Q4_0": ("Q4_0",),
     "Q4_1": ("Q4_1",),
+    "Q4_K": ("Q4_K",),
     "Q8_0": ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL"),
     "INT8_SCALED": ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
@@ -43,7 +45,7 @@ _K_TYPES, _SUPER_BLOCK = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), 256
 @dataclass(frozen=True)
 class HeldKind:
     """How one weight is held (``model.weight_dtype: gguf``): ``kind``, a block kind
-    (``Q8_0``, ``Q4_0``, ``Q4_1``, ``INT8_SCALED``) or ``F32``, and ``inputs``, the inputs
+    (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q8_0``, ``INT8_SCALED``) or ``F32``, and ``inputs``, the inputs
     one of the file's blocks spans (a shard's inputs must be whole blocks)."""
 
     kind: str
