@@ -730,10 +730,11 @@ GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", 
 #: The kind each type is held in alone: the first that holds it (quantized_blocks.h).
 HELD_AS = {
     "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
-    "Q4_K": "Q4_K",
+    "Q4_K": "Q4_K", "Q6_K": "Q6_K", "Q3_K": "Q6_K",
 }  # fmt: skip
 BYTES_PER_WEIGHT = {
-    "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 24 / 32, "INT8_SCALED": 48 / 32
+    "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 24 / 32, "Q6_K": 40 / 32,
+    "INT8_SCALED": 48 / 32,
 }  # fmt: skip
 
 
@@ -769,8 +770,9 @@ def _assert_multiplies_as_float32(held, weight, rows):
 @needs_quantized_linear
 def test_a_weight_held_as_its_files_blocks_gives_the_bits_of_its_float32_weight(kind, rows):
     """A weight decoded from a GGUF file's blocks of any type, carrying them, is held as
-    them: Q4_0, Q4_1 and Q4_K in their own kinds, Q8_0, Q5_0 and IQ4_NL in Q8_0 blocks, any
-    other type split (INT8_SCALED), in whole blocks of 64 outputs; and multiplies to the very
+    them: Q4_0, Q4_1 and Q4_K in their own kinds, Q8_0, Q5_0 and IQ4_NL in Q8_0 blocks, Q6_K
+    and Q3_K as Q6_K, any other type split (INT8_SCALED), in whole blocks of 64 outputs; and
+    multiplies to the very
     bits of the float32 kernel (one row, tiles of rows, partial last blocks, a bias; alone, on
     a team of three, on the AVX2 kernels)."""
     rng = np.random.default_rng([GGUF_TYPES.index(kind), rows])
@@ -833,7 +835,7 @@ def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
         pack(weight, [part, (*part[:3], 32, 8)])
     with pytest.raises(ValueError, match="no block type IQ2_XXS"):
         pack(weight, [("IQ2_XXS", *part[1:])])
-    with pytest.raises(ValueError, match="kind 1; allowed: 2 to 6"):
+    with pytest.raises(ValueError, match="kind 1; allowed: 2 to 7"):
         pack(weight, [part], native_module.WEIGHT_BFLOAT16)
 
 
@@ -871,7 +873,7 @@ def test_block_kinds_are_tried_fewest_bytes_first_and_lie_back_to_back():
     pack = BLOCK_WEIGHTS.weight_packer(weights)
     held = [pack(weight) for weight in weights]
     assert [getattr(h, "held_as", None) for h in held] == [
-        "Q4_1", "Q4_0", None, "INT8_SCALED", "Q8_0"
+        "Q4_1", "Q4_0", None, "Q6_K", "Q8_0"
     ]  # fmt: skip
     starts = [h.data_ptr() for h in held]
     sizes = [h.numel() * h.element_size() for h in held]
@@ -897,7 +899,7 @@ def test_a_weight_of_blocks_is_refused_where_its_kernel_cannot_run():
 
     with pytest.raises(ValueError, match="whole groups of 32"):
         call(40, held.weight_kind)
-    with pytest.raises(ValueError, match="allowed: 0 to 6"):
+    with pytest.raises(ValueError, match="allowed: 0 to 7"):
         call(64, 9)
 
 
@@ -1052,7 +1054,8 @@ def test_the_memory_plan_counts_blocks_as_the_kernel_holds_them(kind):
 
 def test_the_plan_holds_each_weight_in_the_widest_kind_of_its_layers():
     """Each weight a layer multiplies by is planned, per layer, in the first kind holding all
-    its parts' types (Q4_0, Q4_1, Q4_K as themselves; Q8_0 for Q8_0, Q4_0, Q5_0, IQ4_NL;
+    its parts' types (Q4_0, Q4_1, Q4_K, Q6_K as themselves, Q6_K for Q3_K too; Q8_0 for
+    Q8_0, Q4_0, Q5_0, IQ4_NL;
     INT8_SCALED for any, of 256 inputs where a K type is among them; float32 where a float
     type is), and over the layers in the one with the most bytes; the head as its own
     tensor's (the embedding's where tied)."""
@@ -1070,7 +1073,7 @@ def test_the_plan_holds_each_weight_in_the_widest_kind_of_its_layers():
         o=HeldKind("Q4_1"),
         gate_up=HeldKind("INT8_SCALED", 256),
         down=HeldKind("F32", 256),
-        head=HeldKind("INT8_SCALED", 256),
+        head=HeldKind("Q6_K", 256),
     )
     assert HeldBlocks.of(types, tied=True).head == HeldKind("Q8_0")
     mixed = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q8_0"}

@@ -54,8 +54,9 @@ class ModelConfig(Section):
         "dtype. bfloat16 with dtype float32: each weight rounded to bfloat16, multiplied in "
         "float32 (held in half the memory where the C linear kernel runs: a CPU with AVX-512 "
         "or AVX2 and FMA). gguf with dtype float32 and a GGUF file: each weight held as the "
-        "file's own quantization blocks (Q4_0, Q4_1, Q4_K as they are; Q8_0, Q5_0, IQ4_NL in "
-        "Q8_0 blocks; other types split into int8 and float32 scales), widened as read: the "
+        "file's own quantization blocks (Q4_0, Q4_1, Q4_K, Q6_K as they are; Q8_0, Q5_0, "
+        "IQ4_NL in Q8_0 blocks; other types split into int8 and float32 scales), widened as "
+        "read: the "
         "float32 results, bit for bit, from 0.56-1.5 bytes a weight, planned so (where the "
         "CPU has AVX-512 or AVX2 with F16C; else float32)",
     )

@@ -7,7 +7,8 @@
  * (pack_file_blocks): in Q4_0 or Q4_1 blocks where the file's are of that type, in Q8_0
  * blocks where they are Q8_0 or another type of one float16 scale per 32 weights and no
  * offset (Q4_0, Q5_0, IQ4_NL: d * q', q' an int8), 0.56, 0.63 or 1.06 bytes a weight; Q4_K
- * as Q4_K: nibbles with a float32 scale and offset per 32 inputs, 0.75 bytes a weight; any
+ * as Q4_K: nibbles with a float32 scale and offset per 32 inputs, 0.75 bytes a weight; Q6_K
+ * and Q3_K as Q6_K: int8 q with a float32 scale per 16 inputs, 1.25 bytes a weight; any
  * other type, or parts of several types (a merged projection's), as INT8_SCALED: each block
  * split into int8 q and a float32 scale and offset per 16 inputs, widened as scale * q +
  * offset (a subtracted offset held negated: the same sum), 1.5 bytes a weight. Every value
@@ -23,7 +24,7 @@
  * side: Q8_0 one int8 each; Q4_0 and Q4_1 a byte for each pair of inputs, the first in its low
  * nibble. Q4_K: the scales (float32), the offsets (float32, negated minimums), then nibbles as
  * Q4_1's. INT8_SCALED: the scales (float32) of the group's first 16 inputs, then of its last
- * 16, the offsets so, then one int8 each. */
+ * 16, the offsets so, then one int8 each. Q6_K: as INT8_SCALED without the offsets. */
 
 #include "gguf_blocks.h"
 
@@ -36,6 +37,7 @@ enum {
     WEIGHT_Q4_1,
     WEIGHT_INT8_SCALED,
     WEIGHT_Q4_K,
+    WEIGHT_Q6_K,
     WEIGHT_KINDS
 };
 
@@ -46,13 +48,18 @@ static inline int is_quantized(int kind) { return kind >= WEIGHT_Q8_0 && kind < 
 
 /* Whether a kind holds one byte an input (else a nibble). */
 static inline int holds_bytes(int kind) {
-    return kind == WEIGHT_Q8_0 || kind == WEIGHT_INT8_SCALED;
+    return kind == WEIGHT_Q8_0 || kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q6_K;
+}
+
+/* Whether a kind has a scale (and offset) for each half of a group's inputs (else one). */
+static inline int scales_halves(int kind) {
+    return kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q6_K;
 }
 
 /* Bytes of one block's group: scales (and minimums), then the values. */
 static inline long quantized_header_bytes(int kind) {
     if (kind == WEIGHT_INT8_SCALED) return 4 * (int)sizeof(float) * LINEAR_BLOCK;
-    if (kind == WEIGHT_Q4_K) return 2 * (int)sizeof(float) * LINEAR_BLOCK;
+    if (kind == WEIGHT_Q4_K || kind == WEIGHT_Q6_K) return 2 * (int)sizeof(float) * LINEAR_BLOCK;
     return (kind == WEIGHT_Q4_1 ? 4 : 2) * LINEAR_BLOCK;
 }
 static inline long quantized_group_bytes(int kind) {
@@ -85,8 +92,8 @@ static inline int same_value(float held, float loaded) {
 }
 
 /* Whether blocks of type are held as kind: INT8_SCALED holds every type; Q8_0 those of one
- * float16 scale per 32 weights (at the block's start) and no offset; Q4_0, Q4_1 and Q4_K
- * their own. */
+ * float16 scale per 32 weights (at the block's start) and no offset; Q6_K those of a float32
+ * scale per 16 and no offset (Q6_K, Q3_K); Q4_0, Q4_1 and Q4_K their own. */
 static int holds_type(int kind, const GGUFType *type) {
     const char *name = type->name;
     switch (kind) {
@@ -97,6 +104,7 @@ static int holds_type(int kind, const GGUFType *type) {
     case WEIGHT_Q4_0: return !strcmp(name, "Q4_0");
     case WEIGHT_Q4_1: return !strcmp(name, "Q4_1");
     case WEIGHT_Q4_K: return !strcmp(name, "Q4_K");
+    case WEIGHT_Q6_K: return !strcmp(name, "Q6_K") || !strcmp(name, "Q3_K");
     default: return 0;
     }
 }
@@ -121,6 +129,20 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
             values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)q;
             float held = scales[half * LINEAR_BLOCK + lane] * (float)q +
                          offsets[half * LINEAR_BLOCK + lane];
+            if (!same_value(held, loaded[i])) return 0;
+        }
+        return 1;
+    }
+    if (kind == WEIGHT_Q6_K) {
+        /* A float32 scale for each half (the type has no offset: -0.0, which adds nothing). */
+        float *scales = (float *)group;
+        for (int half = 0; half < 2; half++)
+            scales[half * LINEAR_BLOCK + lane] =
+                split->scale[(within + half * QUANT_HALF) / GGUF_SPLIT];
+        for (int i = 0; i < QUANT_GROUP; i++) {
+            int q = split->q[within + i];
+            values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)q;
+            float held = scales[i / QUANT_HALF * LINEAR_BLOCK + lane] * (float)q;
             if (!same_value(held, loaded[i])) return 0;
         }
         return 1;
@@ -223,6 +245,7 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_1, WEIGHT_Q4_1, ROW, ROWS)              \
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_int8_scaled, WEIGHT_INT8_SCALED, ROW, ROWS)\
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_k, WEIGHT_Q4_K, ROW, ROWS)              \
+    DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q6_k, WEIGHT_Q6_K, ROW, ROWS)              \
     static void NAME(int kind, const void *weight, const float *x, float *y,                 \
                      const float *bias, long rows, long out, long in, long first, long end) { \
         switch (kind) {                                                                      \
@@ -230,6 +253,7 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
         case WEIGHT_Q4_0: NAME##_q4_0(weight, x, y, bias, rows, out, in, first, end); break; \
         case WEIGHT_Q4_1: NAME##_q4_1(weight, x, y, bias, rows, out, in, first, end); break; \
         case WEIGHT_Q4_K: NAME##_q4_k(weight, x, y, bias, rows, out, in, first, end); break; \
+        case WEIGHT_Q6_K: NAME##_q6_k(weight, x, y, bias, rows, out, in, first, end); break; \
         default: NAME##_int8_scaled(weight, x, y, bias, rows, out, in, first, end);          \
         }                                                                                    \
     }

@@ -2,9 +2,9 @@
  * layout and why the sums are the float32 kernel's), for kernels.c, which includes this after
  * its own blocked kernels (LINEAR_BLOCK, tail_mask, AVX512). */
 
-/* The weights of inputs 2p and 2p + 1 (Q4_0, Q4_1), or of input p (Q8_0, INT8_SCALED: first
- * only), for outputs 16k..16k+15 of a group (values: its values; scale, minimum: those
- * outputs', of p's half for INT8_SCALED). */
+/* The weights of inputs 2p and 2p + 1 (the nibble kinds), or of input p (the byte kinds:
+ * first only), for outputs 16k..16k+15 of a group (values: its values; scale, minimum: those
+ * outputs', of p's half for INT8_SCALED and Q6_K). */
 AVX512 static inline __attribute__((always_inline)) void widen_16(
     const int kind, const uint8_t *values, long p, int k, __m512 scale, __m512 minimum,
     __m512 *first, __m512 *second) {
@@ -31,16 +31,17 @@ AVX512 static inline __attribute__((always_inline)) void widen_16(
 }
 
 /* A group's scales (and minimums) for outputs 16k..16k+15: of its inputs' first or second
- * half for INT8_SCALED (the same for both halves in the other kinds). */
+ * half for INT8_SCALED and Q6_K (the same for both halves in the other kinds). */
 AVX512 static inline __attribute__((always_inline)) void group_scales(
     const int kind, const uint8_t *group, int half, __m512 scale[4], __m512 minimum[4]) {
-    if (kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q4_K) {
-        /* float32: INT8_SCALED's of each half, Q4_K's of the whole group. */
+    if (kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q4_K || kind == WEIGHT_Q6_K) {
+        /* float32: INT8_SCALED's and Q6_K's of each half, Q4_K's of the whole group. */
         const float *scales = (const float *)group + half * LINEAR_BLOCK;
         long offsets = kind == WEIGHT_Q4_K ? LINEAR_BLOCK : 2 * LINEAR_BLOCK;
         for (int k = 0; k < 4; k++) {
             scale[k] = _mm512_loadu_ps(scales + 16 * k);
-            minimum[k] = _mm512_loadu_ps(scales + offsets + 16 * k);
+            minimum[k] = kind == WEIGHT_Q6_K ? _mm512_setzero_ps()
+                                             : _mm512_loadu_ps(scales + offsets + 16 * k);
         }
         return;
     }
@@ -67,7 +68,7 @@ AVX512 static inline __attribute__((always_inline)) void quantized_row(
         group_scales(kind, group, 0, scale, minimum);
         if (holds_bytes(kind)) {
             for (long i = 0; i < QUANT_GROUP; i++) {
-                if (kind == WEIGHT_INT8_SCALED && i == QUANT_HALF)
+                if (scales_halves(kind) && i == QUANT_HALF)
                     group_scales(kind, group, 1, scale, minimum);
                 __m512 value = _mm512_set1_ps(xg[i]), w, unused;
                 for (int k = 0; k < 4; k++) {
@@ -106,7 +107,7 @@ AVX512 static inline __attribute__((always_inline)) void widen_group(const int k
     const uint8_t *values = group + quantized_header_bytes(kind);
     long steps = holds_bytes(kind) ? QUANT_GROUP : QUANT_GROUP / 2;
     for (long p = 0; p < steps; p++) {
-        if (kind == WEIGHT_INT8_SCALED && p == QUANT_HALF)
+        if (scales_halves(kind) && p == QUANT_HALF)
             group_scales(kind, group, 1, scale, minimum);
         for (int k = 0; k < 4; k++) {
             __m512 first, second;

@@ -11,17 +11,18 @@ static int cpu_has_avx2_f16c(void) {
     return cpu_has_avx2_fma() && __builtin_cpu_supports("f16c");
 }
 
-/* The weights of inputs 2p and 2p + 1 (Q4_0, Q4_1), or of input p (Q8_0, INT8_SCALED: first
- * only), for outputs 8k..8k+7 of a group (group: its start; values: its values). */
+/* The weights of inputs 2p and 2p + 1 (the nibble kinds), or of input p (the byte kinds:
+ * first only), for outputs 8k..8k+7 of a group (group: its start; values: its values). */
 AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
     const int kind, const uint8_t *group, const uint8_t *values, long p, int k, __m256 *first,
     __m256 *second) {
     __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + p * LINEAR_BLOCK + 8 * k));
-    if (kind == WEIGHT_INT8_SCALED) {
+    if (scales_halves(kind)) {
         const float *scales = (const float *)group + p / QUANT_HALF * LINEAR_BLOCK + 8 * k;
         __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-        *first = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(scales), q),
-                               _mm256_loadu_ps(scales + 2 * LINEAR_BLOCK));
+        *first = _mm256_mul_ps(_mm256_loadu_ps(scales), q);
+        if (kind == WEIGHT_INT8_SCALED)
+            *first = _mm256_add_ps(*first, _mm256_loadu_ps(scales + 2 * LINEAR_BLOCK));
         return;
     }
     __m256 scale = kind == WEIGHT_Q4_K
