@@ -1911,11 +1911,15 @@ static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssiz
     PyObject *parts = PySequence_Fast(args[5], "pack_file_blocks: parts must be a sequence");
     if (parts == NULL) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(parts);
-    const GGUFType **types = PyMem_Calloc((size_t)count + 1, sizeof *types);
-    long(*where)[4] = PyMem_Calloc((size_t)count + 1, sizeof *where);
+    /* A part: the file's blocks of rows [first, first + rows) of the weight. */
+    struct {
+        const GGUFType *type;
+        const uint8_t *raw;
+        long stride, first, rows;
+    } *part = PyMem_Calloc((size_t)count + 1, sizeof *part);
     uint8_t *covered = out > 0 ? PyMem_Calloc((size_t)out, 1) : NULL;
     PyObject *result = NULL;
-    if (types == NULL || where == NULL || (out > 0 && covered == NULL)) {
+    if (part == NULL || (out > 0 && covered == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1928,24 +1932,23 @@ static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssiz
         const char *name;
         unsigned long long raw;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(parts, i), "sKlll", &name, &raw,
-                              &where[i][1], &where[i][2], &where[i][3]))
+                              &part[i].stride, &part[i].first, &part[i].rows))
             goto done;
-        where[i][0] = (long)(uintptr_t)raw;
-        types[i] = gguf_type(name);
-        if (types[i] == NULL) {
+        part[i].raw = (const uint8_t *)(uintptr_t)raw;
+        part[i].type = gguf_type(name);
+        if (part[i].type == NULL) {
             PyErr_Format(PyExc_ValueError, "pack_file_blocks: no block type %s (%s)", name,
                          GGUF_TYPE_NAMES);
             goto done;
         }
-        long first = where[i][2], rows = where[i][3];
-        for (long r = first; r >= 0 && rows >= 0 && r < first + rows && r < out; r++)
-            covered[r]++;
-        if (first < 0 || rows < 0 || first + rows > out) {
+        long first = part[i].first, last = first + part[i].rows;
+        if (first < 0 || part[i].rows < 0 || last > out) {
             PyErr_Format(PyExc_ValueError,
                          "pack_file_blocks: part %zd, rows [%ld, %ld), lies outside out %ld", i,
-                         first, first + rows, out);
+                         first, last, out);
             goto done;
         }
+        for (long r = first; r < last; r++) covered[r]++;
     }
     for (long r = 0; r < out; r++)
         if (covered[r] > 1) {
@@ -1956,8 +1959,8 @@ static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssiz
     Py_BEGIN_ALLOW_THREADS
     memset(dest, 0, (size_t)quantized_bytes(kind, out, in));
     for (Py_ssize_t i = 0; i < count && packed; i++)
-        packed = pack_file_rows(kind, types[i], (const uint8_t *)(uintptr_t)where[i][0],
-                                where[i][1], where[i][2], where[i][3], out, in, weight, dest);
+        packed = pack_file_rows(kind, part[i].type, part[i].raw, part[i].stride, part[i].first,
+                                part[i].rows, out, in, weight, dest);
     for (long r = 0; r < out && packed; r++)
         for (long i = 0; i < in && !covered[r] && packed; i++)
             packed = bits_of(weight[r * in + i]) == 0;
@@ -1965,8 +1968,7 @@ static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssiz
     result = PyBool_FromLong(packed);
 done:
     PyMem_Free(covered);
-    PyMem_Free(types);
-    PyMem_Free(where);
+    PyMem_Free(part);
     Py_DECREF(parts);
     return result;
 }

@@ -56,11 +56,30 @@ static inline int scales_halves(int kind) {
     return kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q6_K;
 }
 
+/* Whether a kind keeps float32 scales (else float16, as the file's 32-weight blocks). */
+static inline int float_scales(int kind) {
+    return kind == WEIGHT_Q4_K || kind == WEIGHT_Q6_K || kind == WEIGHT_INT8_SCALED;
+}
+
+/* Whether a kind adds an offset (a minimum) to each scaled value. */
+static inline int adds_offset(int kind) {
+    return kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K || kind == WEIGHT_INT8_SCALED;
+}
+
 /* Bytes of one block's group: scales (and minimums), then the values. */
 static inline long quantized_header_bytes(int kind) {
-    if (kind == WEIGHT_INT8_SCALED) return 4 * (int)sizeof(float) * LINEAR_BLOCK;
-    if (kind == WEIGHT_Q4_K || kind == WEIGHT_Q6_K) return 2 * (int)sizeof(float) * LINEAR_BLOCK;
-    return (kind == WEIGHT_Q4_1 ? 4 : 2) * LINEAR_BLOCK;
+    long per_output = float_scales(kind) ? (long)sizeof(float) : 2;
+    return per_output * (scales_halves(kind) ? 2 : 1) * (adds_offset(kind) ? 2 : 1) * LINEAR_BLOCK;
+}
+
+/* A float32-scaled kind's scales of a group's outputs for the inputs of `half` (both halves'
+ * where the kind has one), and their offsets after all of its scales (NULL: none). */
+static inline const float *group_float_scales(int kind, const uint8_t *group, int half) {
+    return (const float *)group + (scales_halves(kind) ? half * LINEAR_BLOCK : 0);
+}
+static inline const float *group_float_offsets(int kind, const uint8_t *group, int half) {
+    if (!adds_offset(kind)) return NULL;
+    return group_float_scales(kind, group, half) + (scales_halves(kind) ? 2 : 1) * LINEAR_BLOCK;
 }
 static inline long quantized_group_bytes(int kind) {
     long values = holds_bytes(kind) ? QUANT_GROUP * LINEAR_BLOCK : QUANT_GROUP / 2 * LINEAR_BLOCK;
@@ -75,7 +94,7 @@ static inline long quantized_bytes(int kind, long out, long in) {
 
 /* One weight from its block's scale, minimum and q, as dequantize.c computes it. */
 static inline float widened(int kind, float scale, float minimum, int q) {
-    if (kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K) return scale * (float)q + minimum;
+    if (adds_offset(kind)) return scale * (float)q + minimum;
     if (kind == WEIGHT_Q4_0) return scale * (float)(q - 8);
     return scale * (float)q;
 }
@@ -116,47 +135,25 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
                       const GGUFType *type, const GGUFSplit *split, long within,
                       const float *loaded) {
     uint8_t *values = group + quantized_header_bytes(kind);
-    if (kind == WEIGHT_INT8_SCALED) {
-        float *scales = (float *)group, *offsets = scales + 2 * LINEAR_BLOCK;
+    if (float_scales(kind)) {
+        /* Each half's split scale and offset (a subtracted one negated: the same sum). */
+        float *scales[2], *offsets[2];
         for (int half = 0; half < 2; half++) {
             long split_group = (within + half * QUANT_HALF) / GGUF_SPLIT;
             float offset = split->offset[split_group];
-            scales[half * LINEAR_BLOCK + lane] = split->scale[split_group];
-            offsets[half * LINEAR_BLOCK + lane] = type->subtracts ? -offset : offset;
+            scales[half] = (float *)group_float_scales(kind, group, half);
+            offsets[half] = (float *)group_float_offsets(kind, group, half);
+            scales[half][lane] = split->scale[split_group];
+            if (offsets[half]) offsets[half][lane] = type->subtracts ? -offset : offset;
         }
         for (int i = 0; i < QUANT_GROUP; i++) {
             int half = i / QUANT_HALF, q = split->q[within + i];
-            values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)q;
-            float held = scales[half * LINEAR_BLOCK + lane] * (float)q +
-                         offsets[half * LINEAR_BLOCK + lane];
-            if (!same_value(held, loaded[i])) return 0;
-        }
-        return 1;
-    }
-    if (kind == WEIGHT_Q6_K) {
-        /* A float32 scale for each half (the type has no offset: -0.0, which adds nothing). */
-        float *scales = (float *)group;
-        for (int half = 0; half < 2; half++)
-            scales[half * LINEAR_BLOCK + lane] =
-                split->scale[(within + half * QUANT_HALF) / GGUF_SPLIT];
-        for (int i = 0; i < QUANT_GROUP; i++) {
-            int q = split->q[within + i];
-            values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)q;
-            float held = scales[i / QUANT_HALF * LINEAR_BLOCK + lane] * (float)q;
-            if (!same_value(held, loaded[i])) return 0;
-        }
-        return 1;
-    }
-    if (kind == WEIGHT_Q4_K) {
-        /* A group of 32 of the super-block: one scale and offset (both halves'). */
-        float *scales = (float *)group, *offsets = scales + LINEAR_BLOCK;
-        long split_group = within / GGUF_SPLIT;
-        scales[lane] = split->scale[split_group];
-        offsets[lane] = -split->offset[split_group];
-        for (int i = 0; i < QUANT_GROUP; i++) {
-            int q = split->q[within + i];
-            values[i / 2 * LINEAR_BLOCK + lane] |= (uint8_t)(q << (4 * (i % 2)));
-            if (!same_value(widened(kind, scales[lane], offsets[lane], q), loaded[i])) return 0;
+            if (holds_bytes(kind))
+                values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)q;
+            else
+                values[i / 2 * LINEAR_BLOCK + lane] |= (uint8_t)(q << (4 * (i % 2)));
+            float minimum = offsets[half] ? offsets[half][lane] : 0.0f;
+            if (!same_value(widened(kind, scales[half][lane], minimum, q), loaded[i])) return 0;
         }
         return 1;
     }

@@ -12,7 +12,7 @@ AVX512 static inline __attribute__((always_inline)) void widen_16(
     if (holds_bytes(kind)) {
         __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(bytes));
         *first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
-        if (kind == WEIGHT_INT8_SCALED) *first = _mm512_add_ps(*first, minimum);
+        if (adds_offset(kind)) *first = _mm512_add_ps(*first, minimum);
         return;
     }
     __m512i pair = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
@@ -24,7 +24,7 @@ AVX512 static inline __attribute__((always_inline)) void widen_16(
     }
     *first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(low));
     *second = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(high));
-    if (kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K) {
+    if (adds_offset(kind)) {
         *first = _mm512_add_ps(*first, minimum);
         *second = _mm512_add_ps(*second, minimum);
     }
@@ -34,14 +34,12 @@ AVX512 static inline __attribute__((always_inline)) void widen_16(
  * half for INT8_SCALED and Q6_K (the same for both halves in the other kinds). */
 AVX512 static inline __attribute__((always_inline)) void group_scales(
     const int kind, const uint8_t *group, int half, __m512 scale[4], __m512 minimum[4]) {
-    if (kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q4_K || kind == WEIGHT_Q6_K) {
-        /* float32: INT8_SCALED's and Q6_K's of each half, Q4_K's of the whole group. */
-        const float *scales = (const float *)group + half * LINEAR_BLOCK;
-        long offsets = kind == WEIGHT_Q4_K ? LINEAR_BLOCK : 2 * LINEAR_BLOCK;
+    if (float_scales(kind)) {
+        const float *scales = group_float_scales(kind, group, half);
+        const float *offsets = group_float_offsets(kind, group, half);
         for (int k = 0; k < 4; k++) {
             scale[k] = _mm512_loadu_ps(scales + 16 * k);
-            minimum[k] = kind == WEIGHT_Q6_K ? _mm512_setzero_ps()
-                                             : _mm512_loadu_ps(scales + offsets + 16 * k);
+            minimum[k] = offsets ? _mm512_loadu_ps(offsets + 16 * k) : _mm512_setzero_ps();
         }
         return;
     }

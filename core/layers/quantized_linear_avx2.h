@@ -17,19 +17,20 @@ AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
     const int kind, const uint8_t *group, const uint8_t *values, long p, int k, __m256 *first,
     __m256 *second) {
     __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + p * LINEAR_BLOCK + 8 * k));
-    if (scales_halves(kind)) {
-        const float *scales = (const float *)group + p / QUANT_HALF * LINEAR_BLOCK + 8 * k;
-        __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-        *first = _mm256_mul_ps(_mm256_loadu_ps(scales), q);
-        if (kind == WEIGHT_INT8_SCALED)
-            *first = _mm256_add_ps(*first, _mm256_loadu_ps(scales + 2 * LINEAR_BLOCK));
-        return;
+    __m256 scale, minimum = _mm256_setzero_ps();
+    if (float_scales(kind)) {
+        int half = holds_bytes(kind) ? (int)(p / QUANT_HALF) : 0;
+        const float *offsets = group_float_offsets(kind, group, half);
+        scale = _mm256_loadu_ps(group_float_scales(kind, group, half) + 8 * k);
+        if (offsets) minimum = _mm256_loadu_ps(offsets + 8 * k);
+    } else {
+        scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16 * k)));
+        if (kind == WEIGHT_Q4_1)
+            minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 128 + 16 * k)));
     }
-    __m256 scale = kind == WEIGHT_Q4_K
-                       ? _mm256_loadu_ps((const float *)group + 8 * k)
-                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16 * k)));
-    if (kind == WEIGHT_Q8_0) {
+    if (holds_bytes(kind)) {
         *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        if (adds_offset(kind)) *first = _mm256_add_ps(*first, minimum);
         return;
     }
     __m256i pair = _mm256_cvtepu8_epi32(bytes);
@@ -41,11 +42,7 @@ AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
     }
     *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(low));
     *second = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(high));
-    if (kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K) {
-        __m256 minimum =
-            kind == WEIGHT_Q4_K
-                ? _mm256_loadu_ps((const float *)group + LINEAR_BLOCK + 8 * k)
-                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 128 + 16 * k)));
+    if (adds_offset(kind)) {
         *first = _mm256_add_ps(*first, minimum);
         *second = _mm256_add_ps(*second, minimum);
     }

@@ -25,8 +25,7 @@ _FLOAT32 = 4
 #: Bytes of one output's group of 32 inputs held in each GGUF block kind (float16 scale,
 #: Q4_1's float16 minimum, the values; Q4_K: a float32 scale and offset, 16 bytes of nibbles;
 #: Q6_K: two float32 scales, 32 int8; INT8_SCALED: two float32 scales and offsets, 32 int8),
-#: in blocks of 64 outputs
-#: (``quantized_blocks.h``).
+#: in blocks of 64 outputs (``quantized_blocks.h``).
 _BLOCK_GROUP_BYTES = {
     "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 24, "Q6_K": 40, "INT8_SCALED": 48
 }  # fmt: skip
@@ -86,7 +85,6 @@ class HeldBlocks:
     @classmethod
     def of(cls, tensor_types: Mapping[str, str], tied: bool) -> HeldBlocks:
         """From the file's tensor types (GGUF name -> type name)."""
-
         layers: dict[str, dict[str, str]] = {}
         for name, kind in tensor_types.items():
             if name.startswith("blk.") and name.endswith(".weight"):

@@ -184,7 +184,7 @@ class GGUFTensor:
             last = min(first + _ROWS_PER_CHUNK, row_stop)
             self._rows(first, last, col_start, col_stop, out[first - row_start : last - row_start])
         blocks = None
-        if self._keep_blocks and self._type.name in NATIVE_TYPES and self._type.name != "BF16":
+        if self._keep_blocks and self._quantized and self._block > 1:  # not BF16's halves
             blocks = self._blocks_of(row_start, row_stop, col_start, col_stop)
         if self._head_dim is not None:
             out = _unpermute_rows(out, self._head_dim, row_start)
@@ -209,11 +209,9 @@ class GGUFTensor:
         data, target = self._raw.data[first:last], into.numpy()
         if not self._quantized:
             target[:] = data[:, col_start:col_stop]
-        elif col_start % self._block == 0 and col_stop % self._block == 0:
-            # Whole quantization blocks: cut the raw bytes, dequantize only those.
-            lo = col_start // self._block * self._block_bytes
-            hi = col_stop // self._block * self._block_bytes
-            self._dequantize(np.ascontiguousarray(data[:, lo:hi]), target)
+        elif (blocks := self._blocks_of(first, last, col_start, col_stop)) is not None:
+            # Whole quantization blocks: dequantize only those bytes.
+            self._dequantize(np.ascontiguousarray(blocks), target)
         else:
             whole = np.empty((last - first, self.shape[1]), np.float32)
             self._dequantize(data, whole)
