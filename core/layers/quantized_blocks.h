@@ -86,6 +86,16 @@ static inline long quantized_group_bytes(int kind) {
     return quantized_header_bytes(kind) + values;
 }
 
+/* A group's scales and offsets (its header) asked into the L1 cache before the kernels read
+ * any of it. The kinds of a scale per half group read the second half's only after the first
+ * half's values, behind lines the hardware prefetcher has passed: a 3072x512 INT8_SCALED
+ * weight streamed from memory took 185-190 us a row without this, 100-102 with it (Q6_K,
+ * Q8_0, Q4_K, Q4_0 the same either way; one thread, interleaved runs). */
+static inline void prefetch_group_header(int kind, const uint8_t *group) {
+    for (long line = 0; line < quantized_header_bytes(kind); line += 64)
+        __builtin_prefetch(group + line, 0, 3);
+}
+
 /* Bytes of a quantized weight of out x in (in a multiple of QUANT_GROUP). */
 static inline long quantized_bytes(int kind, long out, long in) {
     return (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK * (in / QUANT_GROUP) *

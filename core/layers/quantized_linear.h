@@ -63,6 +63,7 @@ AVX512 static inline __attribute__((always_inline)) void quantized_row(
         const uint8_t *group = block + g * group_bytes, *values = group + header;
         const float *xg = x + g * QUANT_GROUP;
         __m512 scale[4], minimum[4];
+        prefetch_group_header(kind, group);
         group_scales(kind, group, 0, scale, minimum);
         if (holds_bytes(kind)) {
             for (long i = 0; i < QUANT_GROUP; i++) {
@@ -101,6 +102,7 @@ AVX512 static inline __attribute__((always_inline)) void widen_group(const int k
                                                                     const uint8_t *group,
                                                                     float *wide) {
     __m512 scale[4], minimum[4];
+    prefetch_group_header(kind, group);
     group_scales(kind, group, 0, scale, minimum);
     const uint8_t *values = group + quantized_header_bytes(kind);
     long steps = holds_bytes(kind) ? QUANT_GROUP : QUANT_GROUP / 2;

@@ -60,6 +60,7 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_row_avx2(
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
         const float *xg = x + g * QUANT_GROUP;
+        prefetch_group_header(kind, group);
         for (long p = 0; p < steps; p++) {
             long input = holds_bytes(kind) ? p : 2 * p;
             __m256 first_value = _mm256_set1_ps(xg[input]);
@@ -86,6 +87,7 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_rows_avx2(
     long steps = holds_bytes(kind) ? QUANT_GROUP : QUANT_GROUP / 2;
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
+        prefetch_group_header(kind, group);
         for (long p = 0; p < steps; p++)
             for (int k = 0; k < 8; k++) {
                 __m256 first, second;
