@@ -730,11 +730,11 @@ GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", 
 #: The kind each type is held in alone: the first that holds it (quantized_blocks.h).
 HELD_AS = {
     "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
-    "Q4_K": "Q4_K", "Q6_K": "Q6_K", "Q3_K": "Q6_K",
+    "Q4_K": "Q4_K", "Q6_K": "Q6_K", "Q3_K": "Q6_K", "Q5_K": "Q5_K", "Q5_1": "Q5_K",
 }  # fmt: skip
 BYTES_PER_WEIGHT = {
-    "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 24 / 32, "Q6_K": 40 / 32,
-    "INT8_SCALED": 48 / 32,
+    "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 24 / 32, "Q5_K": 28 / 32,
+    "Q6_K": 40 / 32, "INT8_SCALED": 48 / 32,
 }  # fmt: skip
 
 
@@ -770,8 +770,9 @@ def _assert_multiplies_as_float32(held, weight, rows):
 @needs_quantized_linear
 def test_a_weight_held_as_its_files_blocks_gives_the_bits_of_its_float32_weight(kind, rows):
     """A weight decoded from a GGUF file's blocks of any type, carrying them, is held as
-    them: Q4_0, Q4_1 and Q4_K in their own kinds, Q8_0, Q5_0 and IQ4_NL in Q8_0 blocks, Q6_K
-    and Q3_K as Q6_K, any other type split (INT8_SCALED), in whole blocks of 64 outputs; and
+    them: Q4_0, Q4_1 and Q4_K in their own kinds, Q8_0, Q5_0 and IQ4_NL in Q8_0 blocks, Q5_K
+    and Q5_1 as Q5_K, Q6_K and Q3_K as Q6_K, any other type split (INT8_SCALED), in whole
+    blocks of 64 outputs; and
     multiplies to the very
     bits of the float32 kernel (one row, tiles of rows, partial last blocks, a bias; alone, on
     a team of three, on the AVX2 kernels)."""
@@ -791,12 +792,15 @@ def test_a_weight_held_as_its_files_blocks_gives_the_bits_of_its_float32_weight(
 
 @needs_quantized_linear
 def test_a_weight_of_parts_of_several_types_is_held_in_the_first_kind_holding_them_all():
-    """A merged projection's parts: Q4_0 with Q8_0 in Q8_0 blocks; Q4_1 with Q8_0, or a K
-    type with a legacy one, split; vocabulary padding rows after them held as zeros."""
+    """A merged projection's parts: Q4_0 with Q8_0 in Q8_0 blocks; Q6_K with Q5_0 as Q6_K;
+    Q4_K with Q5_K, or Q4_1 with Q5_1, as Q5_K; Q4_1 with Q8_0, or Q4_K with Q6_K (a
+    Q4_K_M file's query/key and value projections), split; vocabulary padding rows after
+    them held as zeros."""
     rng = np.random.default_rng(5)
     for (first, second), held_as in (
-        (("Q4_0", "Q8_0"), "Q8_0"), (("Q4_1", "Q8_0"), "INT8_SCALED"),
-        (("Q6_K", "Q5_0"), "INT8_SCALED"),
+        (("Q4_0", "Q8_0"), "Q8_0"), (("Q6_K", "Q5_0"), "Q6_K"), (("Q4_K", "Q5_K"), "Q5_K"),
+        (("Q4_1", "Q5_1"), "Q5_K"), (("Q4_1", "Q8_0"), "INT8_SCALED"),
+        (("Q4_K", "Q6_K"), "INT8_SCALED"),
     ):  # fmt: skip
         parts = [(first, random_blocks(first, 70, 512, rng)),
                  (second, random_blocks(second, 60, 512, rng))]  # fmt: skip
@@ -835,7 +839,7 @@ def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
         pack(weight, [part, (*part[:3], 32, 8)])
     with pytest.raises(ValueError, match="no block type IQ2_XXS"):
         pack(weight, [("IQ2_XXS", *part[1:])])
-    with pytest.raises(ValueError, match="kind 1; allowed: 2 to 7"):
+    with pytest.raises(ValueError, match="kind 1; allowed: 2 to 8"):
         pack(weight, [part], native_module.WEIGHT_BFLOAT16)
 
 
@@ -899,7 +903,7 @@ def test_a_weight_of_blocks_is_refused_where_its_kernel_cannot_run():
 
     with pytest.raises(ValueError, match="whole groups of 32"):
         call(40, held.weight_kind)
-    with pytest.raises(ValueError, match="allowed: 0 to 7"):
+    with pytest.raises(ValueError, match="allowed: 0 to 8"):
         call(64, 9)
 
 
@@ -915,7 +919,7 @@ def test_layers_with_weights_in_blocks_run_as_with_their_float32_weights():
         held.append(_layer_blocks(hidden, heads, size, True, _FileBlocks(kind, True))[2])
         torch.manual_seed(seed)
         plain.append(_layer_blocks(hidden, heads, size, True, _FileBlocks(kind, False))[2])
-    kinds = [getattr(native_module, f"WEIGHT_{k}") for k in ("Q4_1", "Q8_0", "Q4_0", "INT8_SCALED")]
+    kinds = [getattr(native_module, f"WEIGHT_{k}") for k in ("Q4_1", "Q8_0", "Q4_0", "Q5_K")]
     assert [b.weight_kinds for b in held] == [(k,) * 4 for k in kinds]
     _assert_layers_run_alike((held, NATIVE), (plain, NATIVE), hidden)
 
@@ -1034,7 +1038,7 @@ def test_a_fused_call_checks_slots_and_blocks_and_declines_what_it_does_not_take
     ) is None  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "INT8_SCALED"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "INT8_SCALED"])
 def test_the_memory_plan_counts_blocks_as_the_kernel_holds_them(kind):
     """memory.block_bytes (what a plan counts) is what the C packing takes, in whole blocks
     of 64 outputs; float32 where the inputs do not fall in whole blocks of the file (32, or
@@ -1054,11 +1058,11 @@ def test_the_memory_plan_counts_blocks_as_the_kernel_holds_them(kind):
 
 def test_the_plan_holds_each_weight_in_the_widest_kind_of_its_layers():
     """Each weight a layer multiplies by is planned, per layer, in the first kind holding all
-    its parts' types (Q4_0, Q4_1, Q4_K, Q6_K as themselves, Q6_K for Q3_K too; Q8_0 for
-    Q8_0, Q4_0, Q5_0, IQ4_NL;
-    INT8_SCALED for any, of 256 inputs where a K type is among them; float32 where a float
-    type is), and over the layers in the one with the most bytes; the head as its own
-    tensor's (the embedding's where tied)."""
+    its parts' types (Q4_0, Q4_1, Q4_K, Q6_K as themselves; Q5_K for Q5_K, Q5_1 and Q4_K
+    with Q4_1; Q8_0 for Q8_0, Q4_0, Q5_0, IQ4_NL; Q6_K for those and Q3_K; INT8_SCALED for
+    any, of 256 inputs where a K type is among them; float32 where a float type is), and over
+    the layers in the one with the most bytes; the head as its own tensor's (the embedding's
+    where tied)."""
     types = {
         "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0",
         "blk.0.attn_v.weight": "Q8_0", "blk.1.attn_q.weight": "Q4_0",
@@ -1071,11 +1075,16 @@ def test_the_plan_holds_each_weight_in_the_widest_kind_of_its_layers():
     assert HeldBlocks.of(types, tied=False) == HeldBlocks(
         qkv=HeldKind("Q8_0"),
         o=HeldKind("Q4_1"),
-        gate_up=HeldKind("INT8_SCALED", 256),
+        gate_up=HeldKind("Q5_K", 256),
         down=HeldKind("F32", 256),
         head=HeldKind("Q6_K", 256),
     )
     assert HeldBlocks.of(types, tied=True).head == HeldKind("Q8_0")
     mixed = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q8_0"}
     assert HeldBlocks.of(mixed, tied=True).qkv == HeldKind("INT8_SCALED")
+    k_mix = {"blk.0.attn_q.weight": "Q4_K", "blk.0.attn_v.weight": "Q6_K",
+             "blk.1.attn_q.weight": "Q5_0", "blk.1.attn_v.weight": "Q8_0"}  # fmt: skip
+    assert HeldBlocks.of(k_mix, tied=True).qkv == HeldKind("INT8_SCALED", 256)
+    del k_mix["blk.0.attn_q.weight"]
+    assert HeldBlocks.of(k_mix, tied=True).qkv == HeldKind("Q6_K", 256)
     assert HeldBlocks.of({"blk.0.ffn_down.weight": "Q4_K"}, tied=True).down == HeldKind("Q4_K", 256)

@@ -2043,9 +2043,10 @@ static PyMethodDef methods[] = {
     {"pack_file_blocks", (PyCFunction)(void (*)(void))pack_file_blocks, METH_FASTCALL,
      "pack_file_blocks(kind, dest, out, in, weight, parts): a weight (float32 out x in, rows "
      "contiguous, as loaded) into dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, "
-     "_Q4_0, _Q4_1, _Q4_K, _Q6_K, _INT8_SCALED) from its file's blocks: parts, (GGUF type name, address, "
-     "row stride in bytes, first row, rows), a row no part covers held as zeros; False where "
-     "kind does not hold a part's type or a value so held is not the weight's"},
+     "_Q4_0, _Q4_1, _Q4_K, _Q5_K, _Q6_K, _INT8_SCALED) from its file's blocks: parts, (GGUF "
+     "type name, address, row stride in bytes, first row, rows), a row no part covers held as "
+     "zeros; False where kind does not hold a part's type or a value so held is not the "
+     "weight's"},
     {"quantized_size", (PyCFunction)(void (*)(void))quantized_size, METH_FASTCALL,
      "quantized_size(kind, out, in): the bytes pack_file_blocks writes"},
     {"team", team, METH_O,
@@ -2102,7 +2103,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
          PyModule_AddIntConstant(result, "WEIGHT_Q4_1", WEIGHT_Q4_1) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_INT8_SCALED", WEIGHT_INT8_SCALED) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q4_K", WEIGHT_Q4_K) < 0 ||
-         PyModule_AddIntConstant(result, "WEIGHT_Q6_K", WEIGHT_Q6_K) < 0))
+         PyModule_AddIntConstant(result, "WEIGHT_Q6_K", WEIGHT_Q6_K) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_Q5_K", WEIGHT_Q5_K) < 0))
         Py_CLEAR(result);
     return result;
 }

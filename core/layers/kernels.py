@@ -49,7 +49,7 @@ WeightPacker = Callable[[torch.Tensor], torch.Tensor]
 #: The kinds a weight may be held in as its GGUF file's blocks (``model.weight_dtype:
 #: gguf``), fewest bytes first: the first that holds every part's type holds it
 #: (``quantized_blocks.h``).
-QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "INT8_SCALED")
+QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q8_0", "Q6_K", "INT8_SCALED")
 #: The attribute of a loaded weight that lists the file blocks its rows were decoded from
 #: (:func:`~shardline.layers.linear.note_file_blocks`).
 FILE_BLOCKS = "file_blocks"

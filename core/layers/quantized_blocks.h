@@ -7,24 +7,32 @@
  * (pack_file_blocks): in Q4_0 or Q4_1 blocks where the file's are of that type, in Q8_0
  * blocks where they are Q8_0 or another type of one float16 scale per 32 weights and no
  * offset (Q4_0, Q5_0, IQ4_NL: d * q', q' an int8), 0.56, 0.63 or 1.06 bytes a weight; Q4_K
- * as Q4_K: nibbles with a float32 scale and offset per 32 inputs, 0.75 bytes a weight; Q6_K
- * and Q3_K as Q6_K: int8 q with a float32 scale per 16 inputs, 1.25 bytes a weight; any
- * other type, or parts of several types (a merged projection's), as INT8_SCALED: each block
+ * as Q4_K: nibbles with a float32 scale and offset per 32 inputs, 0.75 bytes a weight; Q5_K
+ * and Q5_1 (and Q4_K with Q4_1 among them) as Q5_K: Q4_K's with a fifth bit a value, 0.88
+ * bytes a weight; Q6_K and Q3_K (and the Q8_0 kind's types among them) as Q6_K: int8 q with
+ * a float32 scale per 16 inputs, 1.25 bytes a weight; any other type, or parts of several
+ * types no other kind holds all of (a merged projection's), as INT8_SCALED: each block
  * split into int8 q and a float32 scale and offset per 16 inputs, widened as scale * q +
- * offset (a subtracted offset held negated: the same sum), 1.5 bytes a weight. Every value
- * so held is checked against the one loaded, bit for bit. The kernels widen each weight as
- * dequantize.c does (one float32 multiply, then one add where the type has an offset;
- * kernels.c is built with -ffp-contract=off, so never fused) and multiply as the float32
- * kernel does: each output's sum has the same terms in the same order, so a layer's results
- * are the float32 layer's, bit for bit, from a fraction of the bytes.
+ * offset (a subtracted offset held negated: the same sum), 1.5 bytes a weight. The kernels
+ * widen each weight to the value dequantize.c gives (a float32 multiply, then an add where
+ * the type has an offset) and multiply as the float32 kernel does: each output's sum has the
+ * same terms in the same order, so a layer's results are the float32 layer's, bit for bit,
+ * from a fraction of the bytes. Where a kind adds an offset they widen with one fused
+ * multiply-add: scale * q is exact for every type with one (a float16 times a 6-bit scale
+ * times a 5-bit q: at most 22 significant bits), so its single rounding is the decoder's
+ * rounding of the sum (one operation a weight fewer, on the path a batch-1 step is bound
+ * by). Every value so held, as the kernels read it back, is checked against the one loaded,
+ * bit for bit, and its product for exactness where an offset is added.
  *
  * Layout: block after block of LINEAR_BLOCK outputs (the last padded with outputs of scale 0,
  * never stored), each group of QUANT_GROUP inputs in turn: the block's scales (float16), for
  * Q4_1 its minimums (float16), then the values, input by input, the block's outputs side by
  * side: Q8_0 one int8 each; Q4_0 and Q4_1 a byte for each pair of inputs, the first in its low
  * nibble. Q4_K: the scales (float32), the offsets (float32, negated minimums), then nibbles as
- * Q4_1's. INT8_SCALED: the scales (float32) of the group's first 16 inputs, then of its last
- * 16, the offsets so, then one int8 each. Q6_K: as INT8_SCALED without the offsets. */
+ * Q4_1's. Q5_K: Q4_K's, then each input's fifth bits, 8 bytes an input (output o's in bit
+ * o % 8 of byte o / 8). INT8_SCALED: the scales (float32) of the group's first 16 inputs,
+ * then of its last 16, the offsets so, then one int8 each. Q6_K: as INT8_SCALED without the
+ * offsets. */
 
 #include "gguf_blocks.h"
 
@@ -38,6 +46,7 @@ enum {
     WEIGHT_INT8_SCALED,
     WEIGHT_Q4_K,
     WEIGHT_Q6_K,
+    WEIGHT_Q5_K,
     WEIGHT_KINDS
 };
 
@@ -51,6 +60,9 @@ static inline int holds_bytes(int kind) {
     return kind == WEIGHT_Q8_0 || kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q6_K;
 }
 
+/* Whether a kind keeps a fifth bit of each value beside its nibble (values 0..31). */
+static inline int holds_fifth_bits(int kind) { return kind == WEIGHT_Q5_K; }
+
 /* Whether a kind has a scale (and offset) for each half of a group's inputs (else one). */
 static inline int scales_halves(int kind) {
     return kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q6_K;
@@ -58,12 +70,14 @@ static inline int scales_halves(int kind) {
 
 /* Whether a kind keeps float32 scales (else float16, as the file's 32-weight blocks). */
 static inline int float_scales(int kind) {
-    return kind == WEIGHT_Q4_K || kind == WEIGHT_Q6_K || kind == WEIGHT_INT8_SCALED;
+    return kind == WEIGHT_Q4_K || kind == WEIGHT_Q5_K || kind == WEIGHT_Q6_K ||
+           kind == WEIGHT_INT8_SCALED;
 }
 
 /* Whether a kind adds an offset (a minimum) to each scaled value. */
 static inline int adds_offset(int kind) {
-    return kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K || kind == WEIGHT_INT8_SCALED;
+    return kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K || kind == WEIGHT_Q5_K ||
+           kind == WEIGHT_INT8_SCALED;
 }
 
 /* Bytes of one block's group: scales (and minimums), then the values. */
@@ -81,9 +95,14 @@ static inline const float *group_float_offsets(int kind, const uint8_t *group, i
     if (!adds_offset(kind)) return NULL;
     return group_float_scales(kind, group, half) + (scales_halves(kind) ? 2 : 1) * LINEAR_BLOCK;
 }
+/* Where a group's fifth bits start, after its nibbles (values: the group's values). */
+static inline const uint8_t *group_fifth_bits(const uint8_t *values) {
+    return values + QUANT_GROUP / 2 * LINEAR_BLOCK;
+}
 static inline long quantized_group_bytes(int kind) {
     long values = holds_bytes(kind) ? QUANT_GROUP * LINEAR_BLOCK : QUANT_GROUP / 2 * LINEAR_BLOCK;
-    return quantized_header_bytes(kind) + values;
+    long fifth_bits = holds_fifth_bits(kind) ? QUANT_GROUP * LINEAR_BLOCK / 8 : 0;
+    return quantized_header_bytes(kind) + values + fifth_bits;
 }
 
 /* A group's scales and offsets (its header) asked into the L1 cache before the kernels read
@@ -120,22 +139,51 @@ static inline int same_value(float held, float loaded) {
     return bits_of(held) == bits_of(loaded) || (held != held && loaded != loaded);
 }
 
+/* Whether the kernels widen q held as kind with scale and minimum to the loaded value: the
+ * decoder's value is it, and where an offset is added (one fused multiply-add in the
+ * kernels) scale * q is exact, so that fusing rounds as the decoder does (a finite scale's
+ * product, in double, is exact). */
+static inline int holds_value(int kind, float scale, float minimum, int q, float loaded) {
+    if (!same_value(widened(kind, scale, minimum, q), loaded)) return 0;
+    if (!adds_offset(kind) || !isfinite(scale)) return 1;
+    return (double)(scale * (float)q) == (double)scale * (double)q;
+}
+
 /* Whether blocks of type are held as kind: INT8_SCALED holds every type; Q8_0 those of one
- * float16 scale per 32 weights (at the block's start) and no offset; Q6_K those of a float32
- * scale per 16 and no offset (Q6_K, Q3_K); Q4_0, Q4_1 and Q4_K their own. */
+ * float16 scale per 32 weights (at the block's start) and no offset (Q8_0, Q4_0, Q5_0,
+ * IQ4_NL); Q6_K those and the ones of a scale per 16 and no offset (Q6_K, Q3_K); Q5_K those
+ * of a scale and offset per 32 and values 0..31 (Q5_K, Q5_1, Q4_K, Q4_1); Q4_0, Q4_1 and
+ * Q4_K their own. */
 static int holds_type(int kind, const GGUFType *type) {
     const char *name = type->name;
+    int one_scale = !strcmp(name, "Q8_0") || !strcmp(name, "Q4_0") || !strcmp(name, "Q5_0") ||
+                    !strcmp(name, "IQ4_NL");
     switch (kind) {
     case WEIGHT_INT8_SCALED: return 1;
-    case WEIGHT_Q8_0:
-        return !strcmp(name, "Q8_0") || !strcmp(name, "Q4_0") || !strcmp(name, "Q5_0") ||
-               !strcmp(name, "IQ4_NL");
+    case WEIGHT_Q8_0: return one_scale;
     case WEIGHT_Q4_0: return !strcmp(name, "Q4_0");
     case WEIGHT_Q4_1: return !strcmp(name, "Q4_1");
     case WEIGHT_Q4_K: return !strcmp(name, "Q4_K");
-    case WEIGHT_Q6_K: return !strcmp(name, "Q6_K") || !strcmp(name, "Q3_K");
+    case WEIGHT_Q5_K:
+        return !strcmp(name, "Q5_K") || !strcmp(name, "Q5_1") || !strcmp(name, "Q4_K") ||
+               !strcmp(name, "Q4_1");
+    case WEIGHT_Q6_K: return one_scale || !strcmp(name, "Q6_K") || !strcmp(name, "Q3_K");
     default: return 0;
     }
+}
+
+/* q stored in a group (values: its values) for input i of output lane as kind holds it,
+ * and the q the kernels read back (a nibble and a fifth bit, a byte). */
+static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
+    if (holds_bytes(kind)) {
+        values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)q;
+        return (int8_t)q;
+    }
+    values[i / 2 * LINEAR_BLOCK + lane] |= (uint8_t)((q & 15) << (4 * (i % 2)));
+    if (!holds_fifth_bits(kind)) return q & 15;
+    uint8_t *fifth = (uint8_t *)group_fifth_bits(values) + i * LINEAR_BLOCK / 8;
+    fifth[lane / 8] |= (uint8_t)(((q >> 4) & 1) << (lane % 8));
+    return q & 31;
 }
 
 /* QUANT_GROUP inputs of one output (lane of its block) held as kind in group (the block's
@@ -157,13 +205,9 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
             if (offsets[half]) offsets[half][lane] = type->subtracts ? -offset : offset;
         }
         for (int i = 0; i < QUANT_GROUP; i++) {
-            int half = i / QUANT_HALF, q = split->q[within + i];
-            if (holds_bytes(kind))
-                values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)q;
-            else
-                values[i / 2 * LINEAR_BLOCK + lane] |= (uint8_t)(q << (4 * (i % 2)));
+            int half = i / QUANT_HALF, q = store_q(kind, values, lane, i, split->q[within + i]);
             float minimum = offsets[half] ? offsets[half][lane] : 0.0f;
-            if (!same_value(widened(kind, scales[half][lane], minimum, q), loaded[i])) return 0;
+            if (!holds_value(kind, scales[half][lane], minimum, q, loaded[i])) return 0;
         }
         return 1;
     }
@@ -174,12 +218,9 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
     float scale = shardline_half_to_float(scales[lane]);
     float minimum = kind == WEIGHT_Q4_1 ? shardline_half_to_float(minimums[lane]) : 0.0f;
     for (int i = 0; i < QUANT_GROUP; i++) {
-        int q = split->q[within + i], stored = kind == WEIGHT_Q4_0 ? q + 8 : q;
-        if (kind == WEIGHT_Q8_0)
-            values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)stored;
-        else
-            values[i / 2 * LINEAR_BLOCK + lane] |= (uint8_t)(stored << (4 * (i % 2)));
-        if (!same_value(widened(kind, scale, minimum, stored), loaded[i])) return 0;
+        int q = split->q[within + i];
+        int stored = store_q(kind, values, lane, i, kind == WEIGHT_Q4_0 ? q + 8 : q);
+        if (!holds_value(kind, scale, minimum, stored, loaded[i])) return 0;
     }
     return 1;
 }
@@ -253,6 +294,7 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_int8_scaled, WEIGHT_INT8_SCALED, ROW, ROWS)\
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_k, WEIGHT_Q4_K, ROW, ROWS)              \
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q6_k, WEIGHT_Q6_K, ROW, ROWS)              \
+    DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q5_k, WEIGHT_Q5_K, ROW, ROWS)              \
     static void NAME(int kind, const void *weight, const float *x, float *y,                 \
                      const float *bias, long rows, long out, long in, long first, long end) { \
         switch (kind) {                                                                      \
@@ -261,6 +303,7 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
         case WEIGHT_Q4_1: NAME##_q4_1(weight, x, y, bias, rows, out, in, first, end); break; \
         case WEIGHT_Q4_K: NAME##_q4_k(weight, x, y, bias, rows, out, in, first, end); break; \
         case WEIGHT_Q6_K: NAME##_q6_k(weight, x, y, bias, rows, out, in, first, end); break; \
+        case WEIGHT_Q5_K: NAME##_q5_k(weight, x, y, bias, rows, out, in, first, end); break; \
         default: NAME##_int8_scaled(weight, x, y, bias, rows, out, in, first, end);          \
         }                                                                                    \
     }

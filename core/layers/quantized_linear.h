@@ -2,32 +2,41 @@
  * layout and why the sums are the float32 kernel's), for kernels.c, which includes this after
  * its own blocked kernels (LINEAR_BLOCK, tail_mask, AVX512). */
 
-/* The weights of inputs 2p and 2p + 1 (the nibble kinds), or of input p (the byte kinds:
- * first only), for outputs 16k..16k+15 of a group (values: its values; scale, minimum: those
- * outputs', of p's half for INT8_SCALED and Q6_K). */
+/* The weights of inputs 2p and 2p + 1 (the nibble kinds; Q5_K's nibbles with their fifth
+ * bits), or of input p (the byte kinds: first only), for outputs 16k..16k+15 of a group
+ * (values: its values; scale, minimum: those outputs', of p's half for INT8_SCALED and
+ * Q6_K). */
 AVX512 static inline __attribute__((always_inline)) void widen_16(
     const int kind, const uint8_t *values, long p, int k, __m512 scale, __m512 minimum,
     __m512 *first, __m512 *second) {
     const __m128i *bytes = (const __m128i *)(values + p * LINEAR_BLOCK + 16 * k);
     if (holds_bytes(kind)) {
-        __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(bytes));
-        *first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
-        if (adds_offset(kind)) *first = _mm512_add_ps(*first, minimum);
+        __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
+        *first = adds_offset(kind) ? _mm512_fmadd_ps(scale, q, minimum) : _mm512_mul_ps(scale, q);
         return;
     }
-    __m512i pair = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
-    __m512i low = _mm512_and_si512(pair, _mm512_set1_epi32(15));
-    __m512i high = _mm512_srli_epi32(pair, 4);
+    __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
+    __m512i low = _mm512_and_si512(both, _mm512_set1_epi32(15));
+    __m512i high = _mm512_srli_epi32(both, 4);
+    if (holds_fifth_bits(kind)) { /* 16 more where an output's bit is set (16 bits a mask) */
+        const uint8_t *fifth = group_fifth_bits(values) + 2 * p * (LINEAR_BLOCK / 8) + 2 * k;
+        uint16_t first_bits, second_bits;
+        memcpy(&first_bits, fifth, sizeof first_bits);
+        memcpy(&second_bits, fifth + LINEAR_BLOCK / 8, sizeof second_bits);
+        low = _mm512_mask_or_epi32(low, first_bits, low, _mm512_set1_epi32(16));
+        high = _mm512_mask_or_epi32(high, second_bits, high, _mm512_set1_epi32(16));
+    }
     if (kind == WEIGHT_Q4_0) {
         low = _mm512_sub_epi32(low, _mm512_set1_epi32(8));
         high = _mm512_sub_epi32(high, _mm512_set1_epi32(8));
     }
+    if (adds_offset(kind)) { /* scale * q exact: one rounding, the decoder's */
+        *first = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(low), minimum);
+        *second = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(high), minimum);
+        return;
+    }
     *first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(low));
     *second = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(high));
-    if (adds_offset(kind)) {
-        *first = _mm512_add_ps(*first, minimum);
-        *second = _mm512_add_ps(*second, minimum);
-    }
 }
 
 /* A group's scales (and minimums) for outputs 16k..16k+15: of its inputs' first or second

@@ -11,8 +11,18 @@ static int cpu_has_avx2_f16c(void) {
     return cpu_has_avx2_fma() && __builtin_cpu_supports("f16c");
 }
 
-/* The weights of inputs 2p and 2p + 1 (the nibble kinds), or of input p (the byte kinds:
- * first only), for outputs 8k..8k+7 of a group (group: its start; values: its values). */
+#define NIBBLES_64 0x0F0F0F0F0F0F0F0FULL
+
+/* Bit j of bits as 16 in byte j of a word (0 where it is clear): the byte copied to each of
+ * the word's bytes, bit j kept in byte j, then bytes not 0 carried to their top bit. */
+static inline uint64_t fifth_bits_64(uint8_t bits) {
+    uint64_t kept = (bits * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+    return ((kept + 0x7F7F7F7F7F7F7F7FULL) & 0x8080808080808080ULL) >> 3;
+}
+
+/* The weights of inputs 2p and 2p + 1 (the nibble kinds, Q5_K's with their fifth bits), or
+ * of input p (the byte kinds: first only), for outputs 8k..8k+7 of a group (group: its
+ * start; values: its values). */
 AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
     const int kind, const uint8_t *group, const uint8_t *values, long p, int k, __m256 *first,
     __m256 *second) {
@@ -29,23 +39,35 @@ AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
             minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 128 + 16 * k)));
     }
     if (holds_bytes(kind)) {
-        *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-        if (adds_offset(kind)) *first = _mm256_add_ps(*first, minimum);
+        __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        *first = adds_offset(kind) ? _mm256_fmadd_ps(scale, q, minimum) : _mm256_mul_ps(scale, q);
         return;
     }
-    __m256i pair = _mm256_cvtepu8_epi32(bytes);
-    __m256i low = _mm256_and_si256(pair, _mm256_set1_epi32(15));
-    __m256i high = _mm256_srli_epi32(pair, 4);
+    __m256i low, high;
+    if (holds_fifth_bits(kind)) { /* each value a byte, put together in a 64-bit word */
+        const uint8_t *fifth = group_fifth_bits(values) + 2 * p * (LINEAR_BLOCK / 8) + k;
+        uint64_t both;
+        memcpy(&both, values + p * LINEAR_BLOCK + 8 * k, sizeof both);
+        uint64_t first_q = (both & NIBBLES_64) | fifth_bits_64(fifth[0]);
+        uint64_t second_q = ((both >> 4) & NIBBLES_64) | fifth_bits_64(fifth[LINEAR_BLOCK / 8]);
+        low = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)first_q));
+        high = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)second_q));
+    } else {
+        __m256i pair = _mm256_cvtepu8_epi32(bytes);
+        low = _mm256_and_si256(pair, _mm256_set1_epi32(15));
+        high = _mm256_srli_epi32(pair, 4);
+    }
     if (kind == WEIGHT_Q4_0) {
         low = _mm256_sub_epi32(low, _mm256_set1_epi32(8));
         high = _mm256_sub_epi32(high, _mm256_set1_epi32(8));
     }
+    if (adds_offset(kind)) { /* scale * q exact: one rounding, the decoder's */
+        *first = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(low), minimum);
+        *second = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(high), minimum);
+        return;
+    }
     *first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(low));
     *second = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(high));
-    if (adds_offset(kind)) {
-        *first = _mm256_add_ps(*first, minimum);
-        *second = _mm256_add_ps(*second, minimum);
-    }
 }
 
 /* The width (<= LINEAR_BLOCK) outputs of one row against one block (y and bias at the

@@ -24,10 +24,11 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _FLOAT32 = 4
 #: Bytes of one output's group of 32 inputs held in each GGUF block kind (float16 scale,
 #: Q4_1's float16 minimum, the values; Q4_K: a float32 scale and offset, 16 bytes of nibbles;
-#: Q6_K: two float32 scales, 32 int8; INT8_SCALED: two float32 scales and offsets, 32 int8),
+#: Q5_K: Q4_K's and 4 bytes of fifth bits; Q6_K: two float32 scales, 32 int8; INT8_SCALED: two
+#: float32 scales and offsets, 32 int8),
 #: in blocks of 64 outputs (``quantized_blocks.h``).
 _BLOCK_GROUP_BYTES = {
-    "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 24, "Q6_K": 40, "INT8_SCALED": 48
+    "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 24, "Q5_K": 28, "Q6_K": 40, "INT8_SCALED": 48
 }  # fmt: skip
 _GROUP, _BLOCK_OUTPUTS = 32, 64
 #: The file's block types each kind holds (``quantized_blocks.h``: holds_type), in the order
@@ -36,8 +37,9 @@ _HOLDS = {
     "Q4_0": ("Q4_0",),
     "Q4_1": ("Q4_1",),
     "Q4_K": ("Q4_K",),
+    "Q5_K": ("Q5_K", "Q5_1", "Q4_K", "Q4_1"),
     "Q8_0": ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL"),
-    "Q6_K": ("Q6_K", "Q3_K"),
+    "Q6_K": ("Q6_K", "Q3_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL"),
     "INT8_SCALED": ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
 }  # fmt: skip
@@ -48,7 +50,7 @@ _K_TYPES, _SUPER_BLOCK = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), 256
 @dataclass(frozen=True)
 class HeldKind:
     """How one weight is held (``model.weight_dtype: gguf``): ``kind``, a block kind
-    (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q8_0``, ``Q6_K``, ``INT8_SCALED``) or ``F32``, and
+    (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q8_0``, ``Q6_K``, ``INT8_SCALED``) or ``F32``, and
     ``inputs``, the inputs one of the file's blocks spans (a shard's inputs must be whole
     blocks)."""
 
