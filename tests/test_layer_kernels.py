@@ -811,6 +811,53 @@ def test_a_weight_of_parts_of_several_types_is_held_in_the_first_kind_holding_th
 
 
 @needs_quantized_linear
+def test_a_merged_weight_whose_parts_cheaper_kinds_differ_is_held_in_segments():
+    """Parts starting on blocks of 64 outputs whose types different kinds hold first (Q4_K
+    queries and keys with Q6_K values, as a Q4_K_M file's; Q4_0 with Q8_0) are held each in
+    its own kind (runs of one kind together), padding rows in the last, behind a 64-byte
+    table: fewer bytes than the one kind holding them all, and the float32 kernel's bits;
+    parts not starting on a block stay in one kind."""
+    rng = np.random.default_rng(8)
+    for types, rows, held_as in (
+        (("Q4_K", "Q4_K", "Q6_K"), (128, 64, 64), "Q4_K+Q6_K"),
+        (("Q6_K", "Q4_K", "Q5_K", "Q6_K"), (64, 64, 128, 70), "Q6_K+Q4_K+Q5_K+Q6_K"),
+        (("Q4_0", "Q8_0"), (64, 96), "Q4_0+Q8_0"),
+    ):
+        inputs = 256 if types[0].endswith("_K") else 96
+        parts = [(t, random_blocks(t, n, inputs, rng)) for t, n in zip(types, rows, strict=True)]
+        out_features = sum(rows) + 9
+        weight = file_weight(parts, out_features)
+        held = BLOCK_WEIGHTS.pack_linear(weight)
+        assert held.held_as == held_as and held.weight_kind == native_module.WEIGHT_SEGMENTED
+        segments, blocks, first = held_as.split("+"), [], 0
+        for kind, end in zip(segments, _run_ends(types, rows, out_features), strict=True):
+            code = getattr(native_module, f"WEIGHT_{kind}")
+            blocks.append(native_module.quantized_size(code, end - first, inputs))
+            first = end
+        assert held.numel() == native_module.SEGMENT_TABLE_BYTES + sum(blocks)
+        one_kind = native_module.quantized_size(native_module.WEIGHT_INT8_SCALED, out_features,
+                                                inputs)  # fmt: skip
+        assert held.numel() < one_kind
+        for rows_in in (1, 5, 16):
+            _assert_multiplies_as_float32(held, weight, rows_in)
+    unaligned = file_weight([("Q4_K", random_blocks("Q4_K", 100, 256, rng)),
+                             ("Q6_K", random_blocks("Q6_K", 28, 256, rng))], 128)  # fmt: skip
+    assert BLOCK_WEIGHTS.pack_linear(unaligned).held_as == "INT8_SCALED"
+
+
+def _run_ends(types, rows, out_features):
+    """Where each run of parts of one type (each held in its own kind) ends (the last at
+    ``out_features``)."""
+    ends, at = [], 0
+    for i, n in enumerate(rows):
+        at += n
+        if i + 1 == len(rows) or types[i + 1] != types[i]:
+            ends.append(at)
+    ends[-1] = out_features
+    return ends
+
+
+@needs_quantized_linear
 def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
     """pack_file_blocks says False where one loaded value is not its block's (a float32 ulp
     off), a row no part covers is not zeros, or the kind does not hold a part's type; and
@@ -903,24 +950,29 @@ def test_a_weight_of_blocks_is_refused_where_its_kernel_cannot_run():
 
     with pytest.raises(ValueError, match="whole groups of 32"):
         call(40, held.weight_kind)
-    with pytest.raises(ValueError, match="allowed: 0 to 8"):
-        call(64, 9)
+    with pytest.raises(ValueError, match="allowed: 0 to 9"):
+        call(64, 10)
 
 
 @needs_quantized_linear
 def test_layers_with_weights_in_blocks_run_as_with_their_float32_weights():
     """decode_layers and the fused halves of layers whose weights are held in quantization
-    blocks (each layer another kind): the bits of the same layers with the float32 weights."""
+    blocks (each layer another kind; the last's merged weights in two, segments): the bits of
+    the same layers with the float32 weights."""
     heads, hidden, size = (3, 2, 32), 64, 64
     held, plain = [], []
-    types = ("Q4_1", "Q8_0", "Q4_0", "Q5_1")
+    types = ("Q4_1", "Q8_0", "Q4_0", "Q5_1", "Q4_0/Q8_0")
     for seed, kind in enumerate(types):
         torch.manual_seed(seed)
         held.append(_layer_blocks(hidden, heads, size, True, _FileBlocks(kind, True))[2])
         torch.manual_seed(seed)
         plain.append(_layer_blocks(hidden, heads, size, True, _FileBlocks(kind, False))[2])
     kinds = [getattr(native_module, f"WEIGHT_{k}") for k in ("Q4_1", "Q8_0", "Q4_0", "Q5_K")]
-    assert [b.weight_kinds for b in held] == [(k,) * 4 for k in kinds]
+    segmented, q4_0 = native_module.WEIGHT_SEGMENTED, native_module.WEIGHT_Q4_0
+    assert [b.weight_kinds for b in held] == [
+        *((k,) * 4 for k in kinds),
+        (segmented, q4_0, segmented, q4_0),
+    ]
     _assert_layers_run_alike((held, NATIVE), (plain, NATIVE), hidden)
 
 
@@ -938,14 +990,22 @@ def _float32_product(x, weight, bias=None):
 
 class _FileBlocks(NativeKernels):
     """The C path with weights quantized to a GGUF type's blocks and decoded again, carrying
-    them: held as those blocks (``quantized``) or in float32."""
+    them: held as those blocks (``quantized``) or in float32. ``kind`` "A/B": the first 64
+    rows of type A, the rest of type B."""
 
     def __init__(self, kind: str, quantized: bool) -> None:
         super().__init__(native_module, quantized=quantized)
         self.kind = kind
 
     def pack_linear(self, weight):
-        return super().pack_linear(quantized_weight(weight, self.kind))
+        first, _, rest = self.kind.partition("/")
+        if not rest or weight.shape[0] <= 64:
+            return super().pack_linear(quantized_weight(weight, first))
+        from support.requantized import quantized
+
+        rows = weight.float().numpy()
+        parts = [(first, quantized(rows[:64], first)), (rest, quantized(rows[64:], rest))]
+        return super().pack_linear(file_weight(parts, weight.shape[0]))
 
 
 class _Rounding(NativeKernels):

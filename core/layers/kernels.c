@@ -883,15 +883,39 @@ typedef struct {
     long rows, out, in, blocks_per_chunk;
 } LinearJob;
 
+/* A job's outputs in blocks [first, end) of weight, held as kind, which is a kind of
+ * quantization blocks, from block base on. */
+static void quantized_chunk(const LinearJob *job, int kind, const void *weight, long base,
+                            long first, long end) {
+    /* the AVX2 ones need F16C too: callers check */
+    (job->avx512 ? quantized_blocks : quantized_blocks_avx2)(
+        kind, weight, base, job->x, job->y, job->bias, job->rows, job->out, job->in, first, end);
+}
+
+/* A job's outputs in blocks [first, end) of a WEIGHT_SEGMENTED weight: each segment's part. */
+static void segmented_chunk(const LinearJob *job, long first, long end) {
+    const SegmentTable *table = job->weight;
+    const uint8_t *bytes = (const uint8_t *)job->weight + sizeof *table;
+    long start = 0, groups = job->in / QUANT_GROUP;
+    for (int i = 0; i < table->count && start < end; i++) {
+        int kind = table->segment[i].kind;
+        long stop = table->segment[i].end_block;
+        long from = first > start ? first : start, to = end < stop ? end : stop;
+        if (from < to) quantized_chunk(job, kind, bytes, start, from, to);
+        bytes += (stop - start) * groups * quantized_group_bytes(kind);
+        start = stop;
+    }
+}
+
 static void linear_chunk(const void *context, long chunk, int worker) {
     const LinearJob *job = context;
     long blocks = (job->out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long first = chunk * job->blocks_per_chunk;
     long end = first + job->blocks_per_chunk < blocks ? first + job->blocks_per_chunk : blocks;
-    if (is_quantized(job->kind)) /* the AVX2 ones need F16C too: callers check */
-        (job->avx512 ? quantized_blocks : quantized_blocks_avx2)(
-            job->kind, job->weight, job->x, job->y, job->bias, job->rows, job->out, job->in,
-            first, end);
+    if (job->kind == WEIGHT_SEGMENTED)
+        segmented_chunk(job, first, end);
+    else if (is_quantized(job->kind))
+        quantized_chunk(job, job->kind, job->weight, 0, first, end);
     else
         (job->avx512 ? linear_blocks : linear_blocks_avx2)(
             job->weight, job->kind == WEIGHT_BFLOAT16, job->x, job->y, job->bias, job->rows,
@@ -1685,7 +1709,7 @@ static int check_kind(int kind, long in, const char *what) {
                      WEIGHT_KINDS - 1);
         return -1;
     }
-    if (!is_quantized(kind)) return 0;
+    if (!reads_blocks(kind)) return 0;
 #ifdef HAVE_BLOCKED_LINEAR
     if ((cpu_has_avx512() || cpu_has_avx2_f16c()) && in % QUANT_GROUP == 0) return 0;
 #endif
@@ -1880,7 +1904,7 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
         check_kind(kind, in, "blocked_linear") < 0)
         return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
-    if (avx2 && !(is_quantized(kind) ? cpu_has_avx2_f16c() : cpu_has_avx2_fma())) {
+    if (avx2 && !(reads_blocks(kind) ? cpu_has_avx2_f16c() : cpu_has_avx2_fma())) {
         PyErr_SetString(PyExc_RuntimeError, "blocked_linear: avx2 = 1; this CPU has no AVX2 "
                                             "and FMA (and F16C for quantized weights)");
         return NULL;
@@ -1905,7 +1929,7 @@ static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssiz
     if (PyErr_Occurred()) return NULL;
     if (!is_quantized(kind)) {
         PyErr_Format(PyExc_ValueError, "pack_file_blocks: kind %d; allowed: %d to %d", kind,
-                     WEIGHT_Q8_0, WEIGHT_KINDS - 1);
+                     WEIGHT_Q8_0, WEIGHT_SEGMENTED - 1);
         return NULL;
     }
     PyObject *parts = PySequence_Fast(args[5], "pack_file_blocks: parts must be a sequence");
@@ -1980,10 +2004,25 @@ static PyObject *quantized_size(PyObject *self, PyObject *const *args, Py_ssize_
     if (PyErr_Occurred()) return NULL;
     if (!is_quantized(kind)) {
         PyErr_Format(PyExc_ValueError, "quantized_size: kind %d; allowed: %d to %d", kind,
-                     WEIGHT_Q8_0, WEIGHT_KINDS - 1);
+                     WEIGHT_Q8_0, WEIGHT_SEGMENTED - 1);
         return NULL;
     }
     return PyLong_FromLong(quantized_bytes(kind, out, in));
+}
+
+static PyObject *kind_holds(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 2, "kind_holds") < 0) return NULL;
+    int kind = (int)SIZE(0);
+    const char *name = PyUnicode_AsUTF8(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    const GGUFType *type = gguf_type(name);
+    if (!is_quantized(kind) || type == NULL) {
+        PyErr_Format(PyExc_ValueError,
+                     "kind_holds: kind %d, type %s; allowed: kinds %d to %d, types %s", kind,
+                     name, WEIGHT_Q8_0, WEIGHT_SEGMENTED - 1, GGUF_TYPE_NAMES);
+        return NULL;
+    }
+    return PyBool_FromLong(holds_type(kind, type));
 }
 
 static PyObject *team(PyObject *self, PyObject *argument) {
@@ -2049,6 +2088,9 @@ static PyMethodDef methods[] = {
      "weight's"},
     {"quantized_size", (PyCFunction)(void (*)(void))quantized_size, METH_FASTCALL,
      "quantized_size(kind, out, in): the bytes pack_file_blocks writes"},
+    {"kind_holds", (PyCFunction)(void (*)(void))kind_holds, METH_FASTCALL,
+     "kind_holds(kind, type name): whether pack_file_blocks holds the file's blocks of that "
+     "GGUF type as that kind (WEIGHT_Q8_0, ...; each value is still checked as it packs)"},
     {"team", team, METH_O,
      "team(threads): a team of threads (this one and threads - 1 helpers) that the linear calls "
      "share each multiply with; its helpers end when it is freed"},
@@ -2104,7 +2146,10 @@ PyMODINIT_FUNC PyInit__kernels(void) {
          PyModule_AddIntConstant(result, "WEIGHT_INT8_SCALED", WEIGHT_INT8_SCALED) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q4_K", WEIGHT_Q4_K) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q6_K", WEIGHT_Q6_K) < 0 ||
-         PyModule_AddIntConstant(result, "WEIGHT_Q5_K", WEIGHT_Q5_K) < 0))
+         PyModule_AddIntConstant(result, "WEIGHT_Q5_K", WEIGHT_Q5_K) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_SEGMENTED", WEIGHT_SEGMENTED) < 0 ||
+         PyModule_AddIntConstant(result, "SEGMENTS_MAX", SEGMENTS_MAX) < 0 ||
+         PyModule_AddIntConstant(result, "SEGMENT_TABLE_BYTES", sizeof(SegmentTable)) < 0))
         Py_CLEAR(result);
     return result;
 }

@@ -342,10 +342,10 @@ class NativeKernels(TorchKernels):
         them exactly, so results are those of float32 weights rounded to bfloat16).
         ``quantized``: a float32 weight decoded from a GGUF file's blocks, carrying them
         (:func:`~shardline.layers.linear.note_file_blocks`), is held as those blocks
-        (:data:`QUANTIZED_KINDS`) where this CPU has AVX-512, or AVX2 with FMA and F16C (1.5
-        bytes a weight or less; the C kernel widens each weight as the file's decoder does,
-        so results are the float32 weight's, bit for bit); any other weight is held in
-        float32."""
+        (:data:`QUANTIZED_KINDS`; a merged one's parts in segments of several) where this
+        CPU has AVX-512, or AVX2 with FMA and F16C (1.5 bytes a weight or less; the C kernel
+        widens each weight to the file decoder's value, so results are the float32
+        weight's, bit for bit); any other weight is held in float32."""
         super().__init__(weight_dtype)
         self.native = native
         #: (name, the C calls' WEIGHT_* code) of the block kinds weights are tried in; none
@@ -369,30 +369,101 @@ class NativeKernels(TorchKernels):
     def _held(self, weight: torch.Tensor, arena: WeightArena | None) -> nn.Parameter:
         """``weight`` blocked for the C kernel (in ``arena``'s next piece, else its own
         memory): where ``quantized`` and it carries the file blocks it was decoded from
-        (:func:`~shardline.layers.linear.note_file_blocks`), as those blocks, in the first of
-        :data:`QUANTIZED_KINDS` that holds their types, else split (``INT8_SCALED``: 1.5
-        bytes a weight); else :func:`blocked` in ``weight_dtype``."""
-        out_features, in_features = weight.shape
+        (:func:`~shardline.layers.linear.note_file_blocks`), as those blocks
+        (:meth:`_held_in_segments`, else :meth:`_held_in_one_kind`); else :func:`blocked` in
+        ``weight_dtype``."""
         parts = getattr(weight, FILE_BLOCKS, None)
         if self._block_kinds and parts:
             values = weight.detach().contiguous()
-            described = [(kind, raw.ctypes.data, raw.strides[0], first, raw.shape[0])
-                         for first, kind, raw in parts]  # fmt: skip
-            for name, kind in self._block_kinds:
-                size = self.native.quantized_size(kind, out_features, in_features)
-                place = torch.empty(size, dtype=torch.uint8) if arena is None else arena.peek(size)
-                if self.native.pack_file_blocks(
-                    kind, place.data_ptr(), out_features, in_features, values.data_ptr(), described
-                ):
-                    if arena is not None:
-                        arena.take(size, torch.uint8)
-                    parameter = nn.Parameter(place, requires_grad=False)
-                    parameter.blocked_shape = (out_features, in_features)
-                    parameter.weight_kind, parameter.held_as = kind, name
-                    return parameter
+            held = self._held_in_segments(values, parts, arena)
+            if held is None:
+                held = self._held_in_one_kind(values, parts, arena)
+            if held is not None:
+                return held
         dtype = self._blocked_dtype
         place = None if arena is None else arena.take(weight.numel(), dtype)
         return blocked(weight, self.native.LINEAR_BLOCK, place, dtype=dtype)
+
+    def _held_in_one_kind(self, values, parts, arena: WeightArena | None) -> nn.Parameter | None:
+        """``values`` (float32, rows contiguous) held as its file ``parts`` in the first of
+        :data:`QUANTIZED_KINDS` that holds all their types (every value checked), or None."""
+        out_features, in_features = values.shape
+        described = [(kind, raw.ctypes.data, raw.strides[0], first, raw.shape[0])
+                     for first, kind, raw in parts]  # fmt: skip
+        for name, kind in self._block_kinds:
+            size = self.native.quantized_size(kind, out_features, in_features)
+            place = torch.empty(size, dtype=torch.uint8) if arena is None else arena.peek(size)
+            if self.native.pack_file_blocks(
+                kind, place.data_ptr(), out_features, in_features, values.data_ptr(), described
+            ):
+                return self._parameter(place, arena, values.shape, kind, name)
+        return None
+
+    def _held_in_segments(self, values, parts, arena: WeightArena | None) -> nn.Parameter | None:
+        """``values`` held as ``WEIGHT_SEGMENTED`` where its file ``parts`` are of types that
+        different kinds hold first (a Q4_K_M file's Q4_K queries and keys with Q6_K values):
+        each run of parts in its own first kind, fewer bytes than one kind holding them all
+        (the plan counts that one: an upper bound). None where the types share a first kind,
+        a part does not start on a block of ``LINEAR_BLOCK`` outputs, the runs are more than
+        ``SEGMENTS_MAX``, or a value is not held."""
+        native, (out_features, in_features) = self.native, values.shape
+        parts = sorted(parts, key=lambda part: part[0])
+        kinds = [self._first_holding(kind) for _, kind, _ in parts]
+        if (
+            len(set(kinds)) < 2 or None in kinds or parts[0][0] != 0
+            or any(first % native.LINEAR_BLOCK for first, _, _ in parts)
+        ):  # fmt: skip
+            return None
+        runs: list[tuple[tuple[str, int], int, list]] = []  # (kind, first row, its parts)
+        for part, kind in zip(parts, kinds, strict=True):
+            if runs and runs[-1][0] == kind:
+                runs[-1][2].append(part)
+            else:
+                runs.append((kind, part[0], [part]))
+        if len(runs) > native.SEGMENTS_MAX:
+            return None
+        ends = [first for _, first, _ in runs[1:]] + [out_features]
+        sizes = [native.quantized_size(kind, end - first, in_features)
+                 for ((_, kind), first, _), end in zip(runs, ends, strict=True)]  # fmt: skip
+        table_bytes = native.SEGMENT_TABLE_BYTES
+        total = table_bytes + sum(sizes)
+        place = torch.empty(total, dtype=torch.uint8) if arena is None else arena.peek(total)
+        offset = table_bytes
+        for ((_, kind), first, run_parts), end, size in zip(runs, ends, sizes, strict=True):
+            described = [(type_name, raw.ctypes.data, raw.strides[0], part_first - first,
+                          raw.shape[0]) for part_first, type_name, raw in run_parts]  # fmt: skip
+            if not native.pack_file_blocks(
+                kind, place.data_ptr() + offset, end - first, in_features,
+                values[first:].data_ptr(), described,
+            ):  # fmt: skip
+                return None
+            offset += size
+        table = torch.zeros(table_bytes // 4, dtype=torch.int32)
+        table[0] = len(runs)
+        for i, ((_, kind), end) in enumerate(zip((run[0] for run in runs), ends, strict=True)):
+            table[2 + 2 * i] = kind
+            table[3 + 2 * i] = -(-end // native.LINEAR_BLOCK)
+        place[:table_bytes].copy_(table.view(torch.uint8))
+        name = "+".join(kind_name for (kind_name, _), _, _ in runs)
+        return self._parameter(place, arena, values.shape, native.WEIGHT_SEGMENTED, name)
+
+    def _first_holding(self, type_name: str) -> tuple[str, int] | None:
+        """The first of the block kinds tried that holds the file's ``type_name`` blocks."""
+        for name, kind in self._block_kinds:
+            if self.native.kind_holds(kind, type_name):
+                return name, kind
+        return None
+
+    @staticmethod
+    def _parameter(place, arena: WeightArena | None, shape, kind: int, name: str) -> nn.Parameter:
+        """``place`` (taken from ``arena`` where it came from there) as a held weight of
+        ``shape``, held as ``kind`` (a WEIGHT_* code) called ``name``."""
+        if arena is not None:
+            arena.take(place.numel(), torch.uint8)
+        parameter = nn.Parameter(place, requires_grad=False)
+        parameter.blocked_shape = tuple(shape)
+        parameter.weight_kind, parameter.held_as = kind, name
+        return parameter
 
     def _kind(self, weight: torch.Tensor) -> int:
         """How a blocked weight holds its values, as the C calls name it (``WEIGHT_*``)."""

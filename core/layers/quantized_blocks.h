@@ -47,13 +47,32 @@ enum {
     WEIGHT_Q4_K,
     WEIGHT_Q6_K,
     WEIGHT_Q5_K,
+    WEIGHT_SEGMENTED,
     WEIGHT_KINDS
 };
 
 #define QUANT_GROUP 32
 #define QUANT_HALF (QUANT_GROUP / 2)
 
-static inline int is_quantized(int kind) { return kind >= WEIGHT_Q8_0 && kind < WEIGHT_KINDS; }
+/* Whether a kind is one of quantization blocks (one layout for the whole weight). */
+static inline int is_quantized(int kind) { return kind >= WEIGHT_Q8_0 && kind < WEIGHT_SEGMENTED; }
+
+/* Whether a weight held as kind is read by the block kernels: a kind of blocks, or segments
+ * of them. */
+static inline int reads_blocks(int kind) { return is_quantized(kind) || kind == WEIGHT_SEGMENTED; }
+
+/* A weight whose blocks of outputs are held in more than one kind (WEIGHT_SEGMENTED: a merged
+ * projection whose parts' file types no one cheaper kind holds together, a Q4_K_M file's
+ * Q4_K queries and Q6_K values): this table, then each segment's blocks in its kind, one
+ * segment after the other. Segment i holds blocks [end_block of i - 1 (0 for the first),
+ * end_block). 64 bytes, so the segments stay on cache lines. */
+#define SEGMENTS_MAX 7
+typedef struct {
+    int32_t count, unused;
+    struct {
+        int32_t kind, end_block;
+    } segment[SEGMENTS_MAX];
+} SegmentTable;
 
 /* Whether a kind holds one byte an input (else a nibble). */
 static inline int holds_bytes(int kind) {
@@ -258,12 +277,13 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
 
 /* The block kernels of one instruction set (TARGET: its function attribute; ROW and ROWS:
  * its kernels of one row and of several rows against one block, given the kind as a
- * constant): NAME##_q8_0, _q4_0 and _q4_1, and NAME(kind, weight, x, y, bias, rows, out, in,
- * first, end), which computes y's outputs in blocks [first, end) with the kind's. One row
- * widens as it reads; several widen each group once for all (row by row where the scratch
- * cannot be had: the same sums). */
+ * constant): NAME##_q8_0, _q4_0, ... (one a kind), and NAME(kind, weight, base, x, y, bias,
+ * rows, out, in, first, end), which computes y's outputs in blocks [first, end) with the
+ * kind's, weight holding the blocks from block base on. One row widens as it reads; several
+ * widen each group once for all (row by row where the scratch cannot be had: the same
+ * sums). */
 #define DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME, KIND, ROW, ROWS)                       \
-    TARGET static void NAME(const uint8_t *weight, const float *x, float *y,                  \
+    TARGET static void NAME(const uint8_t *weight, long base, const float *x, float *y,       \
                             const float *bias, long rows, long out, long in, long first,     \
                             long end) {                                                      \
         long groups = in / QUANT_GROUP, block_bytes = groups * quantized_group_bytes(KIND); \
@@ -272,7 +292,7 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
                                                                    LINEAR_BLOCK))            \
                                   : NULL;                                                    \
         for (long b = first; b < end; b++) {                                                 \
-            const uint8_t *block = weight + b * block_bytes;                                 \
+            const uint8_t *block = weight + (b - base) * block_bytes;                        \
             long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK     \
                                                                : LINEAR_BLOCK;               \
             const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                 \
@@ -295,15 +315,18 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q4_k, WEIGHT_Q4_K, ROW, ROWS)              \
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q6_k, WEIGHT_Q6_K, ROW, ROWS)              \
     DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME##_q5_k, WEIGHT_Q5_K, ROW, ROWS)              \
-    static void NAME(int kind, const void *weight, const float *x, float *y,                 \
+    static void NAME(int kind, const void *weight, long base, const float *x, float *y,      \
                      const float *bias, long rows, long out, long in, long first, long end) { \
+        void (*run)(const uint8_t *, long, const float *, float *, const float *, long, long,  \
+                    long, long, long);                                                       \
         switch (kind) {                                                                      \
-        case WEIGHT_Q8_0: NAME##_q8_0(weight, x, y, bias, rows, out, in, first, end); break; \
-        case WEIGHT_Q4_0: NAME##_q4_0(weight, x, y, bias, rows, out, in, first, end); break; \
-        case WEIGHT_Q4_1: NAME##_q4_1(weight, x, y, bias, rows, out, in, first, end); break; \
-        case WEIGHT_Q4_K: NAME##_q4_k(weight, x, y, bias, rows, out, in, first, end); break; \
-        case WEIGHT_Q6_K: NAME##_q6_k(weight, x, y, bias, rows, out, in, first, end); break; \
-        case WEIGHT_Q5_K: NAME##_q5_k(weight, x, y, bias, rows, out, in, first, end); break; \
-        default: NAME##_int8_scaled(weight, x, y, bias, rows, out, in, first, end);          \
+        case WEIGHT_Q8_0: run = NAME##_q8_0; break;                                          \
+        case WEIGHT_Q4_0: run = NAME##_q4_0; break;                                          \
+        case WEIGHT_Q4_1: run = NAME##_q4_1; break;                                          \
+        case WEIGHT_Q4_K: run = NAME##_q4_k; break;                                          \
+        case WEIGHT_Q6_K: run = NAME##_q6_k; break;                                          \
+        case WEIGHT_Q5_K: run = NAME##_q5_k; break;                                          \
+        default: run = NAME##_int8_scaled;                                                   \
         }                                                                                    \
+        run(weight, base, x, y, bias, rows, out, in, first, end);                            \
     }

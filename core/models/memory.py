@@ -61,7 +61,8 @@ class HeldKind:
     def of(cls, types: list[list[str]]) -> HeldKind:
         """The kind a weight is held in, each of whose layers has parts of the file's
         ``types`` (a list a layer): the one with the most bytes among its layers', each
-        layer's the first kind that holds all its parts' types (``F32`` where none does)."""
+        layer's the first kind that holds all its parts' types (``F32`` where none does);
+        an upper bound where the kernels hold a layer's parts in segments of cheaper kinds."""
 
         def layer_kind(parts: list[str]) -> str:
             held = [kind for kind, holds in _HOLDS.items() if set(parts) <= set(holds)]
