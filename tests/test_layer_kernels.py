@@ -870,7 +870,7 @@ def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
 
     def pack(values, parts, kind=code):
         return native_module.pack_file_blocks(kind, held.data_ptr(), 72, 256, values.data_ptr(),
-                                              parts)  # fmt: skip
+                                              parts, None)  # fmt: skip
 
     assert pack(weight, [part])
     nudged = weight.clone()
@@ -888,6 +888,28 @@ def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
         pack(weight, [("IQ2_XXS", *part[1:])])
     with pytest.raises(ValueError, match="kind 1; allowed: 2 to 8"):
         pack(weight, [part], native_module.WEIGHT_BFLOAT16)
+
+
+@needs_quantized_linear
+def test_a_team_holds_a_weight_in_the_same_bytes_as_one_thread():
+    """Packing shared out by a team of three (blocks of 64 rows a chunk, as a rank with
+    three threads packs its layers) lays out the very bytes one thread does, for each kind,
+    segments and a vocabulary's padding rows included; a refused value is refused alike."""
+    rng = np.random.default_rng(9)
+    team = NativeKernels(native_module, threads=3, quantized=True)
+    weights = [
+        file_weight([(t, random_blocks(t, 300, 256, rng))], 333)
+        for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q8_0", "Q6_K", "Q2_K")
+    ]
+    weights.append(file_weight([("Q4_K", random_blocks("Q4_K", 128, 256, rng)),
+                                ("Q6_K", random_blocks("Q6_K", 100, 256, rng))], 230))  # fmt: skip
+    for weight in weights:
+        alone, shared = BLOCK_WEIGHTS.pack_linear(weight), team.pack_linear(weight)
+        assert shared.held_as == alone.held_as and torch.equal(shared, alone)
+    nudged = weights[2].clone()
+    nudged[250, 7] = torch.nextafter(nudged[250, 7], torch.tensor(1.0))
+    nudged.file_blocks = weights[2].file_blocks
+    assert team.pack_linear(nudged).dtype is torch.float32
 
 
 @needs_quantized_linear

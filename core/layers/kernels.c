@@ -1917,16 +1917,65 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-/* pack_file_blocks(kind, dest, out, in, weight, parts): parts a sequence of (type name, raw
- * address, raw row stride, first row, rows), the file's blocks of those rows of the weight; a
- * row no part covers must be zeros (a vocabulary's padding), held so. */
+/* A part of a weight held from its file's blocks: the blocks of rows [first, first + rows). */
+typedef struct {
+    const GGUFType *type;
+    const uint8_t *raw;
+    long stride, first, rows;
+} FilePart;
+
+/* A weight being held as kind from its file's parts (pack_file_blocks), blocks_per_chunk
+ * blocks of LINEAR_BLOCK rows a chunk: one thread writes a block's bytes (8 outputs share a
+ * byte of fifth bits). */
+typedef struct {
+    int kind;
+    uint8_t *dest;
+    long out, in, blocks_per_chunk;
+    const float *weight;
+    const FilePart *parts;
+    Py_ssize_t count;
+    const uint8_t *covered; /* a row a part covers: 1, else its values must be zeros */
+    _Atomic int refused;    /* a value or a type not held: the weight is not held so */
+} PackJob;
+
+static void pack_chunk(const void *context, long chunk, int worker) {
+    PackJob *job = (PackJob *)context;
+    if (atomic_load_explicit(&job->refused, memory_order_relaxed)) return;
+    long blocks = (job->out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
+    long block = chunk * job->blocks_per_chunk;
+    long stop = block + job->blocks_per_chunk < blocks ? block + job->blocks_per_chunk : blocks;
+    long first = block * LINEAR_BLOCK;
+    long end = stop * LINEAR_BLOCK < job->out ? stop * LINEAR_BLOCK : job->out;
+    long block_bytes = job->in / QUANT_GROUP * quantized_group_bytes(job->kind);
+    memset(job->dest + block * block_bytes, 0, (size_t)((stop - block) * block_bytes));
+    int held = 1;
+    for (Py_ssize_t i = 0; i < job->count && held; i++) {
+        const FilePart *part = &job->parts[i];
+        long from = part->first > first ? part->first : first;
+        long to = part->first + part->rows < end ? part->first + part->rows : end;
+        if (from < to)
+            held = pack_file_rows(job->kind, part->type,
+                                  part->raw + (from - part->first) * part->stride, part->stride,
+                                  from, to - from, job->out, job->in, job->weight, job->dest);
+    }
+    for (long r = first; r < end && held; r++)
+        for (long i = 0; i < job->in && !job->covered[r] && held; i++)
+            held = bits_of(job->weight[r * job->in + i]) == 0;
+    if (!held) atomic_store_explicit(&job->refused, 1, memory_order_relaxed);
+}
+
+/* pack_file_blocks(kind, dest, out, in, weight, parts, team): parts a sequence of (type name,
+ * raw address, raw row stride, first row, rows), the file's blocks of those rows of the
+ * weight; a row no part covers must be zeros (a vocabulary's padding), held so; shared out
+ * by team (None: this thread) blocks of rows a chunk. */
 static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 6, "pack_file_blocks") < 0) return NULL;
-    int kind = (int)SIZE(0);
+    if (take_args(args, nargs, 7, "pack_file_blocks") < 0) return NULL;
+    int kind = (int)SIZE(0), failed;
     uint8_t *dest = ADDRESS(1);
     long out = SIZE(2), in = SIZE(3);
     const float *weight = ADDRESS(4);
-    if (PyErr_Occurred()) return NULL;
+    Team *team = team_of(args[6], &failed);
+    if (PyErr_Occurred() || failed) return NULL;
     if (!is_quantized(kind)) {
         PyErr_Format(PyExc_ValueError, "pack_file_blocks: kind %d; allowed: %d to %d", kind,
                      WEIGHT_Q8_0, WEIGHT_SEGMENTED - 1);
@@ -1935,12 +1984,7 @@ static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssiz
     PyObject *parts = PySequence_Fast(args[5], "pack_file_blocks: parts must be a sequence");
     if (parts == NULL) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(parts);
-    /* A part: the file's blocks of rows [first, first + rows) of the weight. */
-    struct {
-        const GGUFType *type;
-        const uint8_t *raw;
-        long stride, first, rows;
-    } *part = PyMem_Calloc((size_t)count + 1, sizeof *part);
+    FilePart *part = PyMem_Calloc((size_t)count + 1, sizeof *part);
     uint8_t *covered = out > 0 ? PyMem_Calloc((size_t)out, 1) : NULL;
     PyObject *result = NULL;
     if (part == NULL || (out > 0 && covered == NULL)) {
@@ -1979,17 +2023,22 @@ static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssiz
             PyErr_Format(PyExc_ValueError, "pack_file_blocks: parts overlap at row %ld", r);
             goto done;
         }
-    int packed = 1;
-    Py_BEGIN_ALLOW_THREADS
-    memset(dest, 0, (size_t)quantized_bytes(kind, out, in));
-    for (Py_ssize_t i = 0; i < count && packed; i++)
-        packed = pack_file_rows(kind, part[i].type, part[i].raw, part[i].stride, part[i].first,
-                                part[i].rows, out, in, weight, dest);
-    for (long r = 0; r < out && packed; r++)
-        for (long i = 0; i < in && !covered[r] && packed; i++)
-            packed = bits_of(weight[r * in + i]) == 0;
-    Py_END_ALLOW_THREADS
-    result = PyBool_FromLong(packed);
+    long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK, per_chunk = 1;
+    while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
+    PackJob job = {.kind = kind, .dest = dest, .out = out, .in = in, .weight = weight,
+                   .blocks_per_chunk = per_chunk, .parts = part, .count = count,
+                   .covered = covered};
+    /* A type a kind does not hold, or inputs not in its blocks: refused before any work. */
+    int held = in % QUANT_GROUP == 0;
+    for (Py_ssize_t i = 0; i < count && held; i++)
+        held = holds_type(kind, part[i].type) && in % part[i].type->block_values == 0;
+    if (held) {
+        Py_BEGIN_ALLOW_THREADS
+        team_run(team, (blocks + per_chunk - 1) / per_chunk, pack_chunk, &job);
+        Py_END_ALLOW_THREADS
+        held = !atomic_load(&job.refused);
+    }
+    result = PyBool_FromLong(held);
 done:
     PyMem_Free(covered);
     PyMem_Free(part);
@@ -2080,8 +2129,8 @@ static PyMethodDef methods[] = {
      "(WEIGHT_FLOAT32, _BFLOAT16, or quantization blocks), on the widest kernels this CPU "
      "runs (avx2: the AVX2 ones, which give the same bits); without the GIL"},
     {"pack_file_blocks", (PyCFunction)(void (*)(void))pack_file_blocks, METH_FASTCALL,
-     "pack_file_blocks(kind, dest, out, in, weight, parts): a weight (float32 out x in, rows "
-     "contiguous, as loaded) into dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, "
+     "pack_file_blocks(kind, dest, out, in, weight, parts, team or None): a weight (float32 "
+     "out x in, rows contiguous, as loaded), shared out by team, into dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, "
      "_Q4_0, _Q4_1, _Q4_K, _Q5_K, _Q6_K, _INT8_SCALED) from its file's blocks: parts, (GGUF "
      "type name, address, row stride in bytes, first row, rows), a row no part covers held as "
      "zeros; False where kind does not hold a part's type or a value so held is not the "

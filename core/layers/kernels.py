@@ -394,8 +394,9 @@ class NativeKernels(TorchKernels):
             size = self.native.quantized_size(kind, out_features, in_features)
             place = torch.empty(size, dtype=torch.uint8) if arena is None else arena.peek(size)
             if self.native.pack_file_blocks(
-                kind, place.data_ptr(), out_features, in_features, values.data_ptr(), described
-            ):
+                kind, place.data_ptr(), out_features, in_features, values.data_ptr(), described,
+                self.team,
+            ):  # fmt: skip
                 return self._parameter(place, arena, values.shape, kind, name)
         return None
 
@@ -434,7 +435,7 @@ class NativeKernels(TorchKernels):
                           raw.shape[0]) for part_first, type_name, raw in run_parts]  # fmt: skip
             if not native.pack_file_blocks(
                 kind, place.data_ptr() + offset, end - first, in_features,
-                values[first:].data_ptr(), described,
+                values[first:].data_ptr(), described, self.team,
             ):  # fmt: skip
                 return None
             offset += size
