@@ -26,7 +26,7 @@ from shardline.layers.kernels import (
 )
 from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
-from shardline.models.memory import HeldBlocks, HeldKind, block_bytes
+from shardline.models.memory import HeldBlocks, HeldKind, block_bytes, merged_block_bytes
 from support.gguf_values import file_weight, quantized_weight, random_blocks
 
 native_module = pytest.importorskip(
@@ -1154,19 +1154,50 @@ def test_the_plan_holds_each_weight_in_the_widest_kind_of_its_layers():
         "blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_down.weight": "BF16",
         "output.weight": "Q6_K", "token_embd.weight": "IQ4_NL",
     }  # fmt: skip
-    assert HeldBlocks.of(types, tied=False) == HeldBlocks(
+    held = HeldBlocks.of(types, tied=False)
+    assert _kinds(held) == _kinds(HeldBlocks(
         qkv=HeldKind("Q8_0"),
         o=HeldKind("Q4_1"),
         gate_up=HeldKind("Q5_K", 256),
         down=HeldKind("F32", 256),
         head=HeldKind("Q6_K", 256),
-    )
-    assert HeldBlocks.of(types, tied=True).head == HeldKind("Q8_0")
+    ))  # fmt: skip
+    assert held.qkv.layers == (("Q8_0", ("Q4_0", "Q4_0", "Q8_0")), ("Q4_0", ("Q4_0",) * 3))
+    assert held.gate_up.layers == (("Q5_K", ("Q4_K", "Q5_K")),)
+    assert _kinds(HeldBlocks.of(types, tied=True))["head"] == ("Q8_0", 32)
     mixed = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q8_0"}
-    assert HeldBlocks.of(mixed, tied=True).qkv == HeldKind("INT8_SCALED")
+    assert HeldBlocks.of(mixed, tied=True).qkv.kind == "INT8_SCALED"
     k_mix = {"blk.0.attn_q.weight": "Q4_K", "blk.0.attn_v.weight": "Q6_K",
              "blk.1.attn_q.weight": "Q5_0", "blk.1.attn_v.weight": "Q8_0"}  # fmt: skip
-    assert HeldBlocks.of(k_mix, tied=True).qkv == HeldKind("INT8_SCALED", 256)
+    assert _kinds(HeldBlocks.of(k_mix, tied=True))["qkv"] == ("INT8_SCALED", 256)
     del k_mix["blk.0.attn_q.weight"]
-    assert HeldBlocks.of(k_mix, tied=True).qkv == HeldKind("Q6_K", 256)
-    assert HeldBlocks.of({"blk.0.ffn_down.weight": "Q4_K"}, tied=True).down == HeldKind("Q4_K", 256)
+    assert _kinds(HeldBlocks.of(k_mix, tied=True))["qkv"] == ("Q6_K", 256)
+    down_only = HeldBlocks.of({"blk.0.ffn_down.weight": "Q4_K"}, tied=True)
+    assert _kinds(down_only)["down"] == ("Q4_K", 256)
+
+
+def _kinds(held: HeldBlocks) -> dict[str, tuple[str, int]]:
+    """Each weight's (kind, inputs) of a plan's held blocks."""
+    return {role: (getattr(held, role).kind, getattr(held, role).inputs)
+            for role in ("qkv", "o", "gate_up", "down", "head")}  # fmt: skip
+
+
+@needs_quantized_linear
+def test_the_plan_counts_a_merged_weight_in_segments_as_the_kernel_holds_it():
+    """merged_block_bytes is the bytes the packing takes for a merged weight: in segments
+    where its parts' first kinds differ and start on blocks of 64 outputs (a Q4_K_M file's
+    queries, keys and values), in the one kind holding them all where they do not; over
+    layers, the most any takes."""
+    rng = np.random.default_rng(10)
+    for types, rows in (
+        (("Q4_K", "Q4_K", "Q6_K"), (128, 64, 64)), (("Q4_K", "Q4_K", "Q6_K"), (100, 28, 28)),
+        (("Q4_0", "Q8_0"), (64, 96)), (("Q4_K", "Q5_K"), (192, 192)),
+    ):  # fmt: skip
+        parts = [(t, random_blocks(t, n, 256, rng)) for t, n in zip(types, rows, strict=True)]
+        held = BLOCK_WEIGHTS.pack_linear(file_weight(parts, sum(rows)))
+        names = [f"blk.0.attn_{role}.weight" for role in "qkv"[: len(types)]]
+        plan = HeldBlocks.of(dict(zip(names, types, strict=True)), tied=True).qkv
+        assert merged_block_bytes(plan, rows, 256) == held.numel(), (types, rows)
+    two_layers = HeldKind.of([["Q4_K", "Q4_K", "Q6_K"], ["Q8_0", "Q8_0", "Q8_0"]])
+    whole_q8_0 = native_module.quantized_size(native_module.WEIGHT_Q8_0, 256, 256)
+    assert merged_block_bytes(two_layers, (128, 64, 64), 256) == whole_q8_0

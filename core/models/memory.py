@@ -4,7 +4,7 @@ block, and an upper estimate of the activations of its largest step."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shardline.config.schema import EngineConfig
@@ -45,6 +45,9 @@ _HOLDS = {
 }  # fmt: skip
 #: The inputs one block of a file's type spans: a shard that cuts one is held in float32.
 _K_TYPES, _SUPER_BLOCK = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), 256
+#: A weight held in segments (``quantized_blocks.h``: SegmentTable): the table's bytes, and
+#: the most runs of parts of one kind it holds.
+_SEGMENT_TABLE_BYTES, _SEGMENTS_MAX = 64, 7
 
 
 @dataclass(frozen=True)
@@ -52,25 +55,32 @@ class HeldKind:
     """How one weight is held (``model.weight_dtype: gguf``): ``kind``, a block kind
     (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q8_0``, ``Q6_K``, ``INT8_SCALED``) or ``F32``, and
     ``inputs``, the inputs one of the file's blocks spans (a shard's inputs must be whole
-    blocks)."""
+    blocks); ``layers``, for a merged weight (q/k/v, gate/up), each different layer's one
+    kind holding all its parts and each part's first kind, in row order: the kernels hold a
+    layer whose parts' first kinds differ in segments of them, where the parts start on
+    blocks of 64 outputs (:func:`merged_block_bytes`)."""
 
     kind: str
     inputs: int = _GROUP
+    layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
     def of(cls, types: list[list[str]]) -> HeldKind:
         """The kind a weight is held in, each of whose layers has parts of the file's
         ``types`` (a list a layer): the one with the most bytes among its layers', each
         layer's the first kind that holds all its parts' types (``F32`` where none does);
-        an upper bound where the kernels hold a layer's parts in segments of cheaper kinds."""
-
-        def layer_kind(parts: list[str]) -> str:
-            held = [kind for kind, holds in _HOLDS.items() if set(parts) <= set(holds)]
-            return held[0] if parts and held else "F32"
-
-        kinds = [layer_kind(parts) for parts in types]
+        with each different layer's kinds (``layers``)."""
+        kinds = [_first_holding(parts) for parts in types]
         inputs = _SUPER_BLOCK if any(t in _K_TYPES for parts in types for t in parts) else _GROUP
-        return cls(max(kinds, key=_bytes_per_weight, default="F32"), inputs)
+        layers = {(kind, tuple(_first_holding([part]) for part in parts)): None
+                  for parts, kind in zip(types, kinds, strict=True)}  # fmt: skip
+        return cls(max(kinds, key=_bytes_per_weight, default="F32"), inputs, tuple(layers))
+
+
+def _first_holding(types: list[str]) -> str:
+    """The first block kind holding every one of ``types`` (``F32`` where none does)."""
+    held = [kind for kind, holds in _HOLDS.items() if set(types) <= set(holds)]
+    return held[0] if types and held else "F32"
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,39 @@ def block_bytes(
         return out_features * in_features * _FLOAT32
     outputs = -(-out_features // _BLOCK_OUTPUTS) * _BLOCK_OUTPUTS
     return outputs * in_features // _GROUP * _BLOCK_GROUP_BYTES[held.kind]
+
+
+def merged_block_bytes(
+    held: HeldKind, rows: Sequence[int], in_features: int, first_input: int = 0
+) -> int:
+    """Bytes of a merged weight shard (parts of ``rows`` rows each, in order: q/k/v or
+    gate/up) held as ``held``: the most any of its ``layers`` takes (:func:`block_bytes` of
+    ``kind`` where they are not known). A layer whose parts' first kinds differ and start on
+    blocks of 64 outputs takes the segment table and each run of parts of one kind in its
+    kind; any other layer its one kind."""
+    total = sum(rows)
+    if not held.layers:
+        return block_bytes(held, total, in_features, first_input)
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    most = 0
+    for kind, part_kinds in held.layers:
+        layer = block_bytes(HeldKind(kind, held.inputs), total, in_features, first_input)
+        if (
+            len(set(part_kinds)) > 1 and len(part_kinds) == len(rows)
+            and "F32" not in part_kinds and layer < total * in_features * _FLOAT32
+            and not any(start % _BLOCK_OUTPUTS for start in starts)
+        ):  # fmt: skip
+            runs = [(part_kind, start)
+                    for i, (part_kind, start) in enumerate(zip(part_kinds, starts, strict=True))
+                    if i == 0 or part_kinds[i - 1] != part_kind]  # fmt: skip
+            ends = [start for _, start in runs[1:]] + [total]
+            if len(runs) <= _SEGMENTS_MAX:
+                layer = _SEGMENT_TABLE_BYTES + sum(
+                    block_bytes(HeldKind(part_kind, held.inputs), end - start, in_features)
+                    for (part_kind, start), end in zip(runs, ends, strict=True)
+                )
+        most = max(most, layer)
+    return most
 
 
 @dataclass(frozen=True)
@@ -210,9 +253,9 @@ class LlamaPlan(ModelPlan):
         if self.held_blocks is not None:
             blocks = self.held_blocks
             linear_bytes = (
-                block_bytes(blocks.qkv, q + 2 * kv, hidden)
+                merged_block_bytes(blocks.qkv, (q, kv, kv), hidden)
                 + block_bytes(blocks.o, hidden, q, heads.q_start * arch.head_dim)
-                + block_bytes(blocks.gate_up, 2 * mlp, hidden)
+                + merged_block_bytes(blocks.gate_up, (mlp, mlp), hidden)
                 + block_bytes(blocks.down, hidden, mlp, tp_rank * mlp)
             )
         others = 2 * hidden  # the norms
