@@ -869,8 +869,9 @@ def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
     part = ("Q4_K", raw.ctypes.data, raw.strides[0], 0, 64)
 
     def pack(values, parts, kind=code):
-        return native_module.pack_file_blocks(kind, held.data_ptr(), 72, 256, values.data_ptr(),
-                                              parts, None)  # fmt: skip
+        loaded = (values.data_ptr(), *values.stride())
+        return native_module.pack_file_blocks(kind, held.data_ptr(), 72, 256, loaded, parts,
+                                              None)  # fmt: skip
 
     assert pack(weight, [part])
     nudged = weight.clone()
@@ -894,7 +895,8 @@ def test_file_blocks_that_are_not_the_loaded_values_or_rows_are_refused():
 def test_a_team_holds_a_weight_in_the_same_bytes_as_one_thread():
     """Packing shared out by a team of three (blocks of 64 rows a chunk, as a rank with
     three threads packs its layers) lays out the very bytes one thread does, for each kind,
-    segments and a vocabulary's padding rows included; a refused value is refused alike."""
+    segments and a vocabulary's padding rows included, and so does a weight kept column by
+    column (as a model keeps them); a refused value is refused alike."""
     rng = np.random.default_rng(9)
     team = NativeKernels(native_module, threads=3, quantized=True)
     weights = [
@@ -906,10 +908,13 @@ def test_a_team_holds_a_weight_in_the_same_bytes_as_one_thread():
     for weight in weights:
         alone, shared = BLOCK_WEIGHTS.pack_linear(weight), team.pack_linear(weight)
         assert shared.held_as == alone.held_as and torch.equal(shared, alone)
-    nudged = weights[2].clone()
-    nudged[250, 7] = torch.nextafter(nudged[250, 7], torch.tensor(1.0))
-    nudged.file_blocks = weights[2].file_blocks
-    assert team.pack_linear(nudged).dtype is torch.float32
+        by_columns = weight.t().contiguous().t()
+        by_columns.file_blocks = weight.file_blocks
+        assert torch.equal(team.pack_linear(by_columns), alone)
+    for nudged in (weights[2].clone(), weights[2].t().contiguous().t()):
+        nudged[250, 7] = torch.nextafter(nudged[250, 7], torch.tensor(1.0))
+        nudged.file_blocks = weights[2].file_blocks
+        assert team.pack_linear(nudged).dtype is torch.float32
 
 
 @needs_quantized_linear

@@ -1931,7 +1931,7 @@ typedef struct {
     int kind;
     uint8_t *dest;
     long out, in, blocks_per_chunk;
-    const float *weight;
+    LoadedWeight weight;
     const FilePart *parts;
     Py_ssize_t count;
     const uint8_t *covered; /* a row a part covers: 1, else its values must be zeros */
@@ -1956,24 +1956,30 @@ static void pack_chunk(const void *context, long chunk, int worker) {
         if (from < to)
             held = pack_file_rows(job->kind, part->type,
                                   part->raw + (from - part->first) * part->stride, part->stride,
-                                  from, to - from, job->out, job->in, job->weight, job->dest);
+                                  from, to - from, job->out, job->in, &job->weight, job->dest);
     }
+    const LoadedWeight *weight = &job->weight;
     for (long r = first; r < end && held; r++)
         for (long i = 0; i < job->in && !job->covered[r] && held; i++)
-            held = bits_of(job->weight[r * job->in + i]) == 0;
+            held = bits_of(weight->values[r * weight->row_stride + i * weight->column_stride]) == 0;
     if (!held) atomic_store_explicit(&job->refused, 1, memory_order_relaxed);
 }
 
-/* pack_file_blocks(kind, dest, out, in, weight, parts, team): parts a sequence of (type name,
- * raw address, raw row stride, first row, rows), the file's blocks of those rows of the
- * weight; a row no part covers must be zeros (a vocabulary's padding), held so; shared out
- * by team (None: this thread) blocks of rows a chunk. */
+/* pack_file_blocks(kind, dest, out, in, weight, parts, team): weight the loaded values
+ * (address, row stride, column stride, in elements); parts a sequence of (type name, raw
+ * address, raw row stride, first row, rows), the file's blocks of those rows of the weight;
+ * a row no part covers must be zeros (a vocabulary's padding), held so; shared out by team
+ * (None: this thread) blocks of rows a chunk. */
 static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (take_args(args, nargs, 7, "pack_file_blocks") < 0) return NULL;
     int kind = (int)SIZE(0), failed;
     uint8_t *dest = ADDRESS(1);
     long out = SIZE(2), in = SIZE(3);
-    const float *weight = ADDRESS(4);
+    unsigned long long values;
+    LoadedWeight weight;
+    if (!PyArg_ParseTuple(args[4], "Kll", &values, &weight.row_stride, &weight.column_stride))
+        return NULL;
+    weight.values = (const float *)(uintptr_t)values;
     Team *team = team_of(args[6], &failed);
     if (PyErr_Occurred() || failed) return NULL;
     if (!is_quantized(kind)) {
@@ -2130,8 +2136,9 @@ static PyMethodDef methods[] = {
      "runs (avx2: the AVX2 ones, which give the same bits); without the GIL"},
     {"pack_file_blocks", (PyCFunction)(void (*)(void))pack_file_blocks, METH_FASTCALL,
      "pack_file_blocks(kind, dest, out, in, weight, parts, team or None): a weight (float32 "
-     "out x in, rows contiguous, as loaded), shared out by team, into dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, "
-     "_Q4_0, _Q4_1, _Q4_K, _Q5_K, _Q6_K, _INT8_SCALED) from its file's blocks: parts, (GGUF "
+     "out x in as loaded: (address, row stride, column stride)), shared out by team, into "
+     "dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, _Q4_0, _Q4_1, _Q4_K, "
+     "_Q5_K, _Q6_K, _INT8_SCALED) from its file's blocks: parts, (GGUF "
      "type name, address, row stride in bytes, first row, rows), a row no part covers held as "
      "zeros; False where kind does not hold a part's type or a value so held is not the "
      "weight's"},

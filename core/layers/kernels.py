@@ -374,7 +374,7 @@ class NativeKernels(TorchKernels):
         ``weight_dtype``."""
         parts = getattr(weight, FILE_BLOCKS, None)
         if self._block_kinds and parts:
-            values = weight.detach().contiguous()
+            values = weight.detach()
             held = self._held_in_segments(values, parts, arena)
             if held is None:
                 held = self._held_in_one_kind(values, parts, arena)
@@ -385,7 +385,7 @@ class NativeKernels(TorchKernels):
         return blocked(weight, self.native.LINEAR_BLOCK, place, dtype=dtype)
 
     def _held_in_one_kind(self, values, parts, arena: WeightArena | None) -> nn.Parameter | None:
-        """``values`` (float32, rows contiguous) held as its file ``parts`` in the first of
+        """``values`` (float32, as loaded) held as its file ``parts`` in the first of
         :data:`QUANTIZED_KINDS` that holds all their types (every value checked), or None."""
         out_features, in_features = values.shape
         described = [(kind, raw.ctypes.data, raw.strides[0], first, raw.shape[0])
@@ -394,7 +394,7 @@ class NativeKernels(TorchKernels):
             size = self.native.quantized_size(kind, out_features, in_features)
             place = torch.empty(size, dtype=torch.uint8) if arena is None else arena.peek(size)
             if self.native.pack_file_blocks(
-                kind, place.data_ptr(), out_features, in_features, values.data_ptr(), described,
+                kind, place.data_ptr(), out_features, in_features, _loaded(values), described,
                 self.team,
             ):  # fmt: skip
                 return self._parameter(place, arena, values.shape, kind, name)
@@ -435,7 +435,7 @@ class NativeKernels(TorchKernels):
                           raw.shape[0]) for part_first, type_name, raw in run_parts]  # fmt: skip
             if not native.pack_file_blocks(
                 kind, place.data_ptr() + offset, end - first, in_features,
-                values[first:].data_ptr(), described, self.team,
+                _loaded(values[first:]), described, self.team,
             ):  # fmt: skip
                 return None
             offset += size
@@ -902,6 +902,12 @@ class WeightArena:
         piece = self.peek(size * dtype.itemsize).view(dtype)
         self.used += _aligned(size * dtype.itemsize)
         return piece
+
+
+def _loaded(values: torch.Tensor) -> tuple[int, int, int]:
+    """A loaded float32 weight as ``pack_file_blocks`` reads it: (address, row stride,
+    column stride), in elements (a model keeps its weights column by column: no copy)."""
+    return (values.data_ptr(), *values.stride())
 
 
 def _times(parts: int) -> torch.Tensor:

@@ -205,12 +205,20 @@ static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
     return q & 31;
 }
 
+/* A weight as loaded: element (r, i) at values[r * row_stride + i * column_stride] (a
+ * model keeps its weights column by column: column_stride 1 is rows contiguous). */
+typedef struct {
+    const float *values;
+    long row_stride, column_stride;
+} LoadedWeight;
+
 /* QUANT_GROUP inputs of one output (lane of its block) held as kind in group (the block's
  * group of those inputs), from a split file block of type (its bytes at raw; the inputs
- * from `within` of it); 1, or 0 where a value so held is not the one loaded. */
+ * from `within` of it); 1, or 0 where a value so held is not the one loaded (input i's at
+ * loaded[i * step]). */
 static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
                       const GGUFType *type, const GGUFSplit *split, long within,
-                      const float *loaded) {
+                      const float *loaded, long step) {
     uint8_t *values = group + quantized_header_bytes(kind);
     if (float_scales(kind)) {
         /* Each half's split scale and offset (a subtracted one negated: the same sum). */
@@ -226,7 +234,7 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
         for (int i = 0; i < QUANT_GROUP; i++) {
             int half = i / QUANT_HALF, q = store_q(kind, values, lane, i, split->q[within + i]);
             float minimum = offsets[half] ? offsets[half][lane] : 0.0f;
-            if (!holds_value(kind, scales[half][lane], minimum, q, loaded[i])) return 0;
+            if (!holds_value(kind, scales[half][lane], minimum, q, loaded[i * step])) return 0;
         }
         return 1;
     }
@@ -239,7 +247,7 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
     for (int i = 0; i < QUANT_GROUP; i++) {
         int q = split->q[within + i];
         int stored = store_q(kind, values, lane, i, kind == WEIGHT_Q4_0 ? q + 8 : q);
-        if (!holds_value(kind, scale, minimum, stored, loaded[i])) return 0;
+        if (!holds_value(kind, scale, minimum, stored, loaded[i * step])) return 0;
     }
     return 1;
 }
@@ -247,10 +255,9 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
 /* Rows [first, first + rows) of a weight (out x in) held as kind in dest
  * (quantized_bytes(kind, out, in), zeroed by the caller), from the file's blocks of type of
  * those rows (row r's at raw + (r - first) * raw_stride); 1, or 0 where kind does not hold
- * type, in is not whole blocks, or a value so held is not the loaded weight's (float32, rows
- * contiguous). */
+ * type, in is not whole blocks, or a value so held is not the loaded weight's. */
 static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, long raw_stride,
-                          long first, long rows, long out, long in, const float *weight,
+                          long first, long rows, long out, long in, const LoadedWeight *weight,
                           uint8_t *dest) {
     if (!holds_type(kind, type) || in % type->block_values != 0 || in % QUANT_GROUP != 0 ||
         first < 0 || rows < 0 || first + rows > out)
@@ -267,7 +274,9 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
                 long input = start + within;
                 if (!hold_group(kind, block + input / QUANT_GROUP * group_bytes,
                                 o % LINEAR_BLOCK, bytes, type, &split, within,
-                                weight + o * in + input))
+                                weight->values + o * weight->row_stride +
+                                    input * weight->column_stride,
+                                weight->column_stride))
                     return 0;
             }
         }
