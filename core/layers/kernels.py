@@ -404,10 +404,9 @@ class NativeKernels(TorchKernels):
         """``values`` held as ``WEIGHT_SEGMENTED`` where its file ``parts`` are of types that
         different kinds hold first (a Q4_K_M file's Q4_K queries and keys with Q6_K values):
         each run of parts in its own first kind, fewer bytes than one kind holding them all
-        (the plan counts them so: ``memory.merged_block_bytes``). None where the types share a
-        first kind,
-        a part does not start on a block of ``LINEAR_BLOCK`` outputs, the runs are more than
-        ``SEGMENTS_MAX``, or a value is not held."""
+        (the plan counts them so: ``memory.merged_block_bytes``). None where the types share
+        a first kind, a part does not start on a block of ``LINEAR_BLOCK`` outputs, the runs
+        are more than ``SEGMENTS_MAX``, or a value is not held."""
         native, (out_features, in_features) = self.native, values.shape
         parts = sorted(parts, key=lambda part: part[0])
         kinds = [self._first_holding(kind) for _, kind, _ in parts]
