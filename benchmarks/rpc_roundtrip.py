@@ -10,10 +10,11 @@ built) and with the pure-Python fallback (``SHARDLINE_NATIVE=0``, inherited by t
 With the C ring the executor is also timed pinned, in the two placements three processes
 have on two cores: the driver on one core with the output rank (the rank that replies) or
 with the other rank (every thread of each process pinned; a placement the scheduler may pick
-for the unpinned run). Prints median, p90, p99 and mean in microseconds (the mean shows a
-reader that falls behind and catches up in bursts, which percentiles can hide) and, for the
-executor, the driver's CPU time per call (every thread's, its waits' spinning included), a
-table, and JSON with ``--json``.
+for the unpinned run), and bound by the executor itself (``parallel.cpu_binding=auto``: each
+worker on its own core, the driver beside the rank that does not reply). Prints median, p90,
+p99 and mean in microseconds (the mean shows a reader that falls behind and catches up in
+bursts, which percentiles can hide) and, for the executor, the driver's CPU time per call
+(every thread's, its waits' spinning included), a table, and JSON with ``--json``.
 
     python benchmarks/rpc_roundtrip.py --model PATH [--iterations 2000] [--repeats 3]
         [--json out.json]
@@ -170,27 +171,34 @@ def placements(output_rank: int, pinned: bool) -> dict[str, Placement | None]:
 
 
 def time_executor(
-    model: str, iterations: int, step: SchedulerOutput, pinned: bool
+    model: str, iterations: int, step: SchedulerOutput, pinned: bool, binding: str = "none"
 ) -> dict[str, dict]:
     """The executor's round trip in each of :func:`placements` (only as placed unless
     ``pinned``), by the placement's row suffix; each also with the driver's CPU time per
-    call (all its threads)."""
+    call (all its threads). With a ``binding`` (``parallel.cpu_binding``) the executor
+    places its processes itself: one row, suffixed with it."""
     config = load_config(
         overrides=[
             f"model.path={model}",
             "parallel.tensor_parallel_size=2",
             "parallel.distributed_executor_backend=mp",
+            f"parallel.cpu_binding={binding}",
         ],
         environ={},
     ).config
     executor = Registry.load().get("executor", "mp").load_available()(config)
     own_cores = os.sched_getaffinity(0)
     results = {}
+    bound = binding != "none"
+    chosen = (
+        {f", cpu_binding={binding}": None} if bound else placements(executor.output_rank, pinned)
+    )
     try:
-        for suffix, placement in placements(executor.output_rank, pinned).items():
-            driver, ranks = placement or (own_cores, {0: own_cores, 1: own_cores})
-            _pin_process(driver)
-            executor.collective_rpc(_pin_rank, (ranks,))
+        for suffix, placement in chosen.items():
+            if not bound:
+                driver, ranks = placement or (own_cores, {0: own_cores, 1: own_cores})
+                _pin_process(driver)
+                executor.collective_rpc(_pin_rank, (ranks,))
             for _ in range(100):  # warm-up
                 executor.execute_model(step).result()
             samples = []
@@ -223,6 +231,8 @@ def main() -> int:
         for native, path in ((True, "C"), (False, "Python")):
             with ring_path(native):
                 timed = time_executor(args.model, args.iterations, step, pinned=native)
+                if native:
+                    timed |= time_executor(args.model, args.iterations, step, False, "auto")
                 for suffix, summary in timed.items():
                     runs.setdefault(f"mp execute_model, 2 workers ({path}){suffix}", []).append(
                         summary

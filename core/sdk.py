@@ -31,7 +31,9 @@ Executors
     reply pickled, or the error to send instead when it cannot be), ``loaded_reply`` (a
     reply loaded where it arrives, or the error to fail its call with); ``Spawner``,
     ``ChildProcess`` (single processes that end with their parent); ``share_cores`` (a
-    rank's share of torch threads);
+    rank's share of torch threads), ``place_rank`` (a rank bound to its cores of
+    ``parallel.cpu_binding``, then its threads), ``bind_process`` (a driver bound beside a
+    rank);
     ``LaunchedRank``, ``detect_launcher``, ``local_rank`` (a rank's place under torchrun or
     mpiexec; its rank on its host);
     ``abort_job_at_exit`` (end a launched job at exit after a failure: no rank left stuck,
@@ -90,6 +92,8 @@ _WHERE = {
     "pickled_call": "shardline.launch.runtime",
     "loaded_reply": "shardline.launch.runtime",
     "share_cores": "shardline.launch.threads",
+    "place_rank": "shardline.launch.threads",
+    "bind_process": "shardline.launch.core_binding",
     "LaunchedRank": "shardline.launch.launcher_env",
     "detect_launcher": "shardline.launch.launcher_env",
     "local_rank": "shardline.launch.launcher_env",

@@ -67,6 +67,8 @@ class Case:
     weight_dtype: str | None = None
     #: Tokens of each request's prompt (0: the chat question's, see :func:`prompt_ids`).
     prompt_tokens: int = 0
+    #: ``parallel.cpu_binding`` of Shardline's ranks (and an ``mp`` driver).
+    cpu_binding: str = "none"
 
 
 def plan(
@@ -81,9 +83,11 @@ def plan(
     dtype: str = "float32",
     prompt_tokens: int = 0,
     weight_dtype: str | None = None,
+    cpu_bindings: tuple[str, ...] = ("none",),
 ) -> list[Case]:
-    """The cases of one run (``communicators``: name -> the launcher its ranks need); TP=1
-    has nothing to communicate and is one row."""
+    """The cases of one run (``communicators``: name -> the launcher its ranks need), each
+    Shardline case once per ``cpu_bindings`` value; TP=1 has nothing to communicate and is
+    one row a binding."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
     from shardline.config.schema import allowed_weight_dtypes
@@ -97,12 +101,19 @@ def plan(
     for name in layouts:
         if name not in LAYOUTS:
             raise ConfigError(f"--layouts: {name!r} is not a layout; allowed: {', '.join(LAYOUTS)}")
+    from shardline.launch.core_binding import CoreBinding
+
+    for binding in cpu_bindings:
+        try:
+            CoreBinding.parse(binding)
+        except ValueError as error:
+            raise ConfigError(f"--cpu-binding: {error}", field="--cpu-binding") from None
     cases = []
     for layout in layouts:
         tp, pp, _ = LAYOUTS[layout]
         for communicator in ["-"] if tp * pp == 1 else communicators:
             launcher = communicators.get(communicator)
-            cases.append(
+            cases += [
                 Case(
                     "shardline",
                     model,
@@ -117,8 +128,10 @@ def plan(
                     dtype,
                     None if weight_dtype == dtype else weight_dtype,
                     prompt_tokens,
+                    binding,
                 )
-            )
+                for binding in cpu_bindings
+            ]
     cases += [
         Case(
             "transformers",
@@ -289,7 +302,9 @@ def _label(case: Case | dict) -> str:
     item = asdict(case) if isinstance(case, Case) else case
     if item["engine"] == "transformers":
         return f"transformers, {item['threads']} thread{'s' if item['threads'] > 1 else ''}"
-    return f"shardline {item['layout']} {item['communicator']}"
+    binding = item.get("cpu_binding", "none")
+    bound = "" if binding == "none" else f" cores {binding}"
+    return f"shardline {item['layout']} {item['communicator']}{bound}"
 
 
 def _table(rows: list[dict]) -> str:
@@ -311,7 +326,7 @@ def _table(rows: list[dict]) -> str:
                 row["engine"] if row["engine"] == "shardline" else _label(row),
                 row["layout"] if row["engine"] == "shardline" else "-",
                 row["communicator"],
-                row.get("executor", "-"),
+                _executor_cell(row),
                 f"{batch1:.1f}",
                 f"{batch1 / reference:.2f}" if reference else "",
                 f"{floor:.1f}" if floor else "-",
@@ -321,6 +336,12 @@ def _table(rows: list[dict]) -> str:
             ]
         )
     return render(headers, table)
+
+
+def _executor_cell(row: dict) -> str:
+    """The executor of a row, and its ranks' ``parallel.cpu_binding`` where they are bound."""
+    executor, binding = row.get("executor", "-"), row.get("cpu_binding", "none")
+    return executor if binding == "none" else f"{executor}, cores {binding}"
 
 
 #: The parts of a rank's step, then the driver's, in the order a profile lists them
@@ -455,6 +476,8 @@ def _measure_shardline(case: Case) -> dict | None:
         overrides.append(f"model.weight_dtype={case.weight_dtype}")
     if case.communicator != "-":
         overrides.append(f"parallel.communicator={case.communicator}")
+    if case.cpu_binding != "none":
+        overrides.append(f"parallel.cpu_binding={case.cpu_binding}")
     if tp * pp * dp > 1 and case.launcher is None:
         overrides.append("parallel.distributed_executor_backend=mp")
     blocks = cache_blocks(case)

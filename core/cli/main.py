@@ -282,6 +282,12 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
         help="also show where a batch-1 and a concurrent decode step's time goes, per rank "
         "and in the driver, each part as a fraction of the floor",
     )
+    decode.add_argument(
+        "--cpu-binding",
+        action="append",
+        help="parallel.cpu_binding of Shardline's cases (none, auto, or core sets: '0|1'); "
+        "repeat it to run each case once per value (none)",
+    )
     _add_across_hosts(decode)
     decode.add_argument("--json", help="write the results here")
 
@@ -613,6 +619,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         prompt_tokens=args.prompt_tokens,
         weight_dtype=args.weight_dtype,
+        cpu_bindings=tuple(args.cpu_binding or ("none",)),
     )
     if args.across_hosts is not None:
         from shardline.cli import bench_hosts

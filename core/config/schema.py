@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shardline.distributed.layout import ParallelLayout
+from shardline.launch.core_binding import CoreBinding
 
 DType = Literal["float32", "float16", "bfloat16"]
 
@@ -244,6 +245,13 @@ class ParallelConfig(Section):
     startup_timeout_s: Seconds = Field(
         default=120.0, description="deadline of each start-up phase (spawn, join, load)"
     )
+    cpu_binding: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
+        default="none",
+        description="cores of the rank processes Shardline or a launcher starts: none (where "
+        "the scheduler puts them), auto (the cores this process may use split into one "
+        "contiguous set per rank on the host; an mp driver joins the last rank's), or one set "
+        "per rank on the host, '|' between sets: '0-3|4-7'",
+    )
 
     @model_validator(mode="after")
     def _replica_rank_in_range(self) -> ParallelConfig:
@@ -253,6 +261,17 @@ class ParallelConfig(Section):
                 f"data_parallel_rank = {rank}: allowed: 0..{self.data_parallel_size - 1} "
                 f"(data_parallel_size = {self.data_parallel_size})"
             )
+        return self
+
+    @field_validator("cpu_binding", mode="before")
+    @classmethod
+    def _one_core_as_text(cls, value: object) -> object:
+        # One rank's one core written as a number (`cpu_binding: 3`) is that core's set.
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _cpu_binding_parses(self) -> ParallelConfig:
+        CoreBinding.parse(self.cpu_binding)
         return self
 
     @model_validator(mode="after")
@@ -282,6 +301,11 @@ class ParallelConfig(Section):
         """Ranks in this world: tensor x pipeline x data x external data parallel sizes (one
         replica's when ``data_parallel_rank`` is set)."""
         return self.layout.world_size
+
+    @property
+    def core_binding(self) -> CoreBinding:
+        """``cpu_binding`` parsed."""
+        return CoreBinding.parse(self.cpu_binding)
 
     @property
     def worlds_side_by_side(self) -> int:

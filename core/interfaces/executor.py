@@ -52,8 +52,10 @@ class Executor(abc.ABC):
       fails in it ends start-up with an error naming the phase and the rank
       (``missed_phase``, ``failed_in_phase``). ``WorkerSetup.build``'s ``on_phase`` reports
       the two middle ones as they end; the executor reports the first and the last.
-    - **Threads.** Each rank process takes its share of the host's cores for torch:
-      ``share_cores(ranks_on_this_host)``.
+    - **Cores and threads.** Each rank process takes its share of the host's cores for
+      torch: ``share_cores(ranks_on_this_host)``; an executor that starts processes it
+      places itself also honours ``parallel.cpu_binding`` (``core_binding.core_sets_for``,
+      then ``place_rank`` with the rank's set) or says that it leaves it.
     - **Call deadlines.** The default deadline of a call is ``parallel.timeout_s`` plus
       ``WATCHDOG_REPORT_S`` and a small margin, so that a rank's own diagnosis of a stuck
       collective (which names the rank at fault) arrives before the executor gives up on

@@ -51,8 +51,8 @@ from shardline.sdk import (
     loaded_reply,
     method_name,
     pickled_reply,
+    place_rank,
     seal,
-    share_cores,
     verified_pickle,
 )
 from shardline_executors.launch_env import Meeting, describe_meeting, meet
@@ -88,7 +88,14 @@ class ExternalLauncherExecutor(Executor):
                 "allowed: launch exactly that many processes, or change the layout",
                 field="parallel",
             )
-        share_cores(launched.local_world_size)
+        # Its cores of parallel.cpu_binding (each rank binds itself; none: left as placed).
+        host_cores = config.parallel.core_binding.core_sets_for(
+            launched.local_world_size, os.sched_getaffinity(0)
+        )
+        place_rank(
+            None if host_cores is None else host_cores[launched.local_rank],
+            launched.local_world_size,
+        )
         self.rank = launched.rank
         self.world_size = launched.world_size
         self.launcher = launched.launcher

@@ -15,6 +15,11 @@ Replies: a collector thread resolves the Futures of non-blocking calls; a thread
 call's Future for its result collects the replies itself when no other thread is collecting
 and the call's deadline comes before its own timeout (no hand-off between threads: on this
 2-core machine that hand-off was a third of an empty step's round trip).
+
+Cores: with ``parallel.cpu_binding`` each worker binds itself to its set before anything
+else, and the driver, once every worker is ready, to the set of the last rank that does not
+reply (the one whose core it can share without delaying replies); shutdown gives the driver
+back the cores it had. Replicas driven side by side leave their driver unbound.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from shardline.sdk import (
     WATCHDOG_REPORT_S,
     EngineConfig,
     RankProcesses,
+    bind_process,
     check_reply_rank,
     failed_in_phase,
     loaded_reply,
@@ -127,6 +133,22 @@ class MultiprocExecutor(Executor):
         self.config = config
         self.world_size = config.parallel.world_size
         self._output_rank = config.parallel.layout.output_rank
+        # Every rank's cores, checked before anything starts; the driver's, once they run.
+        ranks_on_host = self.world_size * config.parallel.worlds_side_by_side
+        first_local_rank = (config.parallel.data_parallel_rank or 0) * self.world_size
+        all_cores = config.parallel.core_binding.core_sets_for(
+            ranks_on_host, os.sched_getaffinity(0)
+        )
+        rank_cores = [
+            None if all_cores is None else all_cores[first_local_rank + rank]
+            for rank in range(self.world_size)
+        ]
+        self._driver_cores = (
+            None
+            if all_cores is None or config.parallel.worlds_side_by_side > 1
+            else rank_cores[self._driver_beside()]
+        )
+        self._cores_before: frozenset[int] | None = None
         # A call's default deadline lets a worker's own deadline (timeout_s) and its watchdog
         # report pass first, so the error names the rank at fault rather than the rank the
         # driver happened to wait on.
@@ -165,6 +187,7 @@ class MultiprocExecutor(Executor):
                     (
                         rank,
                         self.world_size,
+                        rank_cores[rank],
                         config,
                         rendezvous,
                         self._calls.handle,
@@ -179,6 +202,8 @@ class MultiprocExecutor(Executor):
                 doorbell.close()
             self._ranks.watch(lambda rank: self._fail(self._ranks.died(rank, "liveness")))
             self._start_up(config.parallel.startup_timeout_s)
+            if self._driver_cores is not None:
+                self._cores_before = bind_process(self._driver_cores)
             threading.Thread(
                 target=self._collect_in_background, name="shardline-replies", daemon=True
             ).start()
@@ -192,6 +217,12 @@ class MultiprocExecutor(Executor):
             )
             self.shutdown()
             raise
+
+    def _driver_beside(self) -> int:
+        """The rank whose cores a bound driver shares: the last that does not reply to
+        ``execute_model`` (rank 0 alone)."""
+        others = [rank for rank in range(self.world_size) if rank != self._output_rank]
+        return others[-1] if others else self._output_rank
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -561,6 +592,8 @@ class MultiprocExecutor(Executor):
         self._reply_bell.close()
         self._ring_reply_bell.close()
         self._heartbeats.close()
+        if self._cores_before is not None:
+            bind_process(self._cores_before)
 
 
 _INTEGER_OPCODES = ("BININT1", "BININT2", "BININT", "LONG1", "LONG4", "INT", "LONG")

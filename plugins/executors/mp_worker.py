@@ -20,7 +20,7 @@ import cloudpickle
 
 from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
-from shardline.sdk import EngineConfig, WorkerSetup, pickled_reply, share_cores
+from shardline.sdk import EngineConfig, WorkerSetup, pickled_reply, place_rank
 from shardline_executors.heartbeat import start_beating
 from shardline_executors.mp_protocol import FIRST_CALL_ID, STEP, Failure, Phase, decode_step
 from shardline_executors.shm_ring import RingHandle, ShmRing
@@ -31,6 +31,7 @@ _PARENT_CHECK_S = 0.5
 def worker_main(
     rank: int,
     world_size: int,
+    cores: frozenset[int] | None,
     config: EngineConfig,
     rendezvous: Rendezvous,
     calls: RingHandle,
@@ -42,7 +43,7 @@ def worker_main(
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_beating(heartbeats, rank)
-    share_cores(world_size * config.parallel.worlds_side_by_side)
+    place_rank(cores, world_size * config.parallel.worlds_side_by_side)
     segments = [calls.name, replies.name, heartbeats]
     threading.Thread(target=_exit_with_parent, args=(parent_pid, segments), daemon=True).start()
     doorbell = multiprocessing.connection.Connection(doorbell_fd, writable=False)

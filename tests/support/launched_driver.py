@@ -1,6 +1,8 @@
 """A rank of a launched world (torchrun / mpiexec): builds the executor ``auto`` picks for
 this process, runs the scripted greedy steps, and, in the process that reports results,
-prints one JSON line with the executor's name and the generated tokens.
+prints one JSON line with the executor's name and the generated tokens. Every rank also
+prints ``cores RANK [CORES] THREADS``: the cores it may run on once its executor is built, and
+torch's intra-op threads.
 
     python -m support.launched_driver MODEL TP PP [KEY=VALUE ...]   (extra config overrides)
 """
@@ -8,6 +10,8 @@ prints one JSON line with the executor's name and the generated tokens.
 import json
 import os
 import sys
+
+import torch
 
 from shardline.config import load_config
 from shardline.config.selection import choose_executor
@@ -31,6 +35,9 @@ def main(model_path: str, tp: int, pp: int, extra: list[str]) -> None:
     registry = Registry.load()
     decision = choose_executor(config, registry, os.environ)
     executor = registry.get("executor", decision.chosen).load_available()(config)
+    cores = json.dumps(sorted(os.sched_getaffinity(0)), separators=(",", ":"))
+    rank = getattr(executor, "rank", 0)
+    print(f"cores {rank} {cores} {torch.get_num_threads()}", flush=True)
     try:
 
         def execute(step):
