@@ -2,7 +2,9 @@
 bfloat16: linear weights rounded to bfloat16, computed in float32) follows float32: top-1
 agreement of greedy decoding on held-out prompts (prompts no test or tuning uses), in one run.
 float32 with ``model.weight_dtype`` gguf (the file's quantization blocks held as they are)
-is measured too: it computes float32's very bits, so it must agree everywhere.
+is measured too: it computes float32's very bits, so it must agree everywhere; and gguf with
+``model.activation_dtype`` int8 (weights of 4-bit types multiplied by inputs rounded to int8),
+which does not.
 
 float32 is the reference (its greedy tokens equal transformers'; tests/test_smollm2.py). For
 each prompt it generates ``--tokens`` tokens; then each mode is asked for the next token after
@@ -40,12 +42,19 @@ PROMPTS = (
     "The capital of Australia is",
     "Water boils at a lower temperature at high altitude because",
 )
-#: (model.dtype, model.weight_dtype) of each mode measured.
-MODES = (("float32", None), ("bfloat16", None), ("float32", "bfloat16"), ("float32", "gguf"))
+#: (model.dtype, model.weight_dtype, model.activation_dtype) of each mode measured.
+MODES = (
+    ("float32", None, None),
+    ("bfloat16", None, None),
+    ("float32", "bfloat16", None),
+    ("float32", "gguf", None),
+    ("float32", "gguf", "int8"),
+)
 
 
-def mode_name(dtype: str, weight_dtype: str | None) -> str:
-    return dtype if weight_dtype is None else f"{dtype}, weights {weight_dtype}"
+def mode_name(dtype: str, weight_dtype: str | None, activation_dtype: str | None) -> str:
+    name = dtype if weight_dtype is None else f"{dtype}, weights {weight_dtype}"
+    return name if activation_dtype is None else f"{name}, activations {activation_dtype}"
 
 
 def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -55,17 +64,18 @@ def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
 
 def measure(
     model: str,
-    mode: tuple[str, str | None],
+    mode: tuple[str, str | None, str | None],
     prompts: list[list[int]],
     reference: list[list[int]],
 ) -> dict:
     tokens = len(reference[0])
-    dtype, weight_dtype = mode
+    dtype, weight_dtype, activation_dtype = mode
     overrides = [
         f"model.path={model}",
         "parallel.distributed_executor_backend=uni",
         f"model.dtype={dtype}",
         *([f"model.weight_dtype={weight_dtype}"] if weight_dtype else []),
+        *([f"model.activation_dtype={activation_dtype}"] if activation_dtype else []),
     ]
     with LLM(overrides=overrides) as llm:
         prefixes = [
@@ -81,7 +91,7 @@ def measure(
         if run != ref
     ]
     return {
-        "dtype": mode_name(dtype, weight_dtype),
+        "dtype": mode_name(dtype, weight_dtype, activation_dtype),
         "positions": len(expected),
         "top1_agreement": agree / len(expected),
         "continuations_equal": len(prompts) - len(first_differences),

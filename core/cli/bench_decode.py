@@ -69,6 +69,8 @@ class Case:
     prompt_tokens: int = 0
     #: ``parallel.cpu_binding`` of Shardline's ranks (and an ``mp`` driver).
     cpu_binding: str = "none"
+    #: Shardline's ``model.activation_dtype`` (int8: 4-bit weights multiply int8 inputs).
+    activation_dtype: str | None = None
 
 
 def plan(
@@ -84,6 +86,7 @@ def plan(
     prompt_tokens: int = 0,
     weight_dtype: str | None = None,
     cpu_bindings: tuple[str, ...] = ("none",),
+    activation_dtype: str | None = None,
 ) -> list[Case]:
     """The cases of one run (``communicators``: name -> the launcher its ranks need), each
     Shardline case once per ``cpu_bindings`` value; TP=1 has nothing to communicate and is
@@ -97,6 +100,11 @@ def plan(
         named = ", ".join(name for name in allowed if name is not None)
         raise ConfigError(
             f"--weight-dtype: {weight_dtype!r} with --dtype {dtype}: allowed: {named}"
+        )
+    if activation_dtype not in (None, "int8") or (activation_dtype and weight_dtype != "gguf"):
+        raise ConfigError(
+            f"--activation-dtype: {activation_dtype!r} with --weight-dtype {weight_dtype}: "
+            "allowed: int8 with --weight-dtype gguf, or none"
         )
     for name in layouts:
         if name not in LAYOUTS:
@@ -129,6 +137,7 @@ def plan(
                     None if weight_dtype == dtype else weight_dtype,
                     prompt_tokens,
                     binding,
+                    activation_dtype,
                 )
                 for binding in cpu_bindings
             ]
@@ -281,6 +290,11 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
     if rows:
         held = rows[0].get("weight_dtype")
         rounded = f" (Shardline's linear weights in {held}, computed in float32)" if held else ""
+        if rows[0].get("activation_dtype"):
+            rounded = (
+                f" (Shardline's linear weights in {held}, those of 4-bit types multiplied by "
+                f"{rows[0]['activation_dtype']} inputs)"
+            )
         print(f"weights in {rows[0]['dtype']}{rounded}")
     if long_prompts:
         # The targets are set on the chat question's prompt, decode over a short context.
@@ -474,6 +488,8 @@ def _measure_shardline(case: Case) -> dict | None:
         overrides.append(f"model.dtype={case.dtype}")
     if case.weight_dtype is not None:
         overrides.append(f"model.weight_dtype={case.weight_dtype}")
+    if case.activation_dtype is not None:
+        overrides.append(f"model.activation_dtype={case.activation_dtype}")
     if case.communicator != "-":
         overrides.append(f"parallel.communicator={case.communicator}")
     if case.cpu_binding != "none":

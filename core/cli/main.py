@@ -283,6 +283,11 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
         "and in the driver, each part as a fraction of the floor",
     )
     decode.add_argument(
+        "--activation-dtype",
+        help="Shardline's model.activation_dtype (int8 with --weight-dtype gguf: weights of "
+        "4-bit types multiply inputs quantized to int8; transformers stays float32)",
+    )
+    decode.add_argument(
         "--cpu-binding",
         action="append",
         help="parallel.cpu_binding of Shardline's cases (none, auto, or core sets: '0|1'); "
@@ -620,6 +625,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         prompt_tokens=args.prompt_tokens,
         weight_dtype=args.weight_dtype,
         cpu_bindings=tuple(args.cpu_binding or ("none",)),
+        activation_dtype=args.activation_dtype,
     )
     if args.across_hosts is not None:
         from shardline.cli import bench_hosts

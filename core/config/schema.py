@@ -61,6 +61,14 @@ class ModelConfig(Section):
         "float32 results, bit for bit, from 0.56-1.5 bytes a weight, planned so (where the "
         "CPU has AVX-512 or AVX2 with F16C; else float32)",
     )
+    activation_dtype: Literal["int8"] | None = Field(
+        default=None,
+        description="null: the linear layers multiply float32 inputs; int8 with weight_dtype "
+        "gguf: weights of the file's 4-bit types (Q4_0, Q4_1, Q4_K) are held as codes and "
+        "multiplied by their inputs quantized to int8 per 32 (a scale each) in integers "
+        "(faster; no longer the float32 results: the activations are rounded), on a CPU with "
+        "AVX-512 VNNI or AVX2; other weights as gguf holds them",
+    )
     runner: Name = Field(
         default="llama", description="model runner: a registered name or package.module:Class"
     )
@@ -69,6 +77,16 @@ class ModelConfig(Section):
         description="embeddings: the last token's final hidden state, or the mean over tokens",
     )
     normalize_embeddings: bool = Field(default=True, description="L2-normalize embeddings")
+
+    @model_validator(mode="after")
+    def _int8_activations_with_gguf_blocks(self) -> ModelConfig:
+        if self.activation_dtype is not None and self.weight_dtype != GGUF_BLOCKS:
+            raise ValueError(
+                f"activation_dtype = {self.activation_dtype!r} with weight_dtype = "
+                f"{self.weight_dtype!r}: allowed: activation_dtype null, or 'int8' with "
+                f"weight_dtype {GGUF_BLOCKS!r}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _weight_dtype_allowed(self) -> ModelConfig:
@@ -93,6 +111,12 @@ class ModelConfig(Section):
     def holds_gguf_blocks(self) -> bool:
         """Whether the linear weights are held in the GGUF file's quantization blocks."""
         return self.weight_dtype == GGUF_BLOCKS
+
+    @property
+    def holds_codes(self) -> bool:
+        """Whether weights of the file's 4-bit types are held as codes that multiply inputs
+        quantized to int8 (``activation_dtype: int8``)."""
+        return self.holds_gguf_blocks and self.activation_dtype == "int8"
 
 
 class CacheConfig(Section):

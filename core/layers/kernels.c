@@ -881,12 +881,28 @@ typedef struct {
     float *y;
     int kind, avx512; /* kind: WEIGHT_*; avx512: the AVX-512 kernels, else the AVX2 ones */
     long rows, out, in, blocks_per_chunk;
+    const QuantizedRows *xq; /* x quantized, where the weight has code-kind blocks */
 } LinearJob;
+
+/* Whether a weight held as kind has blocks of the code kind (itself, or a segment). */
+static int has_codes(const void *weight, int kind) {
+    if (kind == WEIGHT_Q4_CODES) return 1;
+    if (kind != WEIGHT_SEGMENTED) return 0;
+    const SegmentTable *table = weight;
+    for (int i = 0; i < table->count; i++)
+        if (table->segment[i].kind == WEIGHT_Q4_CODES) return 1;
+    return 0;
+}
 
 /* A job's outputs in blocks [first, end) of weight, held as kind, which is a kind of
  * quantization blocks, from block base on. */
 static void quantized_chunk(const LinearJob *job, int kind, const void *weight, long base,
                             long first, long end) {
+    if (kind == WEIGHT_Q4_CODES) { /* VNNI where the AVX-512 kernels run and it has it */
+        (job->avx512 && cpu_has_avx512_vnni() ? code_blocks : code_blocks_avx2)(
+            weight, base, job->xq, job->y, job->bias, job->rows, job->out, job->in, first, end);
+        return;
+    }
     /* the AVX2 ones need F16C too: callers check */
     (job->avx512 ? quantized_blocks : quantized_blocks_avx2)(
         kind, weight, base, job->x, job->y, job->bias, job->rows, job->out, job->in, first, end);
@@ -934,7 +950,25 @@ static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, i
     while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
     LinearJob job = {.weight = weight, .kind = kind, .avx512 = avx512, .x = x, .bias = bias,
                      .y = y, .rows = rows, .out = out, .in = in, .blocks_per_chunk = per_chunk};
+    /* Code-kind blocks multiply x quantized once here, for every chunk. */
+    QuantizedRows xq = {NULL, NULL, NULL};
+    if (has_codes(weight, kind)) {
+        long groups = in / ACTIVATION_GROUP;
+        xq.codes = malloc((size_t)(rows * in));
+        xq.scales = malloc(sizeof(float) * (size_t)(2 * rows * groups));
+        if (xq.codes == NULL || xq.scales == NULL) { /* no memory: the caller's y is NaN */
+            for (long i = 0; i < rows * out; i++) y[i] = NAN;
+            free(xq.codes);
+            free(xq.scales);
+            return;
+        }
+        xq.code_sums = xq.scales + rows * groups;
+        quantize_rows(x, rows, in, &xq);
+        job.xq = &xq;
+    }
     team_run(team, (blocks + per_chunk - 1) / per_chunk, linear_chunk, &job);
+    free(xq.codes);
+    free(xq.scales);
 }
 
 /* blocked_linear_rows_on the widest kernels this CPU runs. */
@@ -2138,7 +2172,7 @@ static PyMethodDef methods[] = {
      "pack_file_blocks(kind, dest, out, in, weight, parts, team or None): a weight (float32 "
      "out x in as loaded: (address, row stride, column stride)), shared out by team, into "
      "dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, _Q4_0, _Q4_1, _Q4_K, "
-     "_Q5_K, _Q6_K, _INT8_SCALED) from its file's blocks: parts, (GGUF "
+     "_Q5_K, _Q6_K, _INT8_SCALED, _Q4_CODES) from its file's blocks: parts, (GGUF "
      "type name, address, row stride in bytes, first row, rows), a row no part covers held as "
      "zeros; False where kind does not hold a part's type or a value so held is not the "
      "weight's"},
@@ -2203,6 +2237,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
          PyModule_AddIntConstant(result, "WEIGHT_Q4_K", WEIGHT_Q4_K) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q6_K", WEIGHT_Q6_K) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q5_K", WEIGHT_Q5_K) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_Q4_CODES", WEIGHT_Q4_CODES) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_SEGMENTED", WEIGHT_SEGMENTED) < 0 ||
          PyModule_AddIntConstant(result, "SEGMENTS_MAX", SEGMENTS_MAX) < 0 ||
          PyModule_AddIntConstant(result, "SEGMENT_TABLE_BYTES", sizeof(SegmentTable)) < 0))

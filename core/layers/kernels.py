@@ -50,6 +50,9 @@ WeightPacker = Callable[[torch.Tensor], torch.Tensor]
 #: gguf``), fewest bytes first: the first that holds every part's type holds it
 #: (``quantized_blocks.h``).
 QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q8_0", "Q6_K", "INT8_SCALED")
+#: The kind of 4-bit codes multiplied by int8 inputs (``model.activation_dtype: int8``), tried
+#: before the others.
+CODE_KIND = "Q4_CODES"
 #: The attribute of a loaded weight that lists the file blocks its rows were decoded from
 #: (:func:`~shardline.layers.linear.note_file_blocks`).
 FILE_BLOCKS = "file_blocks"
@@ -334,6 +337,7 @@ class NativeKernels(TorchKernels):
         threads: int = 1,
         weight_dtype: torch.dtype | None = None,
         quantized: bool = False,
+        codes: bool = False,
     ) -> None:
         """``threads``: how many threads share each C linear and a fused step's decode
         attention (the rank's torch threads); with more than one, a team of helper threads
@@ -345,13 +349,17 @@ class NativeKernels(TorchKernels):
         (:data:`QUANTIZED_KINDS`; a merged one's parts in segments of several) where this
         CPU has AVX-512, or AVX2 with FMA and F16C (1.5 bytes a weight or less; the C kernel
         widens each weight to the file decoder's value, so results are the float32
-        weight's, bit for bit); any other weight is held in float32."""
+        weight's, bit for bit); any other weight is held in float32. ``codes`` (with
+        ``quantized``): weights of the file's 4-bit types are held first as ``Q4_CODES``,
+        codes that the C kernel multiplies by each input row quantized to int8 per 32 inputs
+        (no longer the float32 results)."""
         super().__init__(weight_dtype)
         self.native = native
         #: (name, the C calls' WEIGHT_* code) of the block kinds weights are tried in; none
         #: where blocks are not held.
+        tried = ((CODE_KIND,) if codes else ()) + QUANTIZED_KINDS
         self._block_kinds = (
-            tuple((name, getattr(native, f"WEIGHT_{name}")) for name in QUANTIZED_KINDS)
+            tuple((name, getattr(native, f"WEIGHT_{name}")) for name in tried)
             if quantized and native.quantized_linear_available()
             else ()
         )
@@ -1009,16 +1017,18 @@ def layer_kernels(
     environ: Mapping[str, str],
     weight_dtype: torch.dtype | None = None,
     quantized: bool = False,
+    codes: bool = False,
 ) -> TorchKernels:
     """The kernels of a model on ``device``: the C path on the CPU where its extension was
     built (and ``SHARDLINE_NATIVE`` in ``environ`` is not ``0``), else the torch path; linear
     weights keep the precision of ``weight_dtype`` (:class:`TorchKernels`), and with
     ``quantized`` the C path holds those it can in quantization blocks (:class:`NativeKernels`;
-    elsewhere they stay float32: the same values)."""
+    elsewhere they stay float32: the same values), with ``codes`` those of 4-bit types as
+    codes multiplied by int8 inputs."""
     native = native_extension("shardline.layers._kernels", environ)
     if native is None or torch.device(device).type != "cpu":
         return TorchKernels(weight_dtype)
-    return NativeKernels(native, torch.get_num_threads(), weight_dtype, quantized)
+    return NativeKernels(native, torch.get_num_threads(), weight_dtype, quantized, codes)
 
 
 def held_weight_dtype(

@@ -32,7 +32,17 @@
  * Q4_1's. Q5_K: Q4_K's, then each input's fifth bits, 8 bytes an input (output o's in bit
  * o % 8 of byte o / 8). INT8_SCALED: the scales (float32) of the group's first 16 inputs,
  * then of its last 16, the offsets so, then one int8 each. Q6_K: as INT8_SCALED without the
- * offsets. */
+ * offsets.
+ *
+ * Q4_CODES (model.activation_dtype: int8): Q4_0, Q4_1 and Q4_K blocks as 4-bit codes 0..15
+ * with a float32 scale and offset per 32 inputs (Q4_0's -8 as an offset of -8 scales), 0.75
+ * bytes a weight, which the kernels never widen: each row of inputs is quantized to int8 per
+ * ACTIVATION_GROUP (quantize_rows) and multiplied by the codes in integers (exact int32 sums,
+ * then scale * s * sum + offset * s * code sum per 16 inputs, in float32): no longer the
+ * float32 layer's bits. Layout: Q4_K's scales and offsets, then for each 8 inputs of the
+ * group and each 16 outputs, 64 bytes: output o's 4 bytes at 4 o, byte i holding input i of
+ * the 8 in its low nibble and input 4 + i in its high one (vpdpbusd's operand: an output's 4
+ * inputs in one 32-bit lane). */
 
 #include "gguf_blocks.h"
 
@@ -47,6 +57,7 @@ enum {
     WEIGHT_Q4_K,
     WEIGHT_Q6_K,
     WEIGHT_Q5_K,
+    WEIGHT_Q4_CODES,
     WEIGHT_SEGMENTED,
     WEIGHT_KINDS
 };
@@ -90,13 +101,13 @@ static inline int scales_halves(int kind) {
 /* Whether a kind keeps float32 scales (else float16, as the file's 32-weight blocks). */
 static inline int float_scales(int kind) {
     return kind == WEIGHT_Q4_K || kind == WEIGHT_Q5_K || kind == WEIGHT_Q6_K ||
-           kind == WEIGHT_INT8_SCALED;
+           kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q4_CODES;
 }
 
 /* Whether a kind adds an offset (a minimum) to each scaled value. */
 static inline int adds_offset(int kind) {
     return kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K || kind == WEIGHT_Q5_K ||
-           kind == WEIGHT_INT8_SCALED;
+           kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q4_CODES;
 }
 
 /* Bytes of one block's group: scales (and minimums), then the values. */
@@ -158,14 +169,54 @@ static inline int same_value(float held, float loaded) {
     return bits_of(held) == bits_of(loaded) || (held != held && loaded != loaded);
 }
 
-/* Whether the kernels widen q held as kind with scale and minimum to the loaded value: the
- * decoder's value is it, and where an offset is added (one fused multiply-add in the
+/* Whether the kernels widen q held as kind with scale and minimum to the loaded value (the
+ * code kind: its value, whose zeros may differ in sign): the decoder's value is it, and where an offset is added (one fused multiply-add in the
  * kernels) scale * q is exact, so that fusing rounds as the decoder does (a finite scale's
  * product, in double, is exact). */
 static inline int holds_value(int kind, float scale, float minimum, int q, float loaded) {
-    if (!same_value(widened(kind, scale, minimum, q), loaded)) return 0;
+    float held = widened(kind, scale, minimum, q);
+    /* The code kind never widens: a zero's sign (Q4_0's -8 scales added back to 8 scales
+     * give +0 where the decoder's scale * 0 may be -0) changes none of its sums. */
+    if (kind == WEIGHT_Q4_CODES && held == 0.0f && loaded == 0.0f) return 1;
+    if (!same_value(held, loaded)) return 0;
     if (!adds_offset(kind) || !isfinite(scale)) return 1;
     return (double)(scale * (float)q) == (double)scale * (double)q;
+}
+
+/* Rows of x as the code kind multiplies them (WEIGHT_Q4_CODES): each row's inputs as int8
+ * codes, per ACTIVATION_GROUP inputs a scale s (x ~ s * code: the group's largest |x| / 127,
+ * each code x / s rounded to nearest, ties to even) and s times the sum of its codes. A group
+ * of zeros has s 0; one with a value not finite has s NaN and codes 0 (its sums are NaN, as
+ * the float32 layer's would be). */
+#define ACTIVATION_GROUP 16
+typedef struct {
+    int8_t *codes;             /* rows x in */
+    float *scales, *code_sums; /* rows x in / ACTIVATION_GROUP each */
+} QuantizedRows;
+
+static void quantize_rows(const float *x, long rows, long in, QuantizedRows *out) {
+    long groups = in / ACTIVATION_GROUP;
+    for (long r = 0; r < rows; r++)
+        for (long g = 0; g < groups; g++) {
+            const float *xg = x + r * in + g * ACTIVATION_GROUP;
+            int8_t *codes = out->codes + r * in + g * ACTIVATION_GROUP;
+            float largest = 0.0f;
+            int finite = 1;
+            for (int i = 0; i < ACTIVATION_GROUP; i++) {
+                largest = fmaxf(largest, fabsf(xg[i]));
+                finite &= isfinite(xg[i]) != 0;
+            }
+            float scale = finite ? largest / 127.0f : NAN;
+            int sum = 0;
+            for (int i = 0; i < ACTIVATION_GROUP; i++) {
+                long code = finite && scale > 0.0f ? lrintf(xg[i] / scale) : 0;
+                code = code > 127 ? 127 : code < -127 ? -127 : code;
+                codes[i] = (int8_t)code;
+                sum += (int)code;
+            }
+            out->scales[r * groups + g] = scale;
+            out->code_sums[r * groups + g] = scale * (float)sum;
+        }
 }
 
 /* Whether blocks of type are held as kind: INT8_SCALED holds every type; Q8_0 those of one
@@ -187,6 +238,8 @@ static int holds_type(int kind, const GGUFType *type) {
         return !strcmp(name, "Q5_K") || !strcmp(name, "Q5_1") || !strcmp(name, "Q4_K") ||
                !strcmp(name, "Q4_1");
     case WEIGHT_Q6_K: return one_scale || !strcmp(name, "Q6_K") || !strcmp(name, "Q3_K");
+    case WEIGHT_Q4_CODES:
+        return !strcmp(name, "Q4_0") || !strcmp(name, "Q4_1") || !strcmp(name, "Q4_K");
     default: return 0;
     }
 }
@@ -194,6 +247,11 @@ static int holds_type(int kind, const GGUFType *type) {
 /* q stored in a group (values: its values) for input i of output lane as kind holds it,
  * and the q the kernels read back (a nibble and a fifth bit, a byte). */
 static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
+    if (kind == WEIGHT_Q4_CODES) {
+        long at = (i / 8 * (LINEAR_BLOCK / 16) + lane / 16) * 64 + 4 * (lane % 16) + i % 4;
+        values[at] |= (uint8_t)((q & 15) << (4 * (i % 8 / 4)));
+        return q & 15;
+    }
     if (holds_bytes(kind)) {
         values[i * LINEAR_BLOCK + lane] = (uint8_t)(int8_t)q;
         return (int8_t)q;
@@ -231,8 +289,15 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
             scales[half][lane] = split->scale[split_group];
             if (offsets[half]) offsets[half][lane] = type->subtracts ? -offset : offset;
         }
+        /* Q4_0's q (-8..7) as codes 0..15 with an offset of -8 scales (exact: the value,
+         * scale * q, is the sum of two multiples of the scale that fit its precision). */
+        int bias = kind == WEIGHT_Q4_CODES && !strcmp(type->name, "Q4_0") ? 8 : 0;
+        if (bias)
+            for (int half = 0; half < 2; half++)
+                offsets[half][lane] = -(float)bias * scales[half][lane];
         for (int i = 0; i < QUANT_GROUP; i++) {
-            int half = i / QUANT_HALF, q = store_q(kind, values, lane, i, split->q[within + i]);
+            int half = i / QUANT_HALF;
+            int q = store_q(kind, values, lane, i, split->q[within + i] + bias);
             float minimum = offsets[half] ? offsets[half][lane] : 0.0f;
             if (!holds_value(kind, scales[half][lane], minimum, q, loaded[i * step])) return 0;
         }
@@ -338,4 +403,31 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
         default: run = NAME##_int8_scaled;                                                   \
         }                                                                                    \
         run(weight, base, x, y, bias, rows, out, in, first, end);                            \
+    }
+
+/* The code kind's blocks on one instruction set (TILE: its kernel of up to 4 rows against one
+ * block): NAME(weight, base, xq, y, bias, rows, out, in, first, end) computes y's outputs in
+ * blocks [first, end) for xq's rows (x quantized: quantize_rows), weight holding the blocks
+ * from block base on, 4 rows at a time. */
+#define DEFINE_CODE_BLOCKS(TARGET, NAME, TILE)                                                \
+    TARGET static void NAME(const uint8_t *weight, long base, const QuantizedRows *xq,         \
+                            float *y, const float *bias, long rows, long out, long in,         \
+                            long first, long end) {                                            \
+        long groups = in / QUANT_GROUP;                                                        \
+        long block_bytes = groups * quantized_group_bytes(WEIGHT_Q4_CODES);                    \
+        for (long b = first; b < end; b++) {                                                   \
+            const uint8_t *block = weight + (b - base) * block_bytes;                          \
+            long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK       \
+                                                               : LINEAR_BLOCK;                 \
+            const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                   \
+            for (long r = 0; r < rows; r += 4) {                                               \
+                float *yr = y + r * out + b * LINEAR_BLOCK;                                    \
+                switch (rows - r < 4 ? rows - r : 4) {                                         \
+                case 4: TILE(4, block, groups, xq, r, in, yr, out, width, block_bias); break;  \
+                case 3: TILE(3, block, groups, xq, r, in, yr, out, width, block_bias); break;  \
+                case 2: TILE(2, block, groups, xq, r, in, yr, out, width, block_bias); break;  \
+                default: TILE(1, block, groups, xq, r, in, yr, out, width, block_bias);        \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
     }

@@ -191,3 +191,80 @@ AVX512 static inline __attribute__((always_inline)) void quantized_rows(
 /* quantized_blocks(kind, weight, x, y, bias, rows, out, in, first, end): y's outputs in
  * blocks [first, end) (quantized_blocks.h). */
 DEFINE_QUANTIZED_BLOCKS(AVX512, quantized_blocks, quantized_row, quantized_rows)
+
+/* The code kind (WEIGHT_Q4_CODES): rows quantized to int8 (QuantizedRows) multiplied by the
+ * weight's 4-bit codes in integers, 64 products a vpdpbusd (an output's 4 inputs in one
+ * 32-bit lane: the layout store_q writes), exact int32 sums over each ACTIVATION_GROUP
+ * inputs, which then add (scale * s) * sum + offset * (s * code sum) to an output's float32
+ * sum, with the same operations in the same order in the AVX2 kernel (code_tile_avx2): the
+ * same bits. */
+#define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+static int cpu_has_avx512_vnni(void) {
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+
+/* R (<= 4) rows (from row `first` of xq) against one block of the code kind; y's rows
+ * y_stride apart, width outputs, plus the bias. */
+AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
+    const int R, const uint8_t *block, long groups, const QuantizedRows *xq, long first,
+    long in, float *y, long y_stride, long width, const float *bias) {
+    const long group_bytes = quantized_group_bytes(WEIGHT_Q4_CODES);
+    const long header = quantized_header_bytes(WEIGHT_Q4_CODES);
+    const __m512i nibbles = _mm512_set1_epi8(15);
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) acc[r][k] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *group = block + g * group_bytes, *values = group + header;
+        prefetch_group_header(WEIGHT_Q4_CODES, group);
+        const float *scales = group_float_scales(WEIGHT_Q4_CODES, group, 0);
+        const float *offsets = group_float_offsets(WEIGHT_Q4_CODES, group, 0);
+        __m512i sums[4][4];
+        for (int j = 0; j < QUANT_GROUP / 8; j++) {
+            if (8 * j % ACTIVATION_GROUP == 0)
+                for (int r = 0; r < R; r++)
+                    for (int k = 0; k < 4; k++) sums[r][k] = _mm512_setzero_si512();
+            __m512i low[4], high[4];
+            for (int k = 0; k < 4; k++) {
+                __m512i packed = _mm512_loadu_si512(values + (j * 4 + k) * 64);
+                low[k] = _mm512_and_si512(packed, nibbles);
+                high[k] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibbles);
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *codes = xq->codes + (first + r) * in + g * QUANT_GROUP + 8 * j;
+                int32_t low_quad, high_quad;
+                memcpy(&low_quad, codes, sizeof low_quad);
+                memcpy(&high_quad, codes + 4, sizeof high_quad);
+                __m512i low_x = _mm512_set1_epi32(low_quad), high_x = _mm512_set1_epi32(high_quad);
+                for (int k = 0; k < 4; k++) {
+                    sums[r][k] = _mm512_dpbusd_epi32(sums[r][k], low[k], low_x);
+                    sums[r][k] = _mm512_dpbusd_epi32(sums[r][k], high[k], high_x);
+                }
+            }
+            if (8 * (j + 1) % ACTIVATION_GROUP != 0) continue;
+            for (int r = 0; r < R; r++) { /* the half group's inputs done: scale its sums */
+                long at = ((first + r) * in + g * QUANT_GROUP + 8 * j) / ACTIVATION_GROUP;
+                __m512 s = _mm512_set1_ps(xq->scales[at]);
+                __m512 code_sum = _mm512_set1_ps(xq->code_sums[at]);
+                for (int k = 0; k < 4; k++) {
+                    __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(scales + 16 * k), s);
+                    __m512 products = _mm512_cvtepi32_ps(sums[r][k]);
+                    acc[r][k] = _mm512_fmadd_ps(scale, products, acc[r][k]);
+                    acc[r][k] =
+                        _mm512_fmadd_ps(_mm512_loadu_ps(offsets + 16 * k), code_sum, acc[r][k]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) {
+            __mmask16 lanes = tail_mask(width, k);
+            __m512 sum = bias ? _mm512_add_ps(acc[r][k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
+                              : acc[r][k];
+            _mm512_mask_storeu_ps(y + r * y_stride + 16 * k, lanes, sum);
+        }
+}
+
+/* code_blocks(weight, base, xq, y, bias, rows, out, in, first, end) (quantized_blocks.h). */
+DEFINE_CODE_BLOCKS(AVX512_VNNI, code_blocks, code_tile)

@@ -144,3 +144,78 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_rows_avx2(
 /* quantized_blocks_avx2(kind, ...): as quantized_blocks (quantized_blocks.h). */
 DEFINE_QUANTIZED_BLOCKS(AVX2_F16C, quantized_blocks_avx2, quantized_row_avx2,
                         quantized_rows_avx2)
+
+/* The code kind on AVX2 (code_tile's arithmetic, 8 outputs a vector): each 64 bytes of codes
+ * are 16 outputs' 4 inputs, a 256-bit half 8 of them; vpmaddubsw multiplies codes by int8
+ * inputs and adds pairs (at most 2 x 15 x 127: never saturates), vpmaddwd adds the pairs'
+ * pairs into the lane's int32 sum. */
+AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
+    const int R, const uint8_t *block, long groups, const QuantizedRows *xq, long first,
+    long in, float *y, long y_stride, long width, const float *bias) {
+    const long group_bytes = quantized_group_bytes(WEIGHT_Q4_CODES);
+    const long header = quantized_header_bytes(WEIGHT_Q4_CODES);
+    const __m256i nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) { /* outputs 32h..32h+31: 4 vectors of 8 */
+        __m256 acc[4][4];
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            const uint8_t *group = block + g * group_bytes, *values = group + header;
+            if (h == 0) prefetch_group_header(WEIGHT_Q4_CODES, group);
+            const float *scales = group_float_scales(WEIGHT_Q4_CODES, group, 0) + 32 * h;
+            const float *offsets = group_float_offsets(WEIGHT_Q4_CODES, group, 0) + 32 * h;
+            __m256i sums[4][4];
+            for (int j = 0; j < QUANT_GROUP / 8; j++) {
+                if (8 * j % ACTIVATION_GROUP == 0)
+                    for (int r = 0; r < R; r++)
+                        for (int k = 0; k < 4; k++) sums[r][k] = _mm256_setzero_si256();
+                __m256i low[4], high[4];
+                for (int k = 0; k < 4; k++) { /* vector k: outputs 32h + 8k .. + 7 */
+                    int sixteen = 2 * h + k / 2, half = k % 2;
+                    __m256i packed = _mm256_loadu_si256(
+                        (const __m256i *)(values + (j * 4 + sixteen) * 64 + 32 * half));
+                    low[k] = _mm256_and_si256(packed, nibbles);
+                    high[k] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibbles);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int8_t *codes = xq->codes + (first + r) * in + g * QUANT_GROUP + 8 * j;
+                    int32_t low_quad, high_quad;
+                    memcpy(&low_quad, codes, sizeof low_quad);
+                    memcpy(&high_quad, codes + 4, sizeof high_quad);
+                    __m256i low_x = _mm256_set1_epi32(low_quad);
+                    __m256i high_x = _mm256_set1_epi32(high_quad);
+                    for (int k = 0; k < 4; k++) {
+                        __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low[k], low_x),
+                                                        _mm256_maddubs_epi16(high[k], high_x));
+                        sums[r][k] = _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(both, ones));
+                    }
+                }
+                if (8 * (j + 1) % ACTIVATION_GROUP != 0) continue;
+                for (int r = 0; r < R; r++) {
+                    long at =
+                        ((first + r) * in + g * QUANT_GROUP + 8 * j) / ACTIVATION_GROUP;
+                    __m256 s = _mm256_set1_ps(xq->scales[at]);
+                    __m256 code_sum = _mm256_set1_ps(xq->code_sums[at]);
+                    for (int k = 0; k < 4; k++) {
+                        __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales + 8 * k), s);
+                        __m256 products = _mm256_cvtepi32_ps(sums[r][k]);
+                        acc[r][k] = _mm256_fmadd_ps(scale, products, acc[r][k]);
+                        acc[r][k] =
+                            _mm256_fmadd_ps(_mm256_loadu_ps(offsets + 8 * k), code_sum, acc[r][k]);
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < 4; k++) {
+                long lane = 32 * h + 8 * k;
+                float sums_out[8];
+                _mm256_storeu_ps(sums_out, acc[r][k]);
+                for (int i = 0; i < 8 && lane + i < width; i++)
+                    y[r * y_stride + lane + i] = sums_out[i] + (bias ? bias[lane + i] : 0.0f);
+            }
+    }
+}
+
+/* code_blocks on AVX2. */
+DEFINE_CODE_BLOCKS(AVX2_F16C, code_blocks_avx2, code_tile_avx2)

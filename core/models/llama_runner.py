@@ -42,6 +42,7 @@ class LlamaModelRunner(CausalLMRunner):
                 os.environ,
                 torch_dtype(self.config.model.weight_precision),
                 quantized=self.config.model.holds_gguf_blocks,
+                codes=self.config.model.holds_codes,
             ),
         )
         model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
@@ -82,6 +83,8 @@ def _plan_of(checkpoint: GGUFCheckpoint | HFCheckpoint, config: EngineConfig) ->
             )
         if holds_quantization_blocks(config.parallel.device, os.environ):
             held_blocks = HeldBlocks.of(
-                checkpoint.tensor_types(), checkpoint.architecture.tie_word_embeddings
+                checkpoint.tensor_types(),
+                checkpoint.architecture.tie_word_embeddings,
+                codes=config.model.holds_codes,
             )
     return LlamaPlan.of(checkpoint.architecture, config, os.environ, held_blocks)

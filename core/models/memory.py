@@ -28,7 +28,8 @@ _FLOAT32 = 4
 #: float32 scales and offsets, 32 int8),
 #: in blocks of 64 outputs (``quantized_blocks.h``).
 _BLOCK_GROUP_BYTES = {
-    "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 24, "Q5_K": 28, "Q6_K": 40, "INT8_SCALED": 48
+    "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 24, "Q5_K": 28, "Q6_K": 40, "INT8_SCALED": 48,
+    "Q4_CODES": 24,
 }  # fmt: skip
 _GROUP, _BLOCK_OUTPUTS = 32, 64
 #: The file's block types each kind holds (``quantized_blocks.h``: holds_type), in the order
@@ -43,6 +44,8 @@ _HOLDS = {
     "INT8_SCALED": ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
 }  # fmt: skip
+#: The types the code kind holds (``model.activation_dtype: int8``: tried before the others).
+_CODE_KIND, _CODE_HOLDS = "Q4_CODES", ("Q4_0", "Q4_1", "Q4_K")
 #: The inputs one block of a file's type spans: a shard that cuts one is held in float32.
 _K_TYPES, _SUPER_BLOCK = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), 256
 #: A weight held in segments (``quantized_blocks.h``: SegmentTable): the table's bytes, and
@@ -53,7 +56,8 @@ _SEGMENT_TABLE_BYTES, _SEGMENTS_MAX = 64, 7
 @dataclass(frozen=True)
 class HeldKind:
     """How one weight is held (``model.weight_dtype: gguf``): ``kind``, a block kind
-    (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q8_0``, ``Q6_K``, ``INT8_SCALED``) or ``F32``, and
+    (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q8_0``, ``Q6_K``, ``INT8_SCALED``, ``Q4_CODES``)
+    or ``F32``, and
     ``inputs``, the inputs one of the file's blocks spans (a shard's inputs must be whole
     blocks); ``layers``, for a merged weight (q/k/v, gate/up), each different layer's one
     kind holding all its parts and each part's first kind, in row order: the kernels hold a
@@ -65,21 +69,24 @@ class HeldKind:
     layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
-    def of(cls, types: list[list[str]]) -> HeldKind:
+    def of(cls, types: list[list[str]], codes: bool = False) -> HeldKind:
         """The kind a weight is held in, each of whose layers has parts of the file's
         ``types`` (a list a layer): the one with the most bytes among its layers', each
-        layer's the first kind that holds all its parts' types (``F32`` where none does);
-        with each different layer's kinds (``layers``)."""
-        kinds = [_first_holding(parts) for parts in types]
+        layer's the first kind that holds all its parts' types (``F32`` where none does;
+        with ``codes``, the code kind first); with each different layer's kinds
+        (``layers``)."""
+        kinds = [_first_holding(parts, codes) for parts in types]
         inputs = _SUPER_BLOCK if any(t in _K_TYPES for parts in types for t in parts) else _GROUP
-        layers = {(kind, tuple(_first_holding([part]) for part in parts)): None
+        layers = {(kind, tuple(_first_holding([part], codes) for part in parts)): None
                   for parts, kind in zip(types, kinds, strict=True)}  # fmt: skip
         return cls(max(kinds, key=_bytes_per_weight, default="F32"), inputs, tuple(layers))
 
 
-def _first_holding(types: list[str]) -> str:
-    """The first block kind holding every one of ``types`` (``F32`` where none does)."""
-    held = [kind for kind, holds in _HOLDS.items() if set(types) <= set(holds)]
+def _first_holding(types: list[str], codes: bool = False) -> str:
+    """The first block kind holding every one of ``types`` (``F32`` where none does; with
+    ``codes``, the code kind before the others)."""
+    tried = {_CODE_KIND: _CODE_HOLDS, **_HOLDS} if codes else _HOLDS
+    held = [kind for kind, holds in tried.items() if set(types) <= set(holds)]
     return held[0] if types and held else "F32"
 
 
@@ -96,8 +103,9 @@ class HeldBlocks:
     head: HeldKind
 
     @classmethod
-    def of(cls, tensor_types: Mapping[str, str], tied: bool) -> HeldBlocks:
-        """From the file's tensor types (GGUF name -> type name)."""
+    def of(cls, tensor_types: Mapping[str, str], tied: bool, codes: bool = False) -> HeldBlocks:
+        """From the file's tensor types (GGUF name -> type name); ``codes``: weights of
+        4-bit types held as codes (``model.activation_dtype: int8``)."""
         layers: dict[str, dict[str, str]] = {}
         for name, kind in tensor_types.items():
             if name.startswith("blk.") and name.endswith(".weight"):
@@ -108,7 +116,7 @@ class HeldBlocks:
             return HeldKind.of([
                 [parts[role] for role in roles if role in parts]
                 for parts in layers.values() if any(role in parts for role in roles)
-            ])  # fmt: skip
+            ], codes)  # fmt: skip
 
         head = tensor_types.get("token_embd.weight" if tied else "output.weight", "F32")
         return cls(
@@ -116,7 +124,7 @@ class HeldBlocks:
             held("attn_output"),
             held("ffn_gate", "ffn_up"),
             held("ffn_down"),
-            HeldKind.of([[head]]),
+            HeldKind.of([[head]], codes),
         )
 
 

@@ -1,0 +1,173 @@
+"""``model.activation_dtype: int8`` with ``weight_dtype: gguf``: weights of the file's 4-bit types
+held as codes (``Q4_CODES``) and multiplied by their inputs quantized to int8 per 16, in
+integers. The kernel gives that arithmetic's sums (against a float64 reference of the same
+rounded inputs), the same bits on the AVX2 kernels and on a team; a non-finite input spoils
+only its row; the plan counts the codes' bytes; SmolLM2 keeps float32's top choice almost
+everywhere, and the config refuses the mode without gguf."""
+
+import numpy as np
+import pytest
+import torch
+
+from shardline.config import load_config
+from shardline.engine import LLM, SamplingParams
+from shardline.errors import ConfigError
+from shardline.layers.kernels import CODE_KIND, NativeKernels
+from shardline.models.memory import HeldBlocks, block_bytes
+from support.gguf_values import file_weight, random_blocks
+from support.memory_probe import bytes_held
+from support.smollm2 import smollm2_gguf
+
+native = pytest.importorskip("shardline.layers._kernels", reason="C extension not built")
+needs_code_kernels = pytest.mark.skipif(
+    not native.quantized_linear_available(),
+    reason="weights held as codes need AVX-512, or AVX2 with FMA and F16C",
+)
+CODES = NativeKernels(native, quantized=True, codes=True)
+CODE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+#: Inputs that share one int8 scale.
+ACTIVATION_GROUP = 16
+
+
+def _has_avx2_f16c() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = cpuinfo.read().split()
+    return all(flag in flags for flag in ("avx2", "fma", "f16c"))
+
+
+def _quantized_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it: per 16 inputs, s = largest |x| / 127 (float32) and each input
+    s times round(x / s) (to nearest, ties to even), in float64."""
+    groups = x.view(x.shape[0], -1, ACTIVATION_GROUP)
+    scale = groups.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.round(groups / torch.where(scale > 0, scale, 1.0)).clamp(-127, 127)
+    return (codes.double() * scale.double()).view(x.shape)
+
+
+def _blocked(held, x, bias, avx2):
+    out_features, in_features = held.blocked_shape
+    y = torch.empty(x.shape[0], out_features)
+    native.blocked_linear(
+        held.data_ptr(), x.data_ptr(), y.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        x.shape[0], out_features, in_features, None, held.weight_kind, avx2,
+    )  # fmt: skip
+    return y
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
+@pytest.mark.parametrize("file_type", CODE_TYPES)
+@needs_code_kernels
+def test_4_bit_weights_multiply_int8_inputs_in_integers(file_type, rows):
+    rng = np.random.default_rng([CODE_TYPES.index(file_type), rows])
+    shapes = [(130, 512), (7, 256)] if file_type == "Q4_K" else [(100, 64), (130, 576), (7, 96)]
+    for out_features, in_features in shapes:
+        blocks = random_blocks(file_type, out_features, in_features, rng)
+        weight = file_weight([(file_type, blocks)], out_features)
+        held = CODES.pack_linear(weight)
+        assert held.held_as == CODE_KIND and held.dtype is torch.uint8
+        assert held.numel() == block_bytes(CODE_KIND, out_features, in_features)
+        x, bias = torch.randn(rows, in_features), torch.randn(out_features)
+        y = CODES.linear(x, held, bias)
+        rounded = _quantized_inputs(x)
+        expected = rounded @ weight.double().T + bias.double()
+        # float32 sums of the terms: within a few units in the last place of their magnitude.
+        magnitude = rounded.abs() @ weight.double().abs().T + bias.double().abs()
+        assert ((y.double() - expected).abs() <= 1e-6 * magnitude).all()
+        # Not the float32 product: the inputs were rounded.
+        assert not torch.equal(y, torch.nn.functional.linear(x, weight, bias))
+        team = NativeKernels(native, threads=3, quantized=True, codes=True)
+        assert torch.equal(team.linear(x, held, bias), y)
+        if _has_avx2_f16c():
+            assert torch.equal(_blocked(held, x, bias, avx2=True), y)
+
+
+@needs_code_kernels
+def test_a_non_finite_input_spoils_only_its_row():
+    rng = np.random.default_rng(9)
+    weight = file_weight([("Q4_1", random_blocks("Q4_1", 64, 64, rng))], 64)
+    held = CODES.pack_linear(weight)
+    x = torch.randn(3, 64)
+    x[1, 5] = float("inf")
+    y = CODES.linear(x, held, None)
+    assert y[1].isnan().all()
+    assert torch.isfinite(y[[0, 2]]).all()
+
+
+@needs_code_kernels
+def test_other_types_keep_their_exact_kinds():
+    rng = np.random.default_rng(3)
+    weight = file_weight([("Q6_K", random_blocks("Q6_K", 64, 256, rng))], 64)
+    held = CODES.pack_linear(weight)
+    assert held.held_as == "Q6_K"
+    x = torch.randn(2, 256)
+    assert torch.equal(CODES.linear(x, held, None), NativeKernels(native).linear(
+        x, NativeKernels(native).pack_linear(weight.detach().clone()), None
+    ))  # fmt: skip
+
+
+@needs_code_kernels
+def test_a_merged_weight_holds_its_4_bit_part_as_codes_in_a_segment():
+    """A Q4_K_M file's query rows (Q4_K) and value rows (Q6_K) in one weight: the queries as
+    codes multiplying int8 inputs, the values in Q6_K blocks giving float32's bits."""
+    rng = np.random.default_rng(4)
+    parts = [("Q4_K", random_blocks("Q4_K", 64, 256, rng)),
+             ("Q6_K", random_blocks("Q6_K", 64, 256, rng))]  # fmt: skip
+    weight = file_weight(parts, 128)
+    held = CODES.pack_linear(weight)
+    assert held.held_as == f"{CODE_KIND}+Q6_K" and held.weight_kind == native.WEIGHT_SEGMENTED
+    x = torch.randn(3, 256)
+    y = CODES.linear(x, held, None)
+    exact = NativeKernels(native)
+    assert torch.equal(y[:, 64:], exact.linear(x, exact.pack_linear(weight[64:].clone()), None))
+    rounded = _quantized_inputs(x) @ weight[:64].double().T
+    magnitude = _quantized_inputs(x).abs() @ weight[:64].double().abs().T
+    assert ((y[:, :64].double() - rounded).abs() <= 1e-6 * magnitude).all()
+
+
+def test_the_plan_holds_4_bit_types_as_codes_only_when_asked():
+    types = {"blk.0.attn_q.weight": "Q4_1", "blk.0.ffn_down.weight": "Q4_K",
+             "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q8_0"}  # fmt: skip
+    plain, codes = HeldBlocks.of(types, tied=True), HeldBlocks.of(types, tied=True, codes=True)
+    assert (plain.down.kind, codes.down.kind) == ("Q4_K", CODE_KIND)
+    # The merged q/k/v: Q4_1 queries and Q6_K values need a kind holding both either way.
+    assert plain.qkv.kind == codes.qkv.kind == "INT8_SCALED"
+    assert codes.head.kind == plain.head.kind == "Q8_0"
+    assert block_bytes(CODE_KIND, 64, 32) == block_bytes("Q4_K", 64, 32) == 64 * 24
+
+
+def test_int8_activations_need_gguf_blocks():
+    with pytest.raises(ConfigError) as raised:
+        load_config(overrides=["model.activation_dtype=int8"], environ={})
+    assert "activation_dtype = 'int8' with weight_dtype = None: allowed: activation_dtype " \
+        "null, or 'int8' with weight_dtype 'gguf'" in str(raised.value)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"activation_dtype"):
+        load_config(overrides=["model.activation_dtype=int4"], environ={})
+
+
+@pytest.mark.timeout(600)
+@needs_code_kernels
+def test_smollm2_with_int8_activations_keeps_float32s_top_choice_almost_everywhere():
+    """TP=2 on the Q4_1 file: every layer's weights held as codes, as the plan counted them;
+    teacher-forced on float32's greedy answers, the int8 mode picks the same next token at
+    nine positions in ten or more (benchmarks/dtype_agreement.py: 0.984 on held-out prompts)."""
+    path = smollm2_gguf()
+    questions = ["What is the capital of France?", "Name three colours of the rainbow."]
+    with LLM(overrides=[f"model.path={path}"], environ={}) as llm:
+        prompts = [llm.tokenizer.encode(q) for q in questions]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        reference = [list(out.token_ids) for out in llm.generate(prompts, params)]
+    overrides = [
+        f"model.path={path}", "model.weight_dtype=gguf", "model.activation_dtype=int8",
+        "parallel.tensor_parallel_size=2",
+    ]  # fmt: skip
+    with LLM(overrides=overrides, environ={}) as llm:
+        planned = {r: share for share in llm.engine.capacity.shares for r in share.ranks}
+        for rank, (parameters, _) in enumerate(llm.engine.executor.collective_rpc(bytes_held)):
+            assert parameters == planned[rank].memory.weights
+        prefixes = [p + ref[:k] for p, ref in zip(prompts, reference, strict=True)
+                    for k in range(len(ref))]  # fmt: skip
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        chosen = [out.token_ids[0] for out in llm.generate(prefixes, one)]
+    expected = [token for ref in reference for token in ref]
+    agreement = sum(a == b for a, b in zip(chosen, expected, strict=True)) / len(expected)
+    assert agreement >= 0.9, agreement
