@@ -1,5 +1,7 @@
-/* What an integer dot product would give a batch-1 row of 4-bit weights on this CPU, against
- * the widening the block kernels do today (quantized_linear.h): measure before building a mode.
+/* What an integer dot product gives a batch-1 row of 4-bit weights on this CPU, against the
+ * widening the exact block kernels do (quantized_linear.h), with nothing else around them: the
+ * measurement the code kind (model.activation_dtype: int8; its kernel scales per 16 inputs,
+ * this one per 32) was built on, to repeat on another CPU.
  *
  * One thread, one row x of IN inputs against an OUT x IN weight of 4-bit codes q (0..15) with a
  * float32 scale and offset per output and group of 32 inputs (Q4_1's values: scale * q +
