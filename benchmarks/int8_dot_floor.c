@@ -49,18 +49,24 @@ static double seconds_now(void) {
     return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
 }
 
+/* Block b's group g's scales and offsets, in both layouts; returns where its codes go. */
+static uint8_t *write_header(const float *scales, const float *offsets, int b, int g,
+                             uint8_t *weight) {
+    uint8_t *group = weight + ((size_t)b * GROUPS + g) * GROUP_BYTES;
+    for (int o = 0; o < BLOCK; o++) {
+        long out = (long)b * BLOCK + o;
+        ((float *)group)[o] = scales[out * GROUPS + g];
+        ((float *)group)[BLOCK + o] = offsets[out * GROUPS + g];
+    }
+    return group + HEADER_BYTES;
+}
+
 /* Today's layout: the byte of inputs 2p, 2p + 1 for output o at p * 64 + o. */
 static void write_widen_layout(const uint8_t *codes, const float *scales, const float *offsets,
                                uint8_t *weight) {
     for (int b = 0; b < BLOCKS; b++)
         for (int g = 0; g < GROUPS; g++) {
-            uint8_t *group = weight + ((size_t)b * GROUPS + g) * GROUP_BYTES;
-            for (int o = 0; o < BLOCK; o++) {
-                long out = (long)b * BLOCK + o;
-                ((float *)group)[o] = scales[out * GROUPS + g];
-                ((float *)group)[BLOCK + o] = offsets[out * GROUPS + g];
-            }
-            uint8_t *values = group + HEADER_BYTES;
+            uint8_t *values = write_header(scales, offsets, b, g, weight);
             for (int p = 0; p < GROUP / 2; p++)
                 for (int o = 0; o < BLOCK; o++) {
                     const uint8_t *q = codes + ((long)b * BLOCK + o) * IN + g * GROUP + 2 * p;
@@ -76,13 +82,7 @@ static void write_vnni_layout(const uint8_t *codes, const float *scales, const f
                               uint8_t *weight) {
     for (int b = 0; b < BLOCKS; b++)
         for (int g = 0; g < GROUPS; g++) {
-            uint8_t *group = weight + ((size_t)b * GROUPS + g) * GROUP_BYTES;
-            for (int o = 0; o < BLOCK; o++) {
-                long out = (long)b * BLOCK + o;
-                ((float *)group)[o] = scales[out * GROUPS + g];
-                ((float *)group)[BLOCK + o] = offsets[out * GROUPS + g];
-            }
-            uint8_t *values = group + HEADER_BYTES;
+            uint8_t *values = write_header(scales, offsets, b, g, weight);
             for (int j = 0; j < GROUP / 8; j++)
                 for (int k = 0; k < BLOCK / 16; k++)
                     for (int o = 0; o < 16; o++)

@@ -93,7 +93,7 @@ def plan(
     one row a binding."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
-    from shardline.config.schema import allowed_weight_dtypes
+    from shardline.config.schema import allowed_activation_dtypes, allowed_weight_dtypes
 
     allowed = allowed_weight_dtypes(dtype)
     if weight_dtype not in allowed:
@@ -101,7 +101,7 @@ def plan(
         raise ConfigError(
             f"--weight-dtype: {weight_dtype!r} with --dtype {dtype}: allowed: {named}"
         )
-    if activation_dtype not in (None, "int8") or (activation_dtype and weight_dtype != "gguf"):
+    if activation_dtype not in allowed_activation_dtypes(weight_dtype):
         raise ConfigError(
             f"--activation-dtype: {activation_dtype!r} with --weight-dtype {weight_dtype}: "
             "allowed: int8 with --weight-dtype gguf, or none"
@@ -289,12 +289,13 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
     long_prompts = bool(rows and rows[0].get("prompt_tokens"))
     if rows:
         held = rows[0].get("weight_dtype")
-        rounded = f" (Shardline's linear weights in {held}, computed in float32)" if held else ""
-        if rows[0].get("activation_dtype"):
-            rounded = (
-                f" (Shardline's linear weights in {held}, those of 4-bit types multiplied by "
-                f"{rows[0]['activation_dtype']} inputs)"
-            )
+        activations = rows[0].get("activation_dtype")
+        computed = (
+            f"those of 4-bit types multiplied by {activations} inputs"
+            if activations
+            else "computed in float32"
+        )
+        rounded = f" (Shardline's linear weights in {held}, {computed})" if held else ""
         print(f"weights in {rows[0]['dtype']}{rounded}")
     if long_prompts:
         # The targets are set on the chat question's prompt, decode over a short context.

@@ -37,6 +37,12 @@ def allowed_weight_dtypes(dtype: str) -> list[str | None]:
     return [None, dtype] + (["bfloat16", GGUF_BLOCKS] if dtype == "float32" else [])
 
 
+def allowed_activation_dtypes(weight_dtype: str | None) -> list[str | None]:
+    """The ``model.activation_dtype`` values a model of ``weight_dtype`` takes: null, and int8
+    with gguf."""
+    return [None] + (["int8"] if weight_dtype == GGUF_BLOCKS else [])
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -65,7 +71,7 @@ class ModelConfig(Section):
         default=None,
         description="null: the linear layers multiply float32 inputs; int8 with weight_dtype "
         "gguf: weights of the file's 4-bit types (Q4_0, Q4_1, Q4_K) are held as codes and "
-        "multiplied by their inputs quantized to int8 per 32 (a scale each) in integers "
+        "multiplied by their inputs quantized to int8 per 16 (a scale each) in integers "
         "(faster; no longer the float32 results: the activations are rounded), on a CPU with "
         "AVX-512 VNNI or AVX2; other weights as gguf holds them",
     )
@@ -80,7 +86,7 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _int8_activations_with_gguf_blocks(self) -> ModelConfig:
-        if self.activation_dtype is not None and self.weight_dtype != GGUF_BLOCKS:
+        if self.activation_dtype not in allowed_activation_dtypes(self.weight_dtype):
             raise ValueError(
                 f"activation_dtype = {self.activation_dtype!r} with weight_dtype = "
                 f"{self.weight_dtype!r}: allowed: activation_dtype null, or 'int8' with "

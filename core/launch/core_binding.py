@@ -61,14 +61,14 @@ class CoreBinding:
         return cls(text, "explicit", sets)
 
     def core_sets_for(
-        self, ranks_on_host: int, allowed: Iterable[int]
+        self, ranks_on_host: int, allowed: Iterable[int] | None = None
     ) -> list[frozenset[int]] | None:
-        """The cores each of ``ranks_on_host`` local ranks runs on, out of ``allowed`` (the
-        cores this process may use); None: not bound. ConfigError when an explicit binding's
+        """The cores each of ``ranks_on_host`` local ranks runs on, out of ``allowed`` (None:
+        the cores this process may use); None: not bound. ConfigError when an explicit binding's
         sets are not one per rank or name a core not allowed."""
         if self.mode == NONE:
             return None
-        cores = sorted(allowed)
+        cores = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
         if self.mode == AUTO:
             return auto_core_sets(cores, ranks_on_host)
         written = f"{_FIELD} = {self.text!r}"

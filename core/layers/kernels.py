@@ -351,7 +351,7 @@ class NativeKernels(TorchKernels):
         widens each weight to the file decoder's value, so results are the float32
         weight's, bit for bit); any other weight is held in float32. ``codes`` (with
         ``quantized``): weights of the file's 4-bit types are held first as ``Q4_CODES``,
-        codes that the C kernel multiplies by each input row quantized to int8 per 32 inputs
+        codes that the C kernel multiplies by each input row quantized to int8 per 16 inputs
         (no longer the float32 results)."""
         super().__init__(weight_dtype)
         self.native = native

@@ -170,9 +170,9 @@ static inline int same_value(float held, float loaded) {
 }
 
 /* Whether the kernels widen q held as kind with scale and minimum to the loaded value (the
- * code kind: its value, whose zeros may differ in sign): the decoder's value is it, and where an offset is added (one fused multiply-add in the
- * kernels) scale * q is exact, so that fusing rounds as the decoder does (a finite scale's
- * product, in double, is exact). */
+ * code kind: its value, whose zeros may differ in sign): the decoder's value is it, and
+ * where an offset is added (one fused multiply-add in the kernels) scale * q is exact, so
+ * that fusing rounds as the decoder does (a finite scale's product, in double, is exact). */
 static inline int holds_value(int kind, float scale, float minimum, int q, float loaded) {
     float held = widened(kind, scale, minimum, q);
     /* The code kind never widens: a zero's sign (Q4_0's -8 scales added back to 8 scales

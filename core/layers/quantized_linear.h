@@ -243,7 +243,7 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
                 }
             }
             if (8 * (j + 1) % ACTIVATION_GROUP != 0) continue;
-            for (int r = 0; r < R; r++) { /* the half group's inputs done: scale its sums */
+            for (int r = 0; r < R; r++) { /* an ACTIVATION_GROUP of inputs done: scale its sums */
                 long at = ((first + r) * in + g * QUANT_GROUP + 8 * j) / ACTIVATION_GROUP;
                 __m512 s = _mm512_set1_ps(xq->scales[at]);
                 __m512 code_sum = _mm512_set1_ps(xq->code_sums[at]);

@@ -89,11 +89,9 @@ class ExternalLauncherExecutor(Executor):
                 field="parallel",
             )
         # Its cores of parallel.cpu_binding (each rank binds itself; none: left as placed).
-        host_cores = config.parallel.core_binding.core_sets_for(
-            launched.local_world_size, os.sched_getaffinity(0)
-        )
+        local_cores = config.parallel.core_binding.core_sets_for(launched.local_world_size)
         place_rank(
-            None if host_cores is None else host_cores[launched.local_rank],
+            None if local_cores is None else local_cores[launched.local_rank],
             launched.local_world_size,
         )
         self.rank = launched.rank

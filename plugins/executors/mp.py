@@ -136,9 +136,7 @@ class MultiprocExecutor(Executor):
         # Every rank's cores, checked before anything starts; the driver's, once they run.
         ranks_on_host = self.world_size * config.parallel.worlds_side_by_side
         first_local_rank = (config.parallel.data_parallel_rank or 0) * self.world_size
-        all_cores = config.parallel.core_binding.core_sets_for(
-            ranks_on_host, os.sched_getaffinity(0)
-        )
+        all_cores = config.parallel.core_binding.core_sets_for(ranks_on_host)
         rank_cores = [
             None if all_cores is None else all_cores[first_local_rank + rank]
             for rank in range(self.world_size)
