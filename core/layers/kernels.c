@@ -941,40 +941,32 @@ static void linear_chunk(const void *context, long chunk, int worker) {
 /* y = x W^T + b, W blocked (held as kind says: WEIGHT_*; quantized kinds need AVX-512, or
  * AVX2 with FMA and F16C),
  * shared out by team (NULL: this thread alone) in chunks of blocks: two up to
- * LINEAR_PAIR_MAX_ROWS rows (a pair), one otherwise. */
+ * LINEAR_PAIR_MAX_ROWS rows (a pair), one otherwise. A weight with code-kind blocks
+ * (has_codes) multiplies x quantized once here, into activations: space of at least
+ * quantized_rows_floats(rows, in) floats (unused otherwise: may be NULL). */
 static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, int kind,
                                    const float *x, float *y, const float *bias, long rows,
-                                   long out, long in) {
+                                   long out, long in, float *activations) {
     long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
     long per_chunk = rows <= LINEAR_PAIR_MAX_ROWS ? 2 : 1;
     while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
     LinearJob job = {.weight = weight, .kind = kind, .avx512 = avx512, .x = x, .bias = bias,
                      .y = y, .rows = rows, .out = out, .in = in, .blocks_per_chunk = per_chunk};
-    /* Code-kind blocks multiply x quantized once here, for every chunk. */
-    QuantizedRows xq = {NULL, NULL, NULL};
+    QuantizedRows xq;
     if (has_codes(weight, kind)) {
-        long groups = in / ACTIVATION_GROUP;
-        xq.codes = malloc((size_t)(rows * in));
-        xq.scales = malloc(sizeof(float) * (size_t)(2 * rows * groups));
-        if (xq.codes == NULL || xq.scales == NULL) { /* no memory: the caller's y is NaN */
-            for (long i = 0; i < rows * out; i++) y[i] = NAN;
-            free(xq.codes);
-            free(xq.scales);
-            return;
-        }
-        xq.code_sums = xq.scales + rows * groups;
+        xq = quantized_rows_in(activations, rows, in);
         quantize_rows(x, rows, in, &xq);
         job.xq = &xq;
     }
     team_run(team, (blocks + per_chunk - 1) / per_chunk, linear_chunk, &job);
-    free(xq.codes);
-    free(xq.scales);
 }
 
 /* blocked_linear_rows_on the widest kernels this CPU runs. */
 static void blocked_linear_rows(Team *team, const void *weight, int kind, const float *x,
-                                float *y, const float *bias, long rows, long out, long in) {
-    blocked_linear_rows_on(team, cpu_has_avx512(), weight, kind, x, y, bias, rows, out, in);
+                                float *y, const float *bias, long rows, long out, long in,
+                                float *activations) {
+    blocked_linear_rows_on(team, cpu_has_avx512(), weight, kind, x, y, bias, rows, out, in,
+                           activations);
 }
 
 /* The 16 lanes' sums of p[0..15], as lanes 0..15 of one vector: pairs of vectors interleaved
@@ -1566,9 +1558,18 @@ static long attention_pieces(const Step *step, int workers) {
     return (blocks + attention_piece_blocks(step) - 1) / attention_piece_blocks(step);
 }
 
+/* Floats at the start of a half's scratch for its linears' quantized inputs (a multiple of
+ * 16: what follows stays 64-byte aligned): room for rows of the widest input. */
+static long activation_floats(const Step *step) {
+    long widest = step->hidden > step->size ? step->hidden : step->size;
+    if (step->q_heads * step->d > widest) widest = step->q_heads * step->d;
+    return (quantized_rows_floats(step->rows, widest) + 15) / 16 * 16;
+}
+
 /* Floats of scratch one half of a layer needs (attention's is the larger unless the MLP is
- * wide): normed rows, qkv, queries, attended rows, a norm row, the attention scores of each
- * of workers threads and the attention pieces' outputs and sums (attention_pieces). */
+ * wide): activation_floats, then normed rows, qkv, queries, attended rows, a norm row, the
+ * attention scores of each of workers threads and the attention pieces' outputs and sums
+ * (attention_pieces). */
 static size_t scratch_floats(const Step *step, int workers) {
     long qkv_width = (step->q_heads + 2 * step->kv_heads) * step->d;
     long pieces = attention_pieces(step, workers);
@@ -1576,7 +1577,7 @@ static size_t scratch_floats(const Step *step, int workers) {
                      step->hidden + workers * attention_scratch_floats(step->longest, step->d) +
                      (pieces > 1 ? step->rows * step->q_heads * pieces * (step->d + 2) : 0);
     long mlp = step->rows * (step->hidden + 3 * step->size) + step->hidden;
-    return (size_t)(attention > mlp ? attention : mlp);
+    return (size_t)(activation_floats(step) + (attention > mlp ? attention : mlp));
 }
 
 #ifdef HAVE_BLOCKED_LINEAR
@@ -1667,7 +1668,8 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
                            float *scratch, double *times) {
     long rows = step->rows, hidden = step->hidden, d = step->d;
     long qkv_width = (step->q_heads + 2 * step->kv_heads) * d, width = step->q_heads * d;
-    float *normed = scratch, *qkv = normed + rows * hidden, *q = qkv + rows * qkv_width;
+    float *activations = scratch, *normed = scratch + activation_floats(step);
+    float *qkv = normed + rows * hidden, *q = qkv + rows * qkv_width;
     float *attended = q + rows * width, *row = attended + rows * width, *scores = row + hidden;
     int workers = team_workers(team);
     long pieces = attention_pieces(step, workers);
@@ -1677,7 +1679,7 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
                       layer->input_eps, row);
     lap(times, LAP_OTHER, &since);
     blocked_linear_rows(team, layer->qkv_weight, layer->qkv_kind, normed, qkv,
-                        layer->qkv_bias, rows, qkv_width, hidden);
+                        layer->qkv_bias, rows, qkv_width, hidden, activations);
     lap(times, LAP_MATMUL, &since);
     rope_store_rows_f32(qkv, rows, step->q_heads, step->kv_heads, d, step->cos, step->sin, q,
                         layer->key_cache, layer->value_cache, step->slots);
@@ -1691,7 +1693,7 @@ static void attention_half(Team *team, const Layer *layer, const Step *step, con
     if (pieces > 1) merge_pieces(&attention);
     lap(times, LAP_ATTENTION, &since);
     blocked_linear_rows(team, layer->o_weight, layer->o_kind, attended, partial, NULL, rows,
-                        hidden, width);
+                        hidden, width, activations);
     lap(times, LAP_MATMUL, &since);
 }
 
@@ -1700,19 +1702,20 @@ static void mlp_half(Team *team, const Layer *layer, const Step *step, const flo
                      const float *residual, float *residual_out, float *partial, float *scratch,
                      double *times) {
     long rows = step->rows, hidden = step->hidden, size = step->size;
-    float *normed = scratch, *gate_up = normed + rows * hidden;
+    float *activations = scratch, *normed = scratch + activation_floats(step);
+    float *gate_up = normed + rows * hidden;
     float *activated = gate_up + 2 * rows * size, *row = activated + rows * size;
     double since = times ? shardline_seconds_now() : 0.0;
     rms_norm_rows_f32(x, residual, layer->post_norm, normed, residual_out, rows, hidden,
                       layer->post_eps, row);
     lap(times, LAP_OTHER, &since);
     blocked_linear_rows(team, layer->gate_up_weight, layer->gate_up_kind, normed, gate_up,
-                        layer->gate_up_bias, rows, 2 * size, hidden);
+                        layer->gate_up_bias, rows, 2 * size, hidden, activations);
     lap(times, LAP_MATMUL, &since);
     silu_mul_rows_f32(gate_up, activated, rows, size);
     lap(times, LAP_OTHER, &since);
     blocked_linear_rows(team, layer->down_weight, layer->down_kind, activated, partial, NULL,
-                        rows, hidden, size);
+                        rows, hidden, size, activations);
     lap(times, LAP_MATMUL, &since);
 }
 
@@ -1943,10 +1946,16 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
                                             "and FMA (and F16C for quantized weights)");
         return NULL;
     }
+    float *activations = NULL;
+    if (has_codes(weight, kind)) {
+        activations = malloc(sizeof(float) * (size_t)quantized_rows_floats(rows, in));
+        if (activations == NULL) return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
     blocked_linear_rows_on(team, !avx2 && cpu_has_avx512(), weight, kind, x, y, bias, rows,
-                           out, in);
+                           out, in, activations);
     Py_END_ALLOW_THREADS
+    free(activations);
 #endif
     Py_RETURN_NONE;
 }

@@ -194,6 +194,20 @@ typedef struct {
     float *scales, *code_sums; /* rows x in / ACTIVATION_GROUP each */
 } QuantizedRows;
 
+/* Floats of space QuantizedRows of rows x in take (quantized_rows_in), in a multiple of
+ * ACTIVATION_GROUP. */
+static inline long quantized_rows_floats(long rows, long in) {
+    return rows * in / 4 + 2 * rows * (in / ACTIVATION_GROUP);
+}
+
+/* QuantizedRows of rows x in laid out in space of quantized_rows_floats(rows, in) floats. */
+static inline QuantizedRows quantized_rows_in(float *space, long rows, long in) {
+    long groups = in / ACTIVATION_GROUP;
+    QuantizedRows xq = {.scales = space, .code_sums = space + rows * groups,
+                        .codes = (int8_t *)(space + 2 * rows * groups)};
+    return xq;
+}
+
 static void quantize_rows(const float *x, long rows, long in, QuantizedRows *out) {
     long groups = in / ACTIVATION_GROUP;
     for (long r = 0; r < rows; r++)
