@@ -277,6 +277,14 @@ static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
     return q & 31;
 }
 
+/* What kind adds to a split q of type to store it (0..15): 8 for Q4_0's q (-8..7) in the
+ * kinds that hold it unsigned (Q4_0, whose kernels subtract it back, and the code kind,
+ * whose offset is -8 scales), else 0. */
+static inline int stored_bias(int kind, const GGUFType *type) {
+    int unsigned_q4_0 = kind == WEIGHT_Q4_0 || kind == WEIGHT_Q4_CODES;
+    return unsigned_q4_0 && !strcmp(type->name, "Q4_0") ? 8 : 0;
+}
+
 /* A weight as loaded: element (r, i) at values[r * row_stride + i * column_stride] (a
  * model keeps its weights column by column: column_stride 1 is rows contiguous). */
 typedef struct {
@@ -305,7 +313,7 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
         }
         /* Q4_0's q (-8..7) as codes 0..15 with an offset of -8 scales (exact: the value,
          * scale * q, is the sum of two multiples of the scale that fit its precision). */
-        int bias = kind == WEIGHT_Q4_CODES && !strcmp(type->name, "Q4_0") ? 8 : 0;
+        int bias = stored_bias(kind, type);
         if (bias)
             for (int half = 0; half < 2; half++)
                 offsets[half][lane] = -(float)bias * scales[half][lane];
@@ -324,8 +332,8 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
     float scale = shardline_half_to_float(scales[lane]);
     float minimum = kind == WEIGHT_Q4_1 ? shardline_half_to_float(minimums[lane]) : 0.0f;
     for (int i = 0; i < QUANT_GROUP; i++) {
-        int q = split->q[within + i];
-        int stored = store_q(kind, values, lane, i, kind == WEIGHT_Q4_0 ? q + 8 : q);
+        int q = split->q[within + i] + stored_bias(kind, type);
+        int stored = store_q(kind, values, lane, i, q);
         if (!holds_value(kind, scale, minimum, stored, loaded[i * step])) return 0;
     }
     return 1;

@@ -260,8 +260,9 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
     for (int r = 0; r < R; r++)
         for (int k = 0; k < 4; k++) {
             __mmask16 lanes = tail_mask(width, k);
-            __m512 sum = bias ? _mm512_add_ps(acc[r][k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
-                              : acc[r][k];
+            __m512 sum =
+                bias ? _mm512_add_ps(acc[r][k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
+                     : acc[r][k];
             _mm512_mask_storeu_ps(y + r * y_stride + 16 * k, lanes, sum);
         }
 }
