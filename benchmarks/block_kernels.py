@@ -6,8 +6,9 @@ them), in one run.
 Each kind holds a weight of random blocks of one file type (the type named beside it), of
 ``--out`` x ``--in`` (a multiple of 256, for the K types); each is copied until the copies
 pass ``--megabytes`` (more than the caches), used in turn, so every call reads its weight
-from memory. ``Q4_CODES (Q4_0)`` and ``Q4_CODES (Q4_1)`` hold the same blocks as codes that
-multiply int8 inputs (``model.activation_dtype: int8``; no longer float32's bits). The rounds
+from memory. The code kinds' rows (``Q4_CODES_F16 (Q4_0)``, ``Q4_CODES_F16 (Q4_1)``,
+``Q4_CODES (Q4_K)``) hold the same types as codes that multiply int8 inputs
+(``model.activation_dtype: int8``; no longer float32's bits). The rounds
 interleave the kinds; a cell is the median over ``--rounds`` of the mean time a call.
 "x float32" is float32's time over the kind's, both on the same kernels.
 
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from shardline.cli.table import render
-from shardline.layers.kernels import CODE_KIND, NativeKernels
+from shardline.layers.kernels import CODE_KINDS, NativeKernels
 
 # The tests' support writes random GGUF blocks and decodes them as a file's loader does.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -94,10 +95,10 @@ def main() -> int:
         packed = blocks.pack_linear(weight)
         assert packed.held_as == kind, (kind, packed.held_as)
         held[kind] = (blocks, copies(packed, args.megabytes * 1e6))
-        if kind in ("Q4_0", "Q4_1"):  # the same blocks as codes times int8 inputs
+        if kind in ("Q4_0", "Q4_1", "Q4_K"):  # the same blocks as codes times int8 inputs
             packed = codes.pack_linear(weight)
-            assert packed.held_as == CODE_KIND, (kind, packed.held_as)
-            held[f"{CODE_KIND} ({kind})"] = (codes, copies(packed, args.megabytes * 1e6))
+            assert packed.held_as in CODE_KINDS, (kind, packed.held_as)
+            held[f"{packed.held_as} ({kind})"] = (codes, copies(packed, args.megabytes * 1e6))
     held[FLOAT32] = (plain, copies(plain.pack_linear(weight), args.megabytes * 1e6))
     with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
         flags = cpuinfo.read().split()

@@ -1,9 +1,10 @@
 """``model.activation_dtype: int8`` with ``weight_dtype: gguf``: weights of the file's 4-bit types
-held as codes (``Q4_CODES``) and multiplied by their inputs quantized to int8 per 16, in
-integers. The kernel gives that arithmetic's sums (against a float64 reference of the same
-rounded inputs), the same bits on the AVX2 kernels and on a team; a non-finite input spoils
-only its row; the plan counts the codes' bytes; SmolLM2 keeps float32's top choice almost
-everywhere, and the config refuses the mode without gguf."""
+held as codes (``Q4_CODES_F16`` for Q4_0 and Q4_1, ``Q4_CODES`` for Q4_K) and multiplied by
+their inputs quantized to int8 per 16, in integers. The kernel gives that arithmetic's sums
+(against a float64 reference of the same rounded inputs), the same bits on the AVX2 kernels,
+on a team and in either code kind; a non-finite input spoils only its row; the plan counts
+the codes' bytes; SmolLM2 keeps float32's top choice almost everywhere, and the config
+refuses the mode without gguf."""
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 from shardline.config import load_config
 from shardline.engine import LLM, SamplingParams
 from shardline.errors import ConfigError
-from shardline.layers.kernels import CODE_KIND, NativeKernels
+from shardline.layers.kernels import NativeKernels
 from shardline.models.memory import HeldBlocks, block_bytes
 from support.gguf_values import file_weight, random_blocks
 from support.memory_probe import bytes_held
@@ -25,6 +26,8 @@ needs_code_kernels = pytest.mark.skipif(
 )
 CODES = NativeKernels(native, quantized=True, codes=True)
 CODE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+#: The code kind each type is held in first.
+CODE_KIND_OF = {"Q4_0": "Q4_CODES_F16", "Q4_1": "Q4_CODES_F16", "Q4_K": "Q4_CODES"}
 #: Inputs that share one int8 scale.
 ACTIVATION_GROUP = 16
 
@@ -44,14 +47,31 @@ def _quantized_inputs(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * scale.double()).view(x.shape)
 
 
-def _blocked(held, x, bias, avx2):
+def _blocked(held, x, bias, avx2, kind=None):
+    """held (of ``kind``, a WEIGHT_* code; its own where None) times x, plus bias."""
     out_features, in_features = held.blocked_shape
     y = torch.empty(x.shape[0], out_features)
     native.blocked_linear(
         held.data_ptr(), x.data_ptr(), y.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        x.shape[0], out_features, in_features, None, held.weight_kind, avx2,
+        x.shape[0], out_features, in_features, None,
+        held.weight_kind if kind is None else kind, avx2,
     )  # fmt: skip
     return y
+
+
+def _packed_as(weight, kind: int) -> torch.Tensor | None:
+    """weight's file blocks held in ``kind`` (a WEIGHT_* code) itself, not the first kind
+    that holds them; None where it does not hold them."""
+    out_features, in_features = weight.shape
+    place = torch.zeros(native.quantized_size(kind, out_features, in_features), dtype=torch.uint8)
+    parts = [(type_name, raw.ctypes.data, raw.strides[0], first, raw.shape[0])
+             for first, type_name, raw in weight.file_blocks]  # fmt: skip
+    loaded = (weight.data_ptr(), *weight.stride())
+    if not native.pack_file_blocks(kind, place.data_ptr(), out_features, in_features, loaded,
+                                   parts, None):  # fmt: skip
+        return None
+    place.blocked_shape = (out_features, in_features)
+    return place
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
@@ -64,8 +84,9 @@ def test_4_bit_weights_multiply_int8_inputs_in_integers(file_type, rows):
         blocks = random_blocks(file_type, out_features, in_features, rng)
         weight = file_weight([(file_type, blocks)], out_features)
         held = CODES.pack_linear(weight)
-        assert held.held_as == CODE_KIND and held.dtype is torch.uint8
-        assert held.numel() == block_bytes(CODE_KIND, out_features, in_features)
+        kind = CODE_KIND_OF[file_type]
+        assert held.held_as == kind and held.dtype is torch.uint8
+        assert held.numel() == block_bytes(kind, out_features, in_features)
         x, bias = torch.randn(rows, in_features), torch.randn(out_features)
         y = CODES.linear(x, held, bias)
         rounded = _quantized_inputs(x)
@@ -79,6 +100,33 @@ def test_4_bit_weights_multiply_int8_inputs_in_integers(file_type, rows):
         assert torch.equal(team.linear(x, held, bias), y)
         if _has_avx2_f16c():
             assert torch.equal(_blocked(held, x, bias, avx2=True), y)
+        if kind == "Q4_CODES_F16":  # float32 scales hold the same values: the same bits
+            wide = _packed_as(weight, native.WEIGHT_Q4_CODES)
+            assert wide.numel() * 20 == held.numel() * 24
+            for avx2 in (False, True) if _has_avx2_f16c() else (False,):
+                assert torch.equal(_blocked(wide, x, bias, avx2, native.WEIGHT_Q4_CODES), y)
+
+
+@needs_code_kernels
+def test_a_q4_0_offset_float16_cannot_hold_takes_float32_scales():
+    """Q4_0's -8 is held as an offset of -8 scales: a scale of 10000 makes one float16
+    cannot hold (-80000), so the weight takes the float32 code kind (and multiplies right);
+    the plan, which cannot see scales, counts the float16 kind."""
+    rng = np.random.default_rng(11)
+    blocks = random_blocks("Q4_0", 64, 64, rng)
+    blocks[:, 0:2] = np.frombuffer(np.float16(10000.0).tobytes(), dtype=np.uint8)
+    weight = file_weight([("Q4_0", blocks)], 64)
+    assert weight.abs().max() >= 10000.0
+    assert _packed_as(weight, native.WEIGHT_Q4_CODES_F16) is None
+    held = CODES.pack_linear(weight)
+    assert held.held_as == "Q4_CODES"
+    x = torch.randn(2, 64)
+    rounded = _quantized_inputs(x)
+    magnitude = rounded.abs() @ weight.double().abs().T
+    assert ((CODES.linear(x, held, None).double() - rounded @ weight.double().T).abs()
+            <= 1e-6 * magnitude).all()  # fmt: skip
+    assert HeldBlocks.of({"blk.0.ffn_down.weight": "Q4_0"}, tied=True, codes=True).down.kind \
+        == "Q4_CODES_F16"  # fmt: skip
 
 
 @needs_code_kernels
@@ -114,7 +162,7 @@ def test_a_merged_weight_holds_its_4_bit_part_as_codes_in_a_segment():
              ("Q6_K", random_blocks("Q6_K", 64, 256, rng))]  # fmt: skip
     weight = file_weight(parts, 128)
     held = CODES.pack_linear(weight)
-    assert held.held_as == f"{CODE_KIND}+Q6_K" and held.weight_kind == native.WEIGHT_SEGMENTED
+    assert held.held_as == "Q4_CODES+Q6_K" and held.weight_kind == native.WEIGHT_SEGMENTED
     x = torch.randn(3, 256)
     y = CODES.linear(x, held, None)
     exact = NativeKernels(native)
@@ -128,11 +176,15 @@ def test_the_plan_holds_4_bit_types_as_codes_only_when_asked():
     types = {"blk.0.attn_q.weight": "Q4_1", "blk.0.ffn_down.weight": "Q4_K",
              "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q8_0"}  # fmt: skip
     plain, codes = HeldBlocks.of(types, tied=True), HeldBlocks.of(types, tied=True, codes=True)
-    assert (plain.down.kind, codes.down.kind) == ("Q4_K", CODE_KIND)
+    assert (plain.down.kind, codes.down.kind) == ("Q4_K", "Q4_CODES")
     # The merged q/k/v: Q4_1 queries and Q6_K values need a kind holding both either way.
     assert plain.qkv.kind == codes.qkv.kind == "INT8_SCALED"
     assert codes.head.kind == plain.head.kind == "Q8_0"
-    assert block_bytes(CODE_KIND, 64, 32) == block_bytes("Q4_K", 64, 32) == 64 * 24
+    assert block_bytes("Q4_CODES", 64, 32) == block_bytes("Q4_K", 64, 32) == 64 * 24
+    q4_1 = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1",
+            "blk.0.attn_v.weight": "Q4_1", "token_embd.weight": "Q8_0"}  # fmt: skip
+    assert HeldBlocks.of(q4_1, tied=True, codes=True).qkv.kind == "Q4_CODES_F16"
+    assert block_bytes("Q4_CODES_F16", 64, 32) == block_bytes("Q4_1", 64, 32) == 64 * 20
 
 
 def test_int8_activations_need_gguf_blocks():

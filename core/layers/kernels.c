@@ -886,11 +886,11 @@ typedef struct {
 
 /* Whether a weight held as kind has blocks of the code kind (itself, or a segment). */
 static int has_codes(const void *weight, int kind) {
-    if (kind == WEIGHT_Q4_CODES) return 1;
+    if (is_code_kind(kind)) return 1;
     if (kind != WEIGHT_SEGMENTED) return 0;
     const SegmentTable *table = weight;
     for (int i = 0; i < table->count; i++)
-        if (table->segment[i].kind == WEIGHT_Q4_CODES) return 1;
+        if (is_code_kind(table->segment[i].kind)) return 1;
     return 0;
 }
 
@@ -898,9 +898,13 @@ static int has_codes(const void *weight, int kind) {
  * quantization blocks, from block base on. */
 static void quantized_chunk(const LinearJob *job, int kind, const void *weight, long base,
                             long first, long end) {
-    if (kind == WEIGHT_Q4_CODES) { /* VNNI where the AVX-512 kernels run and it has it */
-        (job->avx512 && cpu_has_avx512_vnni() ? code_blocks : code_blocks_avx2)(
-            weight, base, job->xq, job->y, job->bias, job->rows, job->out, job->in, first, end);
+    if (is_code_kind(kind)) { /* VNNI where the AVX-512 kernels run and it has it */
+        int vnni = job->avx512 && cpu_has_avx512_vnni(), half = kind == WEIGHT_Q4_CODES_F16;
+        void (*run)(const uint8_t *, long, const QuantizedRows *, float *, const float *, long,
+                    long, long, long, long) =
+            vnni ? (half ? code_blocks_f16 : code_blocks)
+                 : (half ? code_blocks_f16_avx2 : code_blocks_avx2);
+        run(weight, base, job->xq, job->y, job->bias, job->rows, job->out, job->in, first, end);
         return;
     }
     /* the AVX2 ones need F16C too: callers check */
@@ -2181,10 +2185,10 @@ static PyMethodDef methods[] = {
      "pack_file_blocks(kind, dest, out, in, weight, parts, team or None): a weight (float32 "
      "out x in as loaded: (address, row stride, column stride)), shared out by team, into "
      "dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, _Q4_0, _Q4_1, _Q4_K, "
-     "_Q5_K, _Q6_K, _INT8_SCALED, _Q4_CODES) from its file's blocks: parts, (GGUF "
-     "type name, address, row stride in bytes, first row, rows), a row no part covers held as "
-     "zeros; False where kind does not hold a part's type or a value so held is not the "
-     "weight's"},
+     "_Q5_K, _Q6_K, _INT8_SCALED, _Q4_CODES, _Q4_CODES_F16) from its file's blocks: parts, "
+     "(GGUF type name, address, row stride in bytes, first row, rows), a row no part covers "
+     "held as zeros; False where kind does not hold a part's type or a value so held is not "
+     "the weight's"},
     {"quantized_size", (PyCFunction)(void (*)(void))quantized_size, METH_FASTCALL,
      "quantized_size(kind, out, in): the bytes pack_file_blocks writes"},
     {"kind_holds", (PyCFunction)(void (*)(void))kind_holds, METH_FASTCALL,
@@ -2247,6 +2251,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
          PyModule_AddIntConstant(result, "WEIGHT_Q6_K", WEIGHT_Q6_K) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q5_K", WEIGHT_Q5_K) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q4_CODES", WEIGHT_Q4_CODES) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_Q4_CODES_F16", WEIGHT_Q4_CODES_F16) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_SEGMENTED", WEIGHT_SEGMENTED) < 0 ||
          PyModule_AddIntConstant(result, "SEGMENTS_MAX", SEGMENTS_MAX) < 0 ||
          PyModule_AddIntConstant(result, "SEGMENT_TABLE_BYTES", sizeof(SegmentTable)) < 0))

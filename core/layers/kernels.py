@@ -50,9 +50,10 @@ WeightPacker = Callable[[torch.Tensor], torch.Tensor]
 #: gguf``), fewest bytes first: the first that holds every part's type holds it
 #: (``quantized_blocks.h``).
 QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q8_0", "Q6_K", "INT8_SCALED")
-#: The kind of 4-bit codes multiplied by int8 inputs (``model.activation_dtype: int8``), tried
-#: before the others.
-CODE_KIND = "Q4_CODES"
+#: The kinds of 4-bit codes multiplied by int8 inputs (``model.activation_dtype: int8``), tried
+#: before the others, fewest bytes first: float16 scales and offsets (Q4_0 and Q4_1 blocks),
+#: float32 ones (Q4_K's too).
+CODE_KINDS = ("Q4_CODES_F16", "Q4_CODES")
 #: The attribute of a loaded weight that lists the file blocks its rows were decoded from
 #: (:func:`~shardline.layers.linear.note_file_blocks`).
 FILE_BLOCKS = "file_blocks"
@@ -350,14 +351,14 @@ class NativeKernels(TorchKernels):
         CPU has AVX-512, or AVX2 with FMA and F16C (1.5 bytes a weight or less; the C kernel
         widens each weight to the file decoder's value, so results are the float32
         weight's, bit for bit); any other weight is held in float32. ``codes`` (with
-        ``quantized``): weights of the file's 4-bit types are held first as ``Q4_CODES``,
-        codes that the C kernel multiplies by each input row quantized to int8 per 16 inputs
-        (no longer the float32 results)."""
+        ``quantized``): weights of the file's 4-bit types are held first as codes
+        (:data:`CODE_KINDS`) that the C kernel multiplies by each input row quantized to
+        int8 per 16 inputs (no longer the float32 results)."""
         super().__init__(weight_dtype)
         self.native = native
         #: (name, the C calls' WEIGHT_* code) of the block kinds weights are tried in; none
         #: where blocks are not held.
-        tried = ((CODE_KIND,) if codes else ()) + QUANTIZED_KINDS
+        tried = (CODE_KINDS if codes else ()) + QUANTIZED_KINDS
         self._block_kinds = (
             tuple((name, getattr(native, f"WEIGHT_{name}")) for name in tried)
             if quantized and native.quantized_linear_available()

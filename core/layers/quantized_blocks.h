@@ -34,12 +34,15 @@
  * then of its last 16, the offsets so, then one int8 each. Q6_K: as INT8_SCALED without the
  * offsets.
  *
- * Q4_CODES (model.activation_dtype: int8): Q4_0, Q4_1 and Q4_K blocks as 4-bit codes 0..15
- * with a float32 scale and offset per 32 inputs (Q4_0's -8 as an offset of -8 scales), 0.75
- * bytes a weight, which the kernels never widen: each row of inputs is quantized to int8 per
+ * The code kinds (model.activation_dtype: int8): Q4_CODES_F16 holds Q4_0 and Q4_1 blocks as
+ * 4-bit codes 0..15 with a float16 scale and offset per 32 inputs (the file's d and m; Q4_0's
+ * -8 as an offset of -8 d, where float16 holds it), 0.63 bytes a weight; Q4_CODES holds
+ * those and Q4_K's (whose scales are float32 products) with a float32 scale and offset, 0.75
+ * bytes a weight. The kernels never widen them: each row of inputs is quantized to int8 per
  * ACTIVATION_GROUP (quantize_rows) and multiplied by the codes in integers (exact int32 sums,
  * then scale * s * sum + offset * s * code sum per 16 inputs, in float32): no longer the
- * float32 layer's bits. Layout: Q4_K's scales and offsets, then for each 8 inputs of the
+ * float32 layer's bits; a weight's results are the same bits in either code kind. Layout: the
+ * scales and offsets (Q4_1's float16 ones, or Q4_K's float32), then for each 8 inputs of the
  * group and each 16 outputs, 64 bytes: output o's 4 bytes at 4 o, byte i holding input i of
  * the 8 in its low nibble and input 4 + i in its high one (vpdpbusd's operand: an output's 4
  * inputs in one 32-bit lane). */
@@ -58,6 +61,7 @@ enum {
     WEIGHT_Q6_K,
     WEIGHT_Q5_K,
     WEIGHT_Q4_CODES,
+    WEIGHT_Q4_CODES_F16,
     WEIGHT_SEGMENTED,
     WEIGHT_KINDS
 };
@@ -85,6 +89,11 @@ typedef struct {
     } segment[SEGMENTS_MAX];
 } SegmentTable;
 
+/* Whether a kind holds codes multiplied by int8 inputs (model.activation_dtype: int8). */
+static inline int is_code_kind(int kind) {
+    return kind == WEIGHT_Q4_CODES || kind == WEIGHT_Q4_CODES_F16;
+}
+
 /* Whether a kind holds one byte an input (else a nibble). */
 static inline int holds_bytes(int kind) {
     return kind == WEIGHT_Q8_0 || kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q6_K;
@@ -107,7 +116,7 @@ static inline int float_scales(int kind) {
 /* Whether a kind adds an offset (a minimum) to each scaled value. */
 static inline int adds_offset(int kind) {
     return kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K || kind == WEIGHT_Q5_K ||
-           kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q4_CODES;
+           kind == WEIGHT_INT8_SCALED || is_code_kind(kind);
 }
 
 /* Bytes of one block's group: scales (and minimums), then the values. */
@@ -177,7 +186,7 @@ static inline int holds_value(int kind, float scale, float minimum, int q, float
     float held = widened(kind, scale, minimum, q);
     /* The code kind never widens: a zero's sign (Q4_0's -8 scales added back to 8 scales
      * give +0 where the decoder's scale * 0 may be -0) changes none of its sums. */
-    if (kind == WEIGHT_Q4_CODES && held == 0.0f && loaded == 0.0f) return 1;
+    if (is_code_kind(kind) && held == 0.0f && loaded == 0.0f) return 1;
     if (!same_value(held, loaded)) return 0;
     if (!adds_offset(kind) || !isfinite(scale)) return 1;
     return (double)(scale * (float)q) == (double)scale * (double)q;
@@ -254,6 +263,7 @@ static int holds_type(int kind, const GGUFType *type) {
     case WEIGHT_Q6_K: return one_scale || !strcmp(name, "Q6_K") || !strcmp(name, "Q3_K");
     case WEIGHT_Q4_CODES:
         return !strcmp(name, "Q4_0") || !strcmp(name, "Q4_1") || !strcmp(name, "Q4_K");
+    case WEIGHT_Q4_CODES_F16: return !strcmp(name, "Q4_0") || !strcmp(name, "Q4_1");
     default: return 0;
     }
 }
@@ -261,7 +271,7 @@ static int holds_type(int kind, const GGUFType *type) {
 /* q stored in a group (values: its values) for input i of output lane as kind holds it,
  * and the q the kernels read back (a nibble and a fifth bit, a byte). */
 static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
-    if (kind == WEIGHT_Q4_CODES) {
+    if (is_code_kind(kind)) {
         long at = (i / 8 * (LINEAR_BLOCK / 16) + lane / 16) * 64 + 4 * (lane % 16) + i % 4;
         values[at] |= (uint8_t)((q & 15) << (4 * (i % 8 / 4)));
         return q & 15;
@@ -281,8 +291,26 @@ static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
  * kinds that hold it unsigned (Q4_0, whose kernels subtract it back, and the code kind,
  * whose offset is -8 scales), else 0. */
 static inline int stored_bias(int kind, const GGUFType *type) {
-    int unsigned_q4_0 = kind == WEIGHT_Q4_0 || kind == WEIGHT_Q4_CODES;
+    int unsigned_q4_0 = kind == WEIGHT_Q4_0 || is_code_kind(kind);
     return unsigned_q4_0 && !strcmp(type->name, "Q4_0") ? 8 : 0;
+}
+
+/* Whether value is a float16's exactly (a NaN: a float16 NaN), that float16 in *half. */
+static int exact_half(float value, uint16_t *half) {
+    uint16_t sign = (uint16_t)(bits_of(value) >> 16 & 0x8000);
+    float magnitude = fabsf(value);
+    if (magnitude != magnitude || magnitude == INFINITY)
+        *half = sign | (magnitude == INFINITY ? 0x7c00 : 0x7e00);
+    else if (magnitude < 0x1p-14f) /* zero or subnormal: a multiple of 2^-24 under 2^-14 */
+        *half = sign | (uint16_t)ldexpf(magnitude, 24);
+    else {
+        int exponent;
+        float fraction = frexpf(magnitude, &exponent); /* [0.5, 1) x 2^exponent */
+        if (exponent + 14 >= 31) return 0;             /* past 65504 */
+        *half = sign | (uint16_t)((exponent + 14) << 10) |
+                (uint16_t)(ldexpf(fraction, 11) - 1024.0f);
+    }
+    return same_value(shardline_half_to_float(*half), value);
 }
 
 /* A weight as loaded: element (r, i) at values[r * row_stride + i * column_stride] (a
@@ -325,14 +353,20 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
         }
         return 1;
     }
-    /* A 32-weight block: its float16 scale (and Q4_1's minimum) as the file has them. */
+    /* A 32-weight block: its float16 scale (and Q4_1's minimum) as the file has them; the
+     * float16 code kind holds Q4_0's -8 as an offset of -8 scales (float16 holds it exactly
+     * unless it overflows, 8 d past 65504: then not held). */
     uint16_t *scales = (uint16_t *)group, *minimums = scales + LINEAR_BLOCK;
     memcpy(&scales[lane], raw, 2);
-    if (kind == WEIGHT_Q4_1) memcpy(&minimums[lane], raw + 2, 2);
     float scale = shardline_half_to_float(scales[lane]);
-    float minimum = kind == WEIGHT_Q4_1 ? shardline_half_to_float(minimums[lane]) : 0.0f;
+    int bias = stored_bias(kind, type);
+    if (adds_offset(kind) && bias == 0)
+        memcpy(&minimums[lane], raw + 2, 2);
+    else if (adds_offset(kind) && !exact_half(-(float)bias * scale, &minimums[lane]))
+        return 0;
+    float minimum = adds_offset(kind) ? shardline_half_to_float(minimums[lane]) : 0.0f;
     for (int i = 0; i < QUANT_GROUP; i++) {
-        int q = split->q[within + i] + stored_bias(kind, type);
+        int q = split->q[within + i] + bias;
         int stored = store_q(kind, values, lane, i, q);
         if (!holds_value(kind, scale, minimum, stored, loaded[i * step])) return 0;
     }
@@ -427,28 +461,35 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
         run(weight, base, x, y, bias, rows, out, in, first, end);                            \
     }
 
-/* The code kind's blocks on one instruction set (TILE: its kernel of up to 4 rows against one
+/* Code kind KIND's blocks on one instruction set (TILE: its kernel of up to 4 rows against one
  * block): NAME(weight, base, xq, y, bias, rows, out, in, first, end) computes y's outputs in
  * blocks [first, end) for xq's rows (x quantized: quantize_rows), weight holding the blocks
  * from block base on, 4 rows at a time. */
-#define DEFINE_CODE_BLOCKS(TARGET, NAME, TILE)                                                \
+#define DEFINE_CODE_BLOCKS(TARGET, NAME, TILE, KIND)                                           \
     TARGET static void NAME(const uint8_t *weight, long base, const QuantizedRows *xq,         \
                             float *y, const float *bias, long rows, long out, long in,         \
                             long first, long end) {                                            \
         long groups = in / QUANT_GROUP;                                                        \
-        long block_bytes = groups * quantized_group_bytes(WEIGHT_Q4_CODES);                    \
+        long block_bytes = groups * quantized_group_bytes(KIND);                               \
         for (long b = first; b < end; b++) {                                                   \
             const uint8_t *block = weight + (b - base) * block_bytes;                          \
-            long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK       \
+            long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK        \
                                                                : LINEAR_BLOCK;                 \
             const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                   \
             for (long r = 0; r < rows; r += 4) {                                               \
                 float *yr = y + r * out + b * LINEAR_BLOCK;                                    \
                 switch (rows - r < 4 ? rows - r : 4) {                                         \
-                case 4: TILE(4, block, groups, xq, r, in, yr, out, width, block_bias); break;  \
-                case 3: TILE(3, block, groups, xq, r, in, yr, out, width, block_bias); break;  \
-                case 2: TILE(2, block, groups, xq, r, in, yr, out, width, block_bias); break;  \
-                default: TILE(1, block, groups, xq, r, in, yr, out, width, block_bias);        \
+                case 4:                                                                        \
+                    TILE(KIND, 4, block, groups, xq, r, in, yr, out, width, block_bias);       \
+                    break;                                                                     \
+                case 3:                                                                        \
+                    TILE(KIND, 3, block, groups, xq, r, in, yr, out, width, block_bias);       \
+                    break;                                                                     \
+                case 2:                                                                        \
+                    TILE(KIND, 2, block, groups, xq, r, in, yr, out, width, block_bias);       \
+                    break;                                                                     \
+                default:                                                                       \
+                    TILE(KIND, 1, block, groups, xq, r, in, yr, out, width, block_bias);       \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \

@@ -192,7 +192,7 @@ AVX512 static inline __attribute__((always_inline)) void quantized_rows(
  * blocks [first, end) (quantized_blocks.h). */
 DEFINE_QUANTIZED_BLOCKS(AVX512, quantized_blocks, quantized_row, quantized_rows)
 
-/* The code kind (WEIGHT_Q4_CODES): rows quantized to int8 (QuantizedRows) multiplied by the
+/* The code kinds (WEIGHT_Q4_CODES, _F16): rows quantized to int8 (QuantizedRows) multiplied by the
  * weight's 4-bit codes in integers, 64 products a vpdpbusd (an output's 4 inputs in one
  * 32-bit lane: the layout store_q writes), exact int32 sums over each ACTIVATION_GROUP
  * inputs, which then add (scale * s) * sum + offset * (s * code sum) to an output's float32
@@ -204,22 +204,29 @@ static int cpu_has_avx512_vnni(void) {
     return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
 }
 
-/* R (<= 4) rows (from row `first` of xq) against one block of the code kind; y's rows
+/* A group of code kind KIND: the scales (which 0) or the offsets (1) of its outputs 16 k ..
+ * 16 k + 15 (float16 ones widened: exact). */
+AVX512 static inline __m512 code_header(const int KIND, const uint8_t *group, int which, int k) {
+    if (KIND == WEIGHT_Q4_CODES_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256(
+            (const __m256i *)((const uint16_t *)group + which * LINEAR_BLOCK + 16 * k)));
+    return _mm512_loadu_ps((const float *)group + which * LINEAR_BLOCK + 16 * k);
+}
+
+/* R (<= 4) rows (from row `first` of xq) against one block of code kind KIND; y's rows
  * y_stride apart, width outputs, plus the bias. */
 AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
-    const int R, const uint8_t *block, long groups, const QuantizedRows *xq, long first,
-    long in, float *y, long y_stride, long width, const float *bias) {
-    const long group_bytes = quantized_group_bytes(WEIGHT_Q4_CODES);
-    const long header = quantized_header_bytes(WEIGHT_Q4_CODES);
+    const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
+    long first, long in, float *y, long y_stride, long width, const float *bias) {
+    const long group_bytes = quantized_group_bytes(KIND);
+    const long header = quantized_header_bytes(KIND);
     const __m512i nibbles = _mm512_set1_epi8(15);
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int k = 0; k < 4; k++) acc[r][k] = _mm512_setzero_ps();
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
-        prefetch_group_header(WEIGHT_Q4_CODES, group);
-        const float *scales = group_float_scales(WEIGHT_Q4_CODES, group, 0);
-        const float *offsets = group_float_offsets(WEIGHT_Q4_CODES, group, 0);
+        prefetch_group_header(KIND, group);
         __m512i sums[4][4];
         for (int j = 0; j < QUANT_GROUP / 8; j++) {
             if (8 * j % ACTIVATION_GROUP == 0)
@@ -248,11 +255,11 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
                 __m512 s = _mm512_set1_ps(xq->scales[at]);
                 __m512 code_sum = _mm512_set1_ps(xq->code_sums[at]);
                 for (int k = 0; k < 4; k++) {
-                    __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(scales + 16 * k), s);
+                    __m512 scale = _mm512_mul_ps(code_header(KIND, group, 0, k), s);
                     __m512 products = _mm512_cvtepi32_ps(sums[r][k]);
                     acc[r][k] = _mm512_fmadd_ps(scale, products, acc[r][k]);
                     acc[r][k] =
-                        _mm512_fmadd_ps(_mm512_loadu_ps(offsets + 16 * k), code_sum, acc[r][k]);
+                        _mm512_fmadd_ps(code_header(KIND, group, 1, k), code_sum, acc[r][k]);
                 }
             }
         }
@@ -267,5 +274,7 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
         }
 }
 
-/* code_blocks(weight, base, xq, y, bias, rows, out, in, first, end) (quantized_blocks.h). */
-DEFINE_CODE_BLOCKS(AVX512_VNNI, code_blocks, code_tile)
+/* code_blocks(weight, base, xq, y, bias, rows, out, in, first, end) and code_blocks_f16, of
+ * Q4_CODES and of Q4_CODES_F16 (quantized_blocks.h). */
+DEFINE_CODE_BLOCKS(AVX512_VNNI, code_blocks, code_tile, WEIGHT_Q4_CODES)
+DEFINE_CODE_BLOCKS(AVX512_VNNI, code_blocks_f16, code_tile, WEIGHT_Q4_CODES_F16)

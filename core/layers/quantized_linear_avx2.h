@@ -149,11 +149,20 @@ DEFINE_QUANTIZED_BLOCKS(AVX2_F16C, quantized_blocks_avx2, quantized_row_avx2,
  * are 16 outputs' 4 inputs, a 256-bit half 8 of them; vpmaddubsw multiplies codes by int8
  * inputs and adds pairs (at most 2 x 15 x 127: never saturates), vpmaddwd adds the pairs'
  * pairs into the lane's int32 sum. */
+/* code_header's 8 outputs from output `at` on. */
+AVX2_F16C static inline __m256 code_header_avx2(const int KIND, const uint8_t *group, int which,
+                                                int at) {
+    if (KIND == WEIGHT_Q4_CODES_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128(
+            (const __m128i *)((const uint16_t *)group + which * LINEAR_BLOCK + at)));
+    return _mm256_loadu_ps((const float *)group + which * LINEAR_BLOCK + at);
+}
+
 AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
-    const int R, const uint8_t *block, long groups, const QuantizedRows *xq, long first,
-    long in, float *y, long y_stride, long width, const float *bias) {
-    const long group_bytes = quantized_group_bytes(WEIGHT_Q4_CODES);
-    const long header = quantized_header_bytes(WEIGHT_Q4_CODES);
+    const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
+    long first, long in, float *y, long y_stride, long width, const float *bias) {
+    const long group_bytes = quantized_group_bytes(KIND);
+    const long header = quantized_header_bytes(KIND);
     const __m256i nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) { /* outputs 32h..32h+31: 4 vectors of 8 */
         __m256 acc[4][4];
@@ -161,9 +170,7 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
             for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
         for (long g = 0; g < groups; g++) {
             const uint8_t *group = block + g * group_bytes, *values = group + header;
-            if (h == 0) prefetch_group_header(WEIGHT_Q4_CODES, group);
-            const float *scales = group_float_scales(WEIGHT_Q4_CODES, group, 0) + 32 * h;
-            const float *offsets = group_float_offsets(WEIGHT_Q4_CODES, group, 0) + 32 * h;
+            if (h == 0) prefetch_group_header(KIND, group);
             __m256i sums[4][4];
             for (int j = 0; j < QUANT_GROUP / 8; j++) {
                 if (8 * j % ACTIVATION_GROUP == 0)
@@ -197,11 +204,12 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
                     __m256 s = _mm256_set1_ps(xq->scales[at]);
                     __m256 code_sum = _mm256_set1_ps(xq->code_sums[at]);
                     for (int k = 0; k < 4; k++) {
-                        __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales + 8 * k), s);
+                        int lane = 32 * h + 8 * k;
+                        __m256 scale = _mm256_mul_ps(code_header_avx2(KIND, group, 0, lane), s);
                         __m256 products = _mm256_cvtepi32_ps(sums[r][k]);
+                        __m256 offset = code_header_avx2(KIND, group, 1, lane);
                         acc[r][k] = _mm256_fmadd_ps(scale, products, acc[r][k]);
-                        acc[r][k] =
-                            _mm256_fmadd_ps(_mm256_loadu_ps(offsets + 8 * k), code_sum, acc[r][k]);
+                        acc[r][k] = _mm256_fmadd_ps(offset, code_sum, acc[r][k]);
                     }
                 }
             }
@@ -217,5 +225,6 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
     }
 }
 
-/* code_blocks on AVX2. */
-DEFINE_CODE_BLOCKS(AVX2_F16C, code_blocks_avx2, code_tile_avx2)
+/* code_blocks and code_blocks_f16 on AVX2. */
+DEFINE_CODE_BLOCKS(AVX2_F16C, code_blocks_avx2, code_tile_avx2, WEIGHT_Q4_CODES)
+DEFINE_CODE_BLOCKS(AVX2_F16C, code_blocks_f16_avx2, code_tile_avx2, WEIGHT_Q4_CODES_F16)

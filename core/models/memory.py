@@ -25,11 +25,11 @@ _FLOAT32 = 4
 #: Bytes of one output's group of 32 inputs held in each GGUF block kind (float16 scale,
 #: Q4_1's float16 minimum, the values; Q4_K: a float32 scale and offset, 16 bytes of nibbles;
 #: Q5_K: Q4_K's and 4 bytes of fifth bits; Q6_K: two float32 scales, 32 int8; INT8_SCALED: two
-#: float32 scales and offsets, 32 int8),
-#: in blocks of 64 outputs (``quantized_blocks.h``).
+#: float32 scales and offsets, 32 int8; the code kinds: Q4_K's bytes, or Q4_1's with float16
+#: scales and offsets), in blocks of 64 outputs (``quantized_blocks.h``).
 _BLOCK_GROUP_BYTES = {
     "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 24, "Q5_K": 28, "Q6_K": 40, "INT8_SCALED": 48,
-    "Q4_CODES": 24,
+    "Q4_CODES": 24, "Q4_CODES_F16": 20,
 }  # fmt: skip
 _GROUP, _BLOCK_OUTPUTS = 32, 64
 #: The file's block types each kind holds (``quantized_blocks.h``: holds_type), in the order
@@ -44,8 +44,10 @@ _HOLDS = {
     "INT8_SCALED": ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
 }  # fmt: skip
-#: The types the code kind holds (``model.activation_dtype: int8``: tried before the others).
-_CODE_KIND, _CODE_HOLDS = "Q4_CODES", ("Q4_0", "Q4_1", "Q4_K")
+#: The types the code kinds hold (``model.activation_dtype: int8``: tried before the others,
+#: in this order). A Q4_0 scale past 8188, whose -8 scales float16 cannot hold, is held as
+#: ``Q4_CODES``: more than planned, which its rank refuses.
+_CODE_HOLDS = {"Q4_CODES_F16": ("Q4_0", "Q4_1"), "Q4_CODES": ("Q4_0", "Q4_1", "Q4_K")}
 #: The inputs one block of a file's type spans: a shard that cuts one is held in float32.
 _K_TYPES, _SUPER_BLOCK = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), 256
 #: A weight held in segments (``quantized_blocks.h``: SegmentTable): the table's bytes, and
@@ -56,13 +58,13 @@ _SEGMENT_TABLE_BYTES, _SEGMENTS_MAX = 64, 7
 @dataclass(frozen=True)
 class HeldKind:
     """How one weight is held (``model.weight_dtype: gguf``): ``kind``, a block kind
-    (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q8_0``, ``Q6_K``, ``INT8_SCALED``, ``Q4_CODES``)
-    or ``F32``, and
-    ``inputs``, the inputs one of the file's blocks spans (a shard's inputs must be whole
-    blocks); ``layers``, for a merged weight (q/k/v, gate/up), each different layer's one
-    kind holding all its parts and each part's first kind, in row order: the kernels hold a
-    layer whose parts' first kinds differ in segments of them, where the parts start on
-    blocks of 64 outputs (:func:`merged_block_bytes`)."""
+    (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q8_0``, ``Q6_K``, ``INT8_SCALED``,
+    ``Q4_CODES_F16``, ``Q4_CODES``) or ``F32``, and ``inputs``, the inputs one of the file's
+    blocks spans (a shard's inputs must be whole blocks); ``layers``, for a merged weight
+    (q/k/v, gate/up), each different layer's one kind holding all its parts and each part's
+    first kind, in row order: the kernels hold a layer whose parts' first kinds differ in
+    segments of them, where the parts start on blocks of 64 outputs
+    (:func:`merged_block_bytes`)."""
 
     kind: str
     inputs: int = _GROUP
@@ -73,7 +75,7 @@ class HeldKind:
         """The kind a weight is held in, each of whose layers has parts of the file's
         ``types`` (a list a layer): the one with the most bytes among its layers', each
         layer's the first kind that holds all its parts' types (``F32`` where none does;
-        with ``codes``, the code kind first); with each different layer's kinds
+        with ``codes``, the code kinds first); with each different layer's kinds
         (``layers``)."""
         kinds = [_first_holding(parts, codes) for parts in types]
         inputs = _SUPER_BLOCK if any(t in _K_TYPES for parts in types for t in parts) else _GROUP
@@ -84,8 +86,8 @@ class HeldKind:
 
 def _first_holding(types: list[str], codes: bool = False) -> str:
     """The first block kind holding every one of ``types`` (``F32`` where none does; with
-    ``codes``, the code kind before the others)."""
-    tried = {_CODE_KIND: _CODE_HOLDS, **_HOLDS} if codes else _HOLDS
+    ``codes``, the code kinds before the others)."""
+    tried = {**_CODE_HOLDS, **_HOLDS} if codes else _HOLDS
     held = [kind for kind, holds in tried.items() if set(types) <= set(holds)]
     return held[0] if types and held else "F32"
 
