@@ -157,19 +157,23 @@ static inline int all_arrived(const OneShot *self, int64_t call) {
     return 1;
 }
 
-/* A new tensor like ``tensor`` holding every rank's slot of ``call`` combined in rank order. */
-static PyObject *reduce_into_new(OneShot *self, PyObject *tensor, int64_t call) {
+/* A new tensor like ``tensor`` (NULL: an exception). */
+static PyObject *new_like(const OneShot *self, PyObject *tensor, char **data) {
     PyObject *result = PyObject_CallOneArg(self->empty_like, tensor);
     if (result == NULL) return NULL;
-    char *out = tensor_data(result);
-    if (out == NULL && PyErr_Occurred()) {
+    *data = tensor_data(result);
+    if (*data == NULL && PyErr_Occurred()) {
         Py_DECREF(result);
         return NULL;
     }
+    return result;
+}
+
+/* out <- every rank's slot of ``call`` combined in rank order. */
+static void reduce_into(const OneShot *self, char *out, int64_t call) {
     fold(out, slot(self, call, 0), slot(self, call, 1), self->count, self->dtype, self->op);
     for (int rank = 2; rank < self->world_size; rank++)
         fold(out, out, slot(self, call, rank), self->count, self->dtype, self->op);
-    return result;
 }
 
 static int parse_call(PyObject *const *args, Py_ssize_t nargs, int64_t *call) {
@@ -181,24 +185,38 @@ static int parse_call(PyObject *const *args, Py_ssize_t nargs, int64_t *call) {
     return (*call == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* Announces ``call`` with the input in this rank's slot, makes the result tensor while the
+ * others arrive (its allocation off the path they wait on), and returns it reduced once all
+ * have; None where they have not within spin_checks checks (finish, after a wait, makes it). */
 static PyObject *OneShot_run(OneShot *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t call;
     if (parse_call(args, nargs, &call) < 0) return NULL;
-    char *input = tensor_data(args[0]);
+    char *input = tensor_data(args[0]), *out;
     if (input == NULL && PyErr_Occurred()) return NULL;
     memcpy(slot(self, call, self->rank), input, self->nbytes);
     __atomic_store_n(&self->flags[self->rank * self->flag_words], call, __ATOMIC_RELEASE);
+    PyObject *result = new_like(self, args[0], &out);
+    if (result == NULL) return NULL;
     for (int check = 0;; check++) {
-        if (all_arrived(self, call)) return reduce_into_new(self, args[0], call);
-        if (check >= self->spin_checks) Py_RETURN_NONE;
+        if (all_arrived(self, call)) {
+            reduce_into(self, out, call);
+            return result;
+        }
+        if (check >= self->spin_checks) {
+            Py_DECREF(result);
+            Py_RETURN_NONE;
+        }
         SHARDLINE_CPU_RELAX();
     }
 }
 
 static PyObject *OneShot_finish(OneShot *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t call;
+    char *out;
     if (parse_call(args, nargs, &call) < 0) return NULL;
-    return reduce_into_new(self, args[0], call);
+    PyObject *result = new_like(self, args[0], &out);
+    if (result != NULL) reduce_into(self, out, call);
+    return result;
 }
 
 static PyObject *OneShot_arrived(OneShot *self, PyObject *call_object) {
@@ -258,9 +276,7 @@ static int native_run_all_reduce(void *context, void *data, char *error, size_t 
     __atomic_store_n(&plan->flags[plan->rank * plan->flag_words], call, __ATOMIC_RELEASE);
     int status = wait_all_arrived(run, call, error, size);
     if (status != 0) return status;
-    fold(data, slot(plan, call, 0), slot(plan, call, 1), plan->count, plan->dtype, plan->op);
-    for (int rank = 2; rank < plan->world_size; rank++)
-        fold(data, data, slot(plan, call, rank), plan->count, plan->dtype, plan->op);
+    reduce_into(plan, data, call);
     return 0;
 }
 
@@ -362,8 +378,8 @@ static void OneShot_dealloc(OneShot *self) {
 static PyMethodDef OneShot_methods[] = {
     {"run", (PyCFunction)(void (*)(void))OneShot_run, METH_FASTCALL,
      "run(tensor, call): copy ``tensor`` (contiguous, ``nbytes``) to this rank's slot, "
-     "announce ``call``, spin ``spin_checks`` times; the reduced new tensor once every rank "
-     "arrived, else None (wait with arrived(), then finish())."},
+     "announce ``call``, make the result while spinning ``spin_checks`` times; the reduced "
+     "new tensor once every rank arrived, else None (wait with arrived(), then finish())."},
     {"finish", (PyCFunction)(void (*)(void))OneShot_finish, METH_FASTCALL,
      "finish(tensor, call): the reduced new tensor of ``call``, once every rank arrived."},
     {"arrived", (PyCFunction)OneShot_arrived, METH_O,
