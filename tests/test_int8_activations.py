@@ -1,10 +1,10 @@
 """``model.activation_dtype: int8`` with ``weight_dtype: gguf``: weights of the file's 4-bit types
 held as codes (``Q4_CODES_F16`` for Q4_0 and Q4_1, ``Q4_CODES`` for Q4_K) and multiplied by
 their inputs quantized to int8 per 16, in integers. The kernel gives that arithmetic's sums
-(against a float64 reference of the same rounded inputs), the same bits on the AVX2 kernels,
-on a team and in either code kind; a non-finite input spoils only its row; the plan counts
-the codes' bytes; SmolLM2 keeps float32's top choice almost everywhere, and the config
-refuses the mode without gguf."""
+(against a float64 reference of the same rounded inputs), the same bits on the AVX2 kernels
+and on a team; a non-finite input spoils only its row; the plan counts the codes' bytes;
+SmolLM2 keeps float32's top choice almost everywhere, and the config refuses the mode
+without gguf."""
 
 import numpy as np
 import pytest
@@ -47,31 +47,25 @@ def _quantized_inputs(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * scale.double()).view(x.shape)
 
 
-def _blocked(held, x, bias, avx2, kind=None):
-    """held (of ``kind``, a WEIGHT_* code; its own where None) times x, plus bias."""
+def _blocked(held, x, bias, avx2):
     out_features, in_features = held.blocked_shape
     y = torch.empty(x.shape[0], out_features)
     native.blocked_linear(
         held.data_ptr(), x.data_ptr(), y.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        x.shape[0], out_features, in_features, None,
-        held.weight_kind if kind is None else kind, avx2,
+        x.shape[0], out_features, in_features, None, held.weight_kind, avx2,
     )  # fmt: skip
     return y
 
 
-def _packed_as(weight, kind: int) -> torch.Tensor | None:
-    """weight's file blocks held in ``kind`` (a WEIGHT_* code) itself, not the first kind
-    that holds them; None where it does not hold them."""
+def _holds(kind: int, weight) -> bool:
+    """Whether ``kind`` (a WEIGHT_* code) holds weight's file blocks (each value checked)."""
     out_features, in_features = weight.shape
     place = torch.zeros(native.quantized_size(kind, out_features, in_features), dtype=torch.uint8)
     parts = [(type_name, raw.ctypes.data, raw.strides[0], first, raw.shape[0])
              for first, type_name, raw in weight.file_blocks]  # fmt: skip
     loaded = (weight.data_ptr(), *weight.stride())
-    if not native.pack_file_blocks(kind, place.data_ptr(), out_features, in_features, loaded,
-                                   parts, None):  # fmt: skip
-        return None
-    place.blocked_shape = (out_features, in_features)
-    return place
+    return native.pack_file_blocks(kind, place.data_ptr(), out_features, in_features, loaded,
+                                   parts, None)  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
@@ -100,31 +94,28 @@ def test_4_bit_weights_multiply_int8_inputs_in_integers(file_type, rows):
         assert torch.equal(team.linear(x, held, bias), y)
         if _has_avx2_f16c():
             assert torch.equal(_blocked(held, x, bias, avx2=True), y)
-        if kind == "Q4_CODES_F16":  # float32 scales hold the same values: the same bits
-            wide = _packed_as(weight, native.WEIGHT_Q4_CODES)
-            assert wide.numel() * 20 == held.numel() * 24
-            for avx2 in (False, True) if _has_avx2_f16c() else (False,):
-                assert torch.equal(_blocked(wide, x, bias, avx2, native.WEIGHT_Q4_CODES), y)
 
 
 @needs_code_kernels
-def test_a_q4_0_offset_float16_cannot_hold_takes_float32_scales():
+def test_a_q4_0_offset_float16_cannot_hold_takes_q4_0s_exact_kind():
     """Q4_0's -8 is held as an offset of -8 scales: a scale of 10000 makes one float16
-    cannot hold (-80000), so the weight takes the float32 code kind (and multiplies right);
-    the plan, which cannot see scales, counts the float16 kind."""
+    cannot hold (-80000), so the weight takes Q4_0's own kind (float32's bits, fewer bytes
+    than the plan, which cannot see scales, counts for the code kind)."""
     rng = np.random.default_rng(11)
     blocks = random_blocks("Q4_0", 64, 64, rng)
     blocks[:, 0:2] = np.frombuffer(np.float16(10000.0).tobytes(), dtype=np.uint8)
     weight = file_weight([("Q4_0", blocks)], 64)
     assert weight.abs().max() >= 10000.0
-    assert _packed_as(weight, native.WEIGHT_Q4_CODES_F16) is None
+    assert not _holds(native.WEIGHT_Q4_CODES_F16, weight)
+    assert not _holds(native.WEIGHT_Q4_CODES, weight)  # Q4_K's code kind alone
     held = CODES.pack_linear(weight)
-    assert held.held_as == "Q4_CODES"
+    assert held.held_as == "Q4_0"
     x = torch.randn(2, 64)
-    rounded = _quantized_inputs(x)
-    magnitude = rounded.abs() @ weight.double().abs().T
-    assert ((CODES.linear(x, held, None).double() - rounded @ weight.double().T).abs()
-            <= 1e-6 * magnitude).all()  # fmt: skip
+    exact = NativeKernels(native)
+    assert torch.equal(
+        CODES.linear(x, held, None),
+        exact.linear(x, exact.pack_linear(weight.detach().clone()), None),
+    )
     assert HeldBlocks.of({"blk.0.ffn_down.weight": "Q4_0"}, tied=True, codes=True).down.kind \
         == "Q4_CODES_F16"  # fmt: skip
 

@@ -51,8 +51,7 @@ WeightPacker = Callable[[torch.Tensor], torch.Tensor]
 #: (``quantized_blocks.h``).
 QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q8_0", "Q6_K", "INT8_SCALED")
 #: The kinds of 4-bit codes multiplied by int8 inputs (``model.activation_dtype: int8``), tried
-#: before the others, fewest bytes first: float16 scales and offsets (Q4_0 and Q4_1 blocks),
-#: float32 ones (Q4_K's too).
+#: before the others: float16 scales and offsets (Q4_0 and Q4_1 blocks), float32 ones (Q4_K).
 CODE_KINDS = ("Q4_CODES_F16", "Q4_CODES")
 #: The attribute of a loaded weight that lists the file blocks its rows were decoded from
 #: (:func:`~shardline.layers.linear.note_file_blocks`).

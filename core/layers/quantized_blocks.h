@@ -36,16 +36,16 @@
  *
  * The code kinds (model.activation_dtype: int8): Q4_CODES_F16 holds Q4_0 and Q4_1 blocks as
  * 4-bit codes 0..15 with a float16 scale and offset per 32 inputs (the file's d and m; Q4_0's
- * -8 as an offset of -8 d, where float16 holds it), 0.63 bytes a weight; Q4_CODES holds
- * those and Q4_K's (whose scales are float32 products) with a float32 scale and offset, 0.75
- * bytes a weight. The kernels never widen them: each row of inputs is quantized to int8 per
- * ACTIVATION_GROUP (quantize_rows) and multiplied by the codes in integers (exact int32 sums,
- * then scale * s * sum + offset * s * code sum per 16 inputs, in float32): no longer the
- * float32 layer's bits; a weight's results are the same bits in either code kind. Layout: the
- * scales and offsets (Q4_1's float16 ones, or Q4_K's float32), then for each 8 inputs of the
- * group and each 16 outputs, 64 bytes: output o's 4 bytes at 4 o, byte i holding input i of
- * the 8 in its low nibble and input 4 + i in its high one (vpdpbusd's operand: an output's 4
- * inputs in one 32-bit lane). */
+ * -8 as an offset of -8 d, where float16 holds it: else the weight takes Q4_0's own kind,
+ * exact), 0.63 bytes a weight; Q4_CODES holds Q4_K's (whose scales are float32 products)
+ * with a float32 scale and offset, 0.75 bytes a weight. The kernels never widen them: each
+ * row of inputs is quantized to int8 per ACTIVATION_GROUP (quantize_rows) and multiplied by
+ * the codes in integers (exact int32 sums, then scale * s * sum + offset * s * code sum per
+ * 16 inputs, in float32): no longer the float32 layer's bits. Layout: the scales and offsets
+ * (Q4_1's float16 ones, or Q4_K's float32), then for each 8 inputs of the group and each 16
+ * outputs, 64 bytes: output o's 4 bytes at 4 o, byte i holding input i of the 8 in its low
+ * nibble and input 4 + i in its high one (vpdpbusd's operand: an output's 4 inputs in one
+ * 32-bit lane). */
 
 #include "gguf_blocks.h"
 
@@ -261,8 +261,7 @@ static int holds_type(int kind, const GGUFType *type) {
         return !strcmp(name, "Q5_K") || !strcmp(name, "Q5_1") || !strcmp(name, "Q4_K") ||
                !strcmp(name, "Q4_1");
     case WEIGHT_Q6_K: return one_scale || !strcmp(name, "Q6_K") || !strcmp(name, "Q3_K");
-    case WEIGHT_Q4_CODES:
-        return !strcmp(name, "Q4_0") || !strcmp(name, "Q4_1") || !strcmp(name, "Q4_K");
+    case WEIGHT_Q4_CODES: return !strcmp(name, "Q4_K");
     case WEIGHT_Q4_CODES_F16: return !strcmp(name, "Q4_0") || !strcmp(name, "Q4_1");
     default: return 0;
     }
@@ -288,10 +287,10 @@ static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
 }
 
 /* What kind adds to a split q of type to store it (0..15): 8 for Q4_0's q (-8..7) in the
- * kinds that hold it unsigned (Q4_0, whose kernels subtract it back, and the code kind,
+ * kinds that hold it unsigned (Q4_0, whose kernels subtract it back, and Q4_CODES_F16,
  * whose offset is -8 scales), else 0. */
 static inline int stored_bias(int kind, const GGUFType *type) {
-    int unsigned_q4_0 = kind == WEIGHT_Q4_0 || is_code_kind(kind);
+    int unsigned_q4_0 = kind == WEIGHT_Q4_0 || kind == WEIGHT_Q4_CODES_F16;
     return unsigned_q4_0 && !strcmp(type->name, "Q4_0") ? 8 : 0;
 }
 
@@ -339,15 +338,9 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
             scales[half][lane] = split->scale[split_group];
             if (offsets[half]) offsets[half][lane] = type->subtracts ? -offset : offset;
         }
-        /* Q4_0's q (-8..7) as codes 0..15 with an offset of -8 scales (exact: the value,
-         * scale * q, is the sum of two multiples of the scale that fit its precision). */
-        int bias = stored_bias(kind, type);
-        if (bias)
-            for (int half = 0; half < 2; half++)
-                offsets[half][lane] = -(float)bias * scales[half][lane];
         for (int i = 0; i < QUANT_GROUP; i++) {
             int half = i / QUANT_HALF;
-            int q = store_q(kind, values, lane, i, split->q[within + i] + bias);
+            int q = store_q(kind, values, lane, i, split->q[within + i]);
             float minimum = offsets[half] ? offsets[half][lane] : 0.0f;
             if (!holds_value(kind, scales[half][lane], minimum, q, loaded[i * step])) return 0;
         }

@@ -44,10 +44,10 @@ _HOLDS = {
     "INT8_SCALED": ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
 }  # fmt: skip
-#: The types the code kinds hold (``model.activation_dtype: int8``: tried before the others,
-#: in this order). A Q4_0 scale past 8188, whose -8 scales float16 cannot hold, is held as
-#: ``Q4_CODES``: more than planned, which its rank refuses.
-_CODE_HOLDS = {"Q4_CODES_F16": ("Q4_0", "Q4_1"), "Q4_CODES": ("Q4_0", "Q4_1", "Q4_K")}
+#: The types the code kinds hold (``model.activation_dtype: int8``: tried before the others).
+#: A Q4_0 weight with a scale past 8188, whose -8 scales float16 cannot hold, takes Q4_0's
+#: own kind: fewer bytes than planned.
+_CODE_HOLDS = {"Q4_CODES_F16": ("Q4_0", "Q4_1"), "Q4_CODES": ("Q4_K",)}
 #: The inputs one block of a file's type spans: a shard that cuts one is held in float32.
 _K_TYPES, _SUPER_BLOCK = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), 256
 #: A weight held in segments (``quantized_blocks.h``: SegmentTable): the table's bytes, and
