@@ -145,10 +145,6 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_rows_avx2(
 DEFINE_QUANTIZED_BLOCKS(AVX2_F16C, quantized_blocks_avx2, quantized_row_avx2,
                         quantized_rows_avx2)
 
-/* The code kind on AVX2 (code_tile's arithmetic, 8 outputs a vector): each 64 bytes of codes
- * are 16 outputs' 4 inputs, a 256-bit half 8 of them; vpmaddubsw multiplies codes by int8
- * inputs and adds pairs (at most 2 x 15 x 127: never saturates), vpmaddwd adds the pairs'
- * pairs into the lane's int32 sum. */
 /* code_header's 8 outputs from output `at` on. */
 AVX2_F16C static inline __m256 code_header_avx2(const int KIND, const uint8_t *group, int which,
                                                 int at) {
@@ -158,6 +154,10 @@ AVX2_F16C static inline __m256 code_header_avx2(const int KIND, const uint8_t *g
     return _mm256_loadu_ps((const float *)group + which * LINEAR_BLOCK + at);
 }
 
+/* The code kinds on AVX2 (code_tile's arithmetic, 8 outputs a vector): each 64 bytes of codes
+ * are 16 outputs' 4 inputs, a 256-bit half 8 of them; vpmaddubsw multiplies codes by int8
+ * inputs and adds pairs (at most 2 x 15 x 127: never saturates), vpmaddwd adds the pairs'
+ * pairs into the lane's int32 sum. */
 AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
     const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
     long first, long in, float *y, long y_stride, long width, const float *bias) {
