@@ -120,6 +120,25 @@ def test_a_q4_0_offset_float16_cannot_hold_takes_q4_0s_exact_kind():
         == "Q4_CODES_F16"  # fmt: skip
 
 
+@pytest.mark.parametrize("scale", [3 * 2.0**-24, 2.0**-14, -0.5, 8188.0, 8190.0])
+@needs_code_kernels
+def test_q4_0_offsets_are_held_in_float16_wherever_it_holds_them(scale):
+    """-8 scales in float16, from a subnormal scale to the largest whose -8 scales float16
+    holds (8188: -65504) and a negative one (codes of 8 give +0 where the decoder gives -0);
+    past it (8190), Q4_0's own kind."""
+    blocks = random_blocks("Q4_0", 64, 64, np.random.default_rng(12))
+    blocks[:, 0:2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    blocks[:, 18:20] = blocks[:, 0:2]  # each row's second block
+    weight = file_weight([("Q4_0", blocks)], 64)
+    held = CODES.pack_linear(weight)
+    assert held.held_as == ("Q4_CODES_F16" if scale < 8189 else "Q4_0")
+    x = torch.randn(3, 64)
+    rounded = _quantized_inputs(x) if scale < 8189 else x.double()
+    magnitude = rounded.abs() @ weight.double().abs().T
+    error = (CODES.linear(x, held, None).double() - rounded @ weight.double().T).abs()
+    assert (error <= 1e-6 * magnitude).all()
+
+
 @needs_code_kernels
 def test_a_non_finite_input_spoils_only_its_row():
     rng = np.random.default_rng(9)

@@ -184,7 +184,7 @@ static inline int same_value(float held, float loaded) {
  * that fusing rounds as the decoder does (a finite scale's product, in double, is exact). */
 static inline int holds_value(int kind, float scale, float minimum, int q, float loaded) {
     float held = widened(kind, scale, minimum, q);
-    /* The code kind never widens: a zero's sign (Q4_0's -8 scales added back to 8 scales
+    /* The code kinds never widen: a zero's sign (Q4_0's -8 scales added back to 8 scales
      * give +0 where the decoder's scale * 0 may be -0) changes none of its sums. */
     if (is_code_kind(kind) && held == 0.0f && loaded == 0.0f) return 1;
     if (!same_value(held, loaded)) return 0;
