@@ -94,12 +94,14 @@ def main() -> int:
         )
         packed = blocks.pack_linear(weight)
         assert packed.held_as == kind, (kind, packed.held_as)
-        held[kind] = (blocks, copies(packed, args.megabytes * 1e6))
+        held[kind] = (blocks, copies(packed, args.megabytes * 1e6), file_type)
         if kind in ("Q4_0", "Q4_1", "Q4_K"):  # the same blocks as codes times int8 inputs
             packed = codes.pack_linear(weight)
             assert packed.held_as in CODE_KINDS, (kind, packed.held_as)
-            held[f"{packed.held_as} ({kind})"] = (codes, copies(packed, args.megabytes * 1e6))
-    held[FLOAT32] = (plain, copies(plain.pack_linear(weight), args.megabytes * 1e6))
+            held[f"{packed.held_as} ({kind})"] = (
+                codes, copies(packed, args.megabytes * 1e6), file_type
+            )  # fmt: skip
+    held[FLOAT32] = (plain, copies(plain.pack_linear(weight), args.megabytes * 1e6), "-")
     with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
         flags = cpuinfo.read().split()
     sets = [("avx2", True)]
@@ -110,14 +112,13 @@ def main() -> int:
         x, y = torch.randn(rows, args.inputs), torch.empty(rows, args.out)
         for _ in range(args.rounds):
             for kernel, avx2 in sets:
-                for name, (kernels, weights) in held.items():
+                for name, (kernels, weights, _) in held.items():
                     times[name, rows, kernel].append(call_time(kernels, weights, x, y, avx2))
     median = {key: statistics.median(found) * 1e6 for key, found in times.items()}
     table, records = [], []
     for name in held:
-        kernels, weights = held[name]
+        kernels, weights, file_type = held[name]
         per_weight = weights[0].numel() * weights[0].element_size() / (args.out * args.inputs)
-        file_type = dict(KIND_TYPES).get(name.split(" (")[-1].rstrip(")"), "-")
         for rows in ROWS:
             cells = []
             for kernel, _ in sets:

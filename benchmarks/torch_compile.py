@@ -32,27 +32,14 @@ import torch
 
 from shardline.catalog import resolve_model_path
 from shardline.cli.bench_decode import (
-    BATCH1_RUNS,
     Case,
     load_transformers,
     prompt_ids,
     run_case,
-    token_stamps,
+    transformers_batch1_runs,
 )
 from shardline.cli.table import render
 from shardline.weights import load_tokenizer, open_checkpoint
-
-
-def batch1_rate(model, ids: torch.Tensor, tokens: int) -> float:
-    """Median tokens/s of :data:`BATCH1_RUNS` greedy requests of ``tokens`` tokens."""
-    runs = []
-    for _ in range(BATCH1_RUNS):
-        stamps = token_stamps()
-        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                       streamer=stamps)  # fmt: skip
-        times = stamps.times[1:]  # the first put is the prompt
-        runs.append((len(times) - 1) / (times[-1] - times[0]))
-    return statistics.median(runs)
 
 
 def transformers_rows(path: str, tokens: int) -> list[dict]:
@@ -61,7 +48,8 @@ def transformers_rows(path: str, tokens: int) -> list[dict]:
     model = load_transformers(path, torch.float32)
     ids = torch.tensor([prompt])
     model.generate(ids, max_new_tokens=4, do_sample=False)
-    rows = [{"engine": "transformers", "mode": "eager", "tok_s": batch1_rate(model, ids, tokens)}]
+    rows = [{"engine": "transformers", "mode": "eager",
+             "tok_s": statistics.median(transformers_batch1_runs(model, ids, tokens))}]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="shardline-inductor-") as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         model.generation_config.cache_implementation = "static"
@@ -70,7 +58,7 @@ def transformers_rows(path: str, tokens: int) -> list[dict]:
         model.generate(ids, max_new_tokens=4, do_sample=False)
         compile_s = time.perf_counter() - start
         model.generate(ids, max_new_tokens=tokens, do_sample=False)  # any later recompile
-        rate = batch1_rate(model, ids, tokens)
+        rate = statistics.median(transformers_batch1_runs(model, ids, tokens))
     rows.append({"engine": "transformers", "mode": "torch.compile, static cache",
                  "tok_s": rate, "compile_s": compile_s})  # fmt: skip
     return rows

@@ -632,19 +632,22 @@ def _measure_transformers(case: Case) -> dict:
 
     ids = torch.tensor([prompt])
     model.generate(ids, max_new_tokens=4, do_sample=False)
+    runs = transformers_batch1_runs(model, ids, case.tokens)
+    return {"batch1_tok_s": statistics.median(runs), "batch1_runs_tok_s": runs, "executor": "-"}
+
+
+def transformers_batch1_runs(model, ids, tokens: int) -> list[float]:
+    """Tokens/s of :data:`BATCH1_RUNS` greedy ``generate`` requests of ``tokens`` tokens after
+    ``ids``, one after another, each from its first streamed token to its last."""
     runs = []
     for _ in range(BATCH1_RUNS):
         stamps = token_stamps()
         model.generate(
-            ids,
-            max_new_tokens=case.tokens,
-            min_new_tokens=case.tokens,
-            do_sample=False,
-            streamer=stamps,
+            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=stamps
         )
-        tokens = stamps.times[1:]  # the first put is the prompt
-        runs.append((len(tokens) - 1) / (tokens[-1] - tokens[0]))
-    return {"batch1_tok_s": statistics.median(runs), "batch1_runs_tok_s": runs, "executor": "-"}
+        times = stamps.times[1:]  # the first put is the prompt
+        runs.append((len(times) - 1) / (times[-1] - times[0]))
+    return runs
 
 
 def _main(argument: str) -> None:

@@ -192,7 +192,7 @@ static inline int holds_value(int kind, float scale, float minimum, int q, float
     return (double)(scale * (float)q) == (double)scale * (double)q;
 }
 
-/* Rows of x as the code kind multiplies them (WEIGHT_Q4_CODES): each row's inputs as int8
+/* Rows of x as the code kinds multiply them (is_code_kind): each row's inputs as int8
  * codes, per ACTIVATION_GROUP inputs a scale s (x ~ s * code: the group's largest |x| / 127,
  * each code x / s rounded to nearest, ties to even) and s times the sum of its codes. A group
  * of zeros has s 0; one with a value not finite has s NaN and codes 0 (its sums are NaN, as
@@ -353,11 +353,14 @@ static int hold_group(int kind, uint8_t *group, long lane, const uint8_t *raw,
     memcpy(&scales[lane], raw, 2);
     float scale = shardline_half_to_float(scales[lane]);
     int bias = stored_bias(kind, type);
-    if (adds_offset(kind) && bias == 0)
-        memcpy(&minimums[lane], raw + 2, 2);
-    else if (adds_offset(kind) && !exact_half(-(float)bias * scale, &minimums[lane]))
-        return 0;
-    float minimum = adds_offset(kind) ? shardline_half_to_float(minimums[lane]) : 0.0f;
+    float minimum = 0.0f;
+    if (adds_offset(kind)) {
+        if (bias == 0)
+            memcpy(&minimums[lane], raw + 2, 2);
+        else if (!exact_half(-(float)bias * scale, &minimums[lane]))
+            return 0;
+        minimum = shardline_half_to_float(minimums[lane]);
+    }
     for (int i = 0; i < QUANT_GROUP; i++) {
         int q = split->q[within + i] + bias;
         int stored = store_q(kind, values, lane, i, q);
