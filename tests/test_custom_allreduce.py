@@ -5,6 +5,7 @@ while the world runs or after a rank is killed."""
 
 import ast
 import json
+import mmap
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from shardline.errors import PeerLostError
+from shardline.interfaces import ReduceOp
 from shardline.launch.comm_world import CommunicatorSetup
 from shardline.launch.local_world import LocalWorld
 from support import allreduce_checks
@@ -88,6 +90,90 @@ def test_shared_path_one_shot_and_two_shot(one_shot_path):
 def test_ranks_running_ahead_never_see_a_slot_overwritten(one_shot_path):
     with LocalWorld(3, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
         assert world.run(allreduce_checks.back_to_back, 400, 1) == [[], [], []]
+
+
+@pytest.mark.timeout(180)
+def test_routed_and_general_calls_mixed_give_every_rank_the_sums(one_shot_path):
+    """Calls the C router runs (a size, dtype and op it has a route for) and calls it hands
+    to the Python method (a first call, a subclass, a transposed input, an op it has no
+    route for, more sizes than it keeps) share one numbering: every result right."""
+    rounds = 30
+    with LocalWorld(2, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
+        results = world.run(allreduce_checks.routed_variants, rounds)
+    expected = allreduce_checks.expected_routed_variants(2, rounds)
+    for router, cases in results:
+        assert router == ("AllReduce" if one_shot_path == "native" else "method")
+        assert [case for case, _ in cases] == [case for case, _ in expected]
+        for (case, result), (_, wanted) in zip(cases, expected, strict=True):
+            assert result.dtype == wanted.dtype and torch.equal(result, wanted), case
+            assert not result.requires_grad, case
+
+
+def test_the_router_runs_a_routed_call_in_c_and_hands_every_other_call_on():
+    """One process, the peer's slots and flag written by hand: with no route a call is the
+    general path's; with one, the C path sums this rank's input and the peer's slot into a
+    tensor of the input's shape (or calls finish with the call's number when the peer has
+    not arrived within the spin); numbers are shared with take()."""
+    native = pytest.importorskip("shardline_custom_allreduce._native", reason="not built")
+    slot_bytes, nbytes = 4096, 16
+    memory = mmap.mmap(-1, 128 + 4 * slot_bytes)
+    plan = native.OneShot(
+        memory=memory,
+        flags_offset=0,
+        flag_stride=64,
+        slots_offset=128,
+        slot_bytes=slot_bytes,
+        world_size=2,
+        rank=0,
+        dtype="float32",
+        op="sum",
+        nbytes=nbytes,
+        spin_checks=10,
+        empty_like=torch.empty_like,
+    )
+    general, finished = [], []
+    router = native.AllReduce(
+        general=lambda tensor, op=ReduceOp.SUM: general.append((tensor, op)) or "general",
+        finish=lambda plan, tensor, call: finished.append(call) or "finish",
+        tensor_type=torch.Tensor,
+        default_op=ReduceOp.SUM,
+    )
+    mine = torch.arange(4, dtype=torch.float32)
+    assert router(mine) == "general" and general[-1][1] is ReduceOp.SUM
+    router.route(torch.float32, ReduceOp.SUM, nbytes, plan)
+    assert router(mine) == "finish" and finished == [1]  # the peer never announced call 1
+    peer_flag = memoryview(memory)[64:72].cast("q")
+    peer_flag[0] = 1 << 40  # the peer has arrived at every call from now on
+    for parity in (0, 1):  # the peer's slot of either call parity
+        offset = 128 + (parity * 2 + 1) * slot_bytes
+        torch.frombuffer(memory, dtype=torch.float32, count=4, offset=offset).copy_(
+            torch.tensor([10.0, 20.0, 30.0, 40.0])
+        )
+    assert torch.equal(router(mine), torch.tensor([10.0, 21.0, 32.0, 43.0]))
+    assert torch.equal(
+        router(mine.view(2, 2), op=ReduceOp.SUM), torch.tensor([[10.0, 21.0], [32.0, 43.0]])
+    )
+    assert router.calls == 3 and router.take(2) == 4 and router.take(0) == 6 and router.calls == 5
+    assert torch.equal(router(mine), torch.tensor([10.0, 21.0, 32.0, 43.0]))  # call 6
+    handed_on = [
+        (mine, ReduceOp.MAX),  # no route for the op
+        (mine.to(torch.int32), ReduceOp.SUM),  # nor for the dtype at that size
+        (torch.arange(8, dtype=torch.float32).view(2, 4)[:, :2], ReduceOp.SUM),  # strided
+        (torch.nn.Parameter(mine.clone()), ReduceOp.SUM),  # a subclass
+    ]
+    for tensor, op in handed_on:
+        assert router(tensor, op) == "general" and general[-1] == (tensor, op)
+    assert router(tensor=mine) == "general"  # keyword forms other than op= go on as given
+    assert router.calls == 6 and finished == [1]
+    with pytest.raises(ValueError, match="nbytes"):
+        router.route(torch.float32, ReduceOp.SUM, 8, plan)
+    with pytest.raises(ValueError, match=">= 0"):
+        router.take(-1)
+    router.clear()
+    assert router(mine) == "general"
+    del router, plan
+    peer_flag.release()
+    memory.close()
 
 
 @pytest.mark.timeout(180)

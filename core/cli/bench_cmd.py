@@ -22,7 +22,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -158,32 +160,51 @@ def measure_on(
     if operation == "all_gather":
         count //= comm.world_size
     tensor = torch.ones(count, dtype=torch_dtype)
-    samples = []
-    if back_to_back:
+    step, clock = _step(comm, operation, tensor), time.monotonic
+    if back_to_back:  # the loop holds only the call and the clock: its cost is not the call's
         comm.barrier()
-    end = time.monotonic()
-    for index in range(warmup + iterations):
-        if not back_to_back:
+        ends = [0.0] * (warmup + iterations + 1)
+        ends[0] = clock()
+        for index in range(1, len(ends)):
+            step()
+            ends[index] = clock()
+        samples = list(zip(ends[warmup:-1], ends[warmup + 1 :], strict=True))
+    else:
+        samples = []
+        for index in range(warmup + iterations):
             comm.barrier()
-        start = end if back_to_back else time.monotonic()
-        if operation == "all_reduce":
-            comm.all_reduce(tensor)
-        elif operation == "all_gather":
-            comm.all_gather(tensor)
-        elif operation == "reduce_scatter":
-            comm.reduce_scatter(tensor)
-        elif operation == "broadcast":
-            comm.broadcast(tensor, 0)
-        elif comm.rank == 0:
-            comm.send(tensor, 1)
-            comm.recv(tensor, 1)
-        elif comm.rank == 1:
-            comm.recv(tensor, 0)
-            comm.send(tensor, 0)
-        end = time.monotonic()
-        if index >= warmup:
-            samples.append((start, end))
+            start = clock()
+            step()
+            end = clock()
+            if index >= warmup:
+                samples.append((start, end))
     return None if operation == "p2p" and comm.rank > 1 else samples
+
+
+def _step(comm: Communicator, operation: str, tensor: torch.Tensor) -> Callable[[], object]:
+    """One iteration of ``operation`` on ``tensor`` as a call of no arguments (p2p: rank 0
+    sends and receives back, rank 1 the other way round, other ranks nothing)."""
+    if operation == "all_reduce":
+        return partial(comm.all_reduce, tensor)
+    if operation == "all_gather":
+        return partial(comm.all_gather, tensor)
+    if operation == "reduce_scatter":
+        return partial(comm.reduce_scatter, tensor)
+    if operation == "broadcast":
+        return partial(comm.broadcast, tensor, 0)
+    if comm.rank > 1:
+        return lambda: None
+    peer = 1 - comm.rank
+
+    def round_trip() -> None:
+        if comm.rank == 0:
+            comm.send(tensor, peer)
+            comm.recv(tensor, peer)
+        else:
+            comm.recv(tensor, peer)
+            comm.send(tensor, peer)
+
+    return round_trip
 
 
 def collective_times(per_rank: list[list[tuple[float, float]]], operation: str) -> list[float]:

@@ -26,7 +26,9 @@ Per tensor shape the views and the reduction are prepared once (a small cache), 
 all-reduce costs a copy, a flag write, a poll and a reduction. The one-shot path runs in C
 (``_native.OneShot``: copy in, release-store the flag, spin on acquire loads, reduce into a
 new tensor) when the extension is built and ``SHARDLINE_NATIVE`` is not ``0``; for dtypes it
-lacks, and otherwise, in Python (numpy or torch), with the same bits. Waits follow the group's
+lacks, and otherwise, in Python (numpy or torch), with the same bits. With the extension, a
+communicator's ``all_reduce`` is a C router (``_native.AllReduce``) that runs a call whose
+dtype, size and op already have a C plan without entering Python, and numbers every call. Waits follow the group's
 :class:`~shardline.comm.waiting.Polling` (more ranks than cores: yield the CPU at once, so 4
 ranks on 2 cores stay in tens of µs) and end at the group's deadline with ``CommTimeoutError``.
 The segment is created 0600 and unlinked as soon as every rank has mapped it, so nothing is
@@ -155,9 +157,23 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         self._world = world
         self._polling = world.polling
         self._rank = base.rank
-        self._calls = 0
         self._barriers = 0
         self._plans: dict[tuple, Any] = {}
+        native = world.native if segment is not None else None
+        #: The C router of all_reduce (None: no extension, or nothing shared to route to).
+        self._routed = None
+        if native is not None:
+            self._routed = native.AllReduce(
+                general=self.all_reduce,
+                finish=self._finish_one_shot,
+                tensor_type=torch.Tensor,
+                default_op=ReduceOp.SUM,
+            )
+            # An instance attribute over the method: a routed call reaches C with no Python
+            # frame on the way; the method (general) runs what the router does not.
+            self.all_reduce = self._routed
+        #: Numbers every shared all-reduce: the C router's and the Python paths' calls alike.
+        self._calls: Any = self._routed or _CallNumbers()
 
     @classmethod
     def create(cls, base: Communicator, world: _World) -> CustomAllReduceCommunicator:
@@ -202,23 +218,26 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
     # ---- the shared-memory all-reduce -----------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Where the C extension runs, the instance's ``all_reduce`` is its router
+        (``_native.AllReduce``), which runs a prepared C one-shot itself and calls this method
+        for everything else (a first call of a size, another path, an input to make
+        contiguous); this method routes the C one-shots it prepares there for the next call."""
         segment = self._segment
         if segment is None or not tensor.is_cpu:
             return self.inner.all_reduce(tensor, op)
         plan = self._plan_for(tensor, op)
         if plan is _BASE:
             return self.inner.all_reduce(tensor, op)
-        self._calls = call = self._calls + 1
+        call = self._calls.take()
         if plan is _TWO_SHOT:
             return self._two_shot(tensor, ReduceOp(op), call)
         if type(plan) is not _OneShot:  # the C one-shot path: input contiguous, then one call
+            if type(tensor) is torch.Tensor:
+                self._routed.route(tensor.dtype, op, tensor.nbytes, plan)
             if not tensor.is_contiguous():
                 tensor = tensor.contiguous()
             result = plan.run(tensor, call)
-            if result is None:
-                self._wait_all(_ARRIVED, call, "all_reduce", lambda: plan.arrived(call))
-                result = plan.finish(tensor, call)
-            return result
+            return self._finish_one_shot(plan, tensor, call) if result is None else result
         parity = call & 1
         plan.inputs[parity][self._rank].copy_(tensor.detach() if tensor.requires_grad else tensor)
         segment.announce(_ARRIVED, self._rank, call)
@@ -251,8 +270,7 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         plan = self._plan_for(like, ReduceOp.SUM)
         if not isinstance(plan, native.OneShot):
             return self.inner.native_all_reduce(like, calls)
-        first = self._calls + 1
-        self._calls += calls
+        first = self._calls.take(calls)
         polling = self._polling
         capsule = plan.native_run(
             first,
@@ -264,6 +282,12 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
             polling.max_sleep_s,
         )
         return NativeAllReduce(capsule, calls, self._native_failure)
+
+    def _finish_one_shot(self, plan: Any, tensor: torch.Tensor, call: int) -> torch.Tensor:
+        """A C one-shot ``call`` whose peers did not arrive within the spin: wait for them
+        (``wait_until``'s phases and deadline), then reduce into a new tensor."""
+        self._wait_all(_ARRIVED, call, "all_reduce", lambda: plan.arrived(call))
+        return plan.finish(tensor, call)
 
     def _native_failure(self, message: str, timed_out: bool) -> CommunicationError:
         """The error of a failed native run (the C code's ``message``): a deadline passed
@@ -373,9 +397,24 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
     def close(self) -> None:
         segment, self._segment = self._segment, None
         self._plans.clear()  # C plans hold the mapping until they go
+        if self._routed is not None:
+            self._routed.clear()
         if segment is not None:
             segment.close()
         self.inner.close()
+
+
+class _CallNumbers:
+    """Numbers a group's shared all-reduces where the C router is not built."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def take(self, count: int = 1) -> int:
+        """The first of the next ``count`` call numbers (numbers start at 1)."""
+        first = self._last + 1
+        self._last += count
+        return first
 
 
 def _chunk(count: int, parts: int, index: int) -> tuple[int, int]:

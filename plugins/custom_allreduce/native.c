@@ -9,6 +9,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -185,17 +186,16 @@ static int parse_call(PyObject *const *args, Py_ssize_t nargs, int64_t *call) {
     return (*call == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* Announces ``call`` with the input in this rank's slot, makes the result tensor while the
- * others arrive (its allocation off the path they wait on), and returns it reduced once all
- * have; None where they have not within spin_checks checks (finish, after a wait, makes it). */
-static PyObject *OneShot_run(OneShot *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t call;
-    if (parse_call(args, nargs, &call) < 0) return NULL;
-    char *input = tensor_data(args[0]), *out;
+/* Announces ``call`` with ``tensor`` (contiguous, ``nbytes``) in this rank's slot, makes the
+ * result tensor while the others arrive (its allocation off the path they wait on), and
+ * returns it reduced once all have; Py_None (a new reference) where they have not within
+ * spin_checks checks (finish, after a wait, makes it); NULL: an exception. */
+static PyObject *one_shot_run(OneShot *self, PyObject *tensor, int64_t call) {
+    char *input = tensor_data(tensor), *out;
     if (input == NULL && PyErr_Occurred()) return NULL;
     memcpy(slot(self, call, self->rank), input, self->nbytes);
     __atomic_store_n(&self->flags[self->rank * self->flag_words], call, __ATOMIC_RELEASE);
-    PyObject *result = new_like(self, args[0], &out);
+    PyObject *result = new_like(self, tensor, &out);
     if (result == NULL) return NULL;
     for (int check = 0;; check++) {
         if (all_arrived(self, call)) {
@@ -208,6 +208,12 @@ static PyObject *OneShot_run(OneShot *self, PyObject *const *args, Py_ssize_t na
         }
         SHARDLINE_CPU_RELAX();
     }
+}
+
+static PyObject *OneShot_run(OneShot *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t call;
+    if (parse_call(args, nargs, &call) < 0) return NULL;
+    return one_shot_run(self, args[0], call);
 }
 
 static PyObject *OneShot_finish(OneShot *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -402,13 +408,257 @@ static PyTypeObject OneShotType = {
     .tp_methods = OneShot_methods,
 };
 
+/* ---- AllReduce: a communicator's all_reduce, routed in C ------------------------------ */
+
+enum { ROUTES = 8 }; /* (dtype, op, size) routes kept; the oldest goes first */
+
+typedef struct {
+    PyObject *dtype, *op; /* compared by identity: torch dtypes and ReduceOp members are
+                             singletons */
+    Py_ssize_t nbytes;
+    OneShot *plan;
+} Route;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *general;     /* general(tensor, op): every call not routed here */
+    PyObject *finish;      /* finish(plan, tensor, call): waits past the spin, then reduces */
+    PyObject *tensor_type; /* torch.Tensor: subclasses take the general path */
+    PyObject *default_op;  /* the op of a call that names none */
+    int64_t calls;         /* the last all-reduce number handed out */
+    Route routes[ROUTES];
+    int route_count, oldest;
+} AllReduce;
+
+static PyObject *dtype_attr, *nbytes_attr, *is_cpu_attr, *is_contiguous_attr, *op_keyword;
+
+/* The route of a call of ``tensor`` with ``op``: NULL with no error where there is none. */
+static Route *route_of(AllReduce *self, PyObject *tensor, PyObject *op) {
+    if (self->route_count == 0 || Py_TYPE(tensor) != (PyTypeObject *)self->tensor_type)
+        return NULL;
+    PyObject *dtype = PyObject_GetAttr(tensor, dtype_attr);
+    if (dtype == NULL) return NULL;
+    Py_DECREF(dtype); /* a singleton, held by torch: only its identity is compared */
+    PyObject *size = PyObject_GetAttr(tensor, nbytes_attr);
+    if (size == NULL) return NULL;
+    Py_ssize_t nbytes = PyLong_AsSsize_t(size);
+    Py_DECREF(size);
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    Route *route = NULL;
+    for (int i = 0; i < self->route_count && route == NULL; i++)
+        if (self->routes[i].dtype == dtype && self->routes[i].op == op &&
+            self->routes[i].nbytes == nbytes)
+            route = &self->routes[i];
+    if (route == NULL) return NULL;
+    PyObject *on_cpu = PyObject_GetAttr(tensor, is_cpu_attr);
+    if (on_cpu == NULL) return NULL;
+    Py_DECREF(on_cpu);
+    if (on_cpu != Py_True) return NULL;
+    PyObject *contiguous = PyObject_CallMethodNoArgs(tensor, is_contiguous_attr);
+    if (contiguous == NULL) return NULL;
+    Py_DECREF(contiguous);
+    return contiguous == Py_True ? route : NULL;
+}
+
+static PyObject *AllReduce_vectorcall(AllReduce *self, PyObject *const *args, size_t nargsf,
+                                      PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *op = nargs == 2 ? args[1] : self->default_op;
+    int keywords = kwnames == NULL ? 0 : (int)PyTuple_GET_SIZE(kwnames);
+    if (nargs == 1 && keywords == 1 &&
+        PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), op_keyword) == 0)
+        op = args[1];
+    else if (keywords > 0 || nargs < 1 || nargs > 2)
+        return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+    Route *route = route_of(self, args[0], op);
+    if (route == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        PyObject *pair[2] = {args[0], op};
+        return PyObject_Vectorcall(self->general, pair, 2, NULL);
+    }
+    int64_t call = ++self->calls;
+    PyObject *result = one_shot_run(route->plan, args[0], call);
+    if (result != Py_None) return result;
+    Py_DECREF(result);
+    PyObject *number = PyLong_FromLongLong(call);
+    if (number == NULL) return NULL;
+    PyObject *finish_args[3] = {(PyObject *)route->plan, args[0], number};
+    result = PyObject_Vectorcall(self->finish, finish_args, 3, NULL);
+    Py_DECREF(number);
+    return result;
+}
+
+static void drop_routes(AllReduce *self) {
+    for (int i = 0; i < self->route_count; i++) {
+        Py_CLEAR(self->routes[i].dtype);
+        Py_CLEAR(self->routes[i].op);
+        Py_CLEAR(self->routes[i].plan);
+    }
+    self->route_count = self->oldest = 0;
+}
+
+static PyObject *AllReduce_route(AllReduce *self, PyObject *args) {
+    PyObject *dtype, *op, *plan;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "OOnO!", &dtype, &op, &nbytes, &OneShotType, &plan)) return NULL;
+    if (nbytes != ((OneShot *)plan)->nbytes) {
+        PyErr_SetString(PyExc_ValueError, "route: nbytes differs from the plan's");
+        return NULL;
+    }
+    Route *route = NULL;
+    for (int i = 0; i < self->route_count && route == NULL; i++)
+        if (self->routes[i].dtype == dtype && self->routes[i].op == op &&
+            self->routes[i].nbytes == nbytes)
+            route = &self->routes[i];
+    if (route != NULL) {
+        Py_SETREF(route->plan, (OneShot *)Py_NewRef(plan));
+        Py_RETURN_NONE;
+    }
+    if (self->route_count < ROUTES) {
+        route = &self->routes[self->route_count++];
+    } else {
+        route = &self->routes[self->oldest];
+        self->oldest = (self->oldest + 1) % ROUTES;
+        Py_CLEAR(route->dtype);
+        Py_CLEAR(route->op);
+        Py_CLEAR(route->plan);
+    }
+    route->dtype = Py_NewRef(dtype);
+    route->op = Py_NewRef(op);
+    route->nbytes = nbytes;
+    route->plan = (OneShot *)Py_NewRef(plan);
+    Py_RETURN_NONE;
+}
+
+static PyObject *AllReduce_clear(AllReduce *self, PyObject *Py_UNUSED(ignored)) {
+    drop_routes(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *AllReduce_take(AllReduce *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long count = 1;
+    if (nargs > 1 || (nargs == 1 && (count = PyLong_AsLongLong(args[0])) == -1 &&
+                      PyErr_Occurred()))
+        return NULL;
+    if (count < 0) {
+        PyErr_SetString(PyExc_ValueError, "take: count must be >= 0");
+        return NULL;
+    }
+    int64_t first = self->calls + 1;
+    self->calls += count;
+    return PyLong_FromLongLong(first);
+}
+
+static int AllReduce_init(AllReduce *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"general", "finish", "tensor_type", "default_op", NULL};
+    PyObject *general, *finish, *tensor_type, *default_op;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!O", keywords, &general, &finish,
+                                     &PyType_Type, &tensor_type, &default_op))
+        return -1;
+    Py_XSETREF(self->general, Py_NewRef(general));
+    Py_XSETREF(self->finish, Py_NewRef(finish));
+    Py_XSETREF(self->tensor_type, Py_NewRef(tensor_type));
+    Py_XSETREF(self->default_op, Py_NewRef(default_op));
+    drop_routes(self);
+    self->calls = 0;
+    self->vectorcall = (vectorcallfunc)AllReduce_vectorcall;
+    return 0;
+}
+
+static int AllReduce_traverse(AllReduce *self, visitproc visit, void *arg) {
+    Py_VISIT(self->general);
+    Py_VISIT(self->finish);
+    Py_VISIT(self->tensor_type);
+    Py_VISIT(self->default_op);
+    for (int i = 0; i < self->route_count; i++) {
+        Py_VISIT(self->routes[i].dtype);
+        Py_VISIT(self->routes[i].op);
+        Py_VISIT(self->routes[i].plan);
+    }
+    return 0;
+}
+
+static int AllReduce_tp_clear(AllReduce *self) {
+    Py_CLEAR(self->general);
+    Py_CLEAR(self->finish);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->default_op);
+    drop_routes(self);
+    return 0;
+}
+
+static void AllReduce_dealloc(AllReduce *self) {
+    PyObject_GC_UnTrack(self);
+    AllReduce_tp_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *AllReduce_call(AllReduce *self, PyObject *args, PyObject *kwargs) {
+    if (self->vectorcall == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "AllReduce used before __init__");
+        return NULL;
+    }
+    return PyVectorcall_Call((PyObject *)self, args, kwargs);
+}
+
+static PyObject *AllReduce_get_calls(AllReduce *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromLongLong(self->calls);
+}
+
+static PyGetSetDef AllReduce_getset[] = {
+    {"calls", (getter)AllReduce_get_calls, NULL, "The last all-reduce number handed out.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyMethodDef AllReduce_methods[] = {
+    {"route", (PyCFunction)AllReduce_route, METH_VARARGS,
+     "route(dtype, op, nbytes, plan): from now on, calls of a contiguous CPU torch.Tensor of "
+     "that dtype and size with that op (compared by identity) run ``plan`` (a OneShot of "
+     "``nbytes``) here; a route with that key gets the new plan, else the oldest of 8 goes "
+     "to make room."},
+    {"clear", (PyCFunction)AllReduce_clear, METH_NOARGS,
+     "clear(): drop every route (and the plans they hold): all calls go to ``general``."},
+    {"take", (PyCFunction)(void (*)(void))AllReduce_take, METH_FASTCALL,
+     "take(count=1): the first of the next ``count`` (>= 0) all-reduce numbers, for calls "
+     "made elsewhere (the general path, a native run)."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject AllReduceType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shardline_custom_allreduce._native.AllReduce",
+    .tp_basicsize = sizeof(AllReduce),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(AllReduce, vectorcall),
+    .tp_call = (ternaryfunc)AllReduce_call,
+    .tp_doc = "AllReduce(general, finish, tensor_type, default_op): a communicator's "
+              "all_reduce(tensor, op=default_op). A call whose tensor's type, dtype, size and "
+              "op have a route (a contiguous CPU tensor) takes the next number and runs the "
+              "route's one-shot plan here, calling finish(plan, tensor, number) where the "
+              "others have not arrived within the spin; any other call is general(tensor, "
+              "op)'s, which numbers its calls with take().",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)AllReduce_init,
+    .tp_traverse = (traverseproc)AllReduce_traverse,
+    .tp_clear = (inquiry)AllReduce_tp_clear,
+    .tp_dealloc = (destructor)AllReduce_dealloc,
+    .tp_methods = AllReduce_methods,
+    .tp_getset = AllReduce_getset,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_native",
     "custom_ar's one-shot all-reduce per-call path in C.", -1, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) {
     data_ptr_name = PyUnicode_InternFromString("data_ptr");
-    if (data_ptr_name == NULL || PyType_Ready(&OneShotType) < 0) return NULL;
+    dtype_attr = PyUnicode_InternFromString("dtype");
+    nbytes_attr = PyUnicode_InternFromString("nbytes");
+    is_cpu_attr = PyUnicode_InternFromString("is_cpu");
+    is_contiguous_attr = PyUnicode_InternFromString("is_contiguous");
+    op_keyword = PyUnicode_InternFromString("op");
+    if (data_ptr_name == NULL || dtype_attr == NULL || nbytes_attr == NULL ||
+        is_cpu_attr == NULL || is_contiguous_attr == NULL || op_keyword == NULL ||
+        PyType_Ready(&OneShotType) < 0 || PyType_Ready(&AllReduceType) < 0)
+        return NULL;
     PyObject *result = PyModule_Create(&module);
     if (result == NULL) return NULL;
     PyObject *names = PyList_New(0);
@@ -421,7 +671,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *dtypes = names == NULL ? NULL : PyList_AsTuple(names);
     Py_XDECREF(names);
     if (dtypes == NULL || PyModule_AddObject(result, "DTYPES", dtypes) < 0 ||
-        PyModule_AddObjectRef(result, "OneShot", (PyObject *)&OneShotType) < 0) {
+        PyModule_AddObjectRef(result, "OneShot", (PyObject *)&OneShotType) < 0 ||
+        PyModule_AddObjectRef(result, "AllReduce", (PyObject *)&AllReduceType) < 0) {
         Py_XDECREF(dtypes);
         Py_DECREF(result);
         return NULL;

@@ -8,6 +8,7 @@ import time
 import torch
 
 from shardline.errors import CommTimeoutError
+from shardline.interfaces import ReduceOp
 from support.segments import job_segments
 
 
@@ -170,3 +171,51 @@ def native_run_called_too_often(ctx):
     error = native.failed(*second) if second is not None else None
     after = comm.all_reduce(torch.full((3,), float(comm.rank)))
     return first, type(error).__name__, str(error), after.tolist()
+
+
+def routed_variants(ctx, rounds: int):
+    """All-reduces that the C router (where built) runs or hands to the general path, mixed
+    call by call: one size as float32 in two shapes and as int32 (one size, three results),
+    ops positional, by keyword and as strings, a tensor needing grad, a Parameter (a
+    subclass), a transposed (not contiguous) one, and twelve sizes in turn (more than the
+    router keeps). Returns (whether all_reduce is the router, [(case, result), ...])."""
+    comm = ctx.comm
+    rank = comm.rank
+    cases = []
+    for round_ in range(rounds):
+        base = torch.arange(12, dtype=torch.float32) + 100 * rank + round_
+        cases += [
+            ("flat", comm.all_reduce(base)),
+            ("matrix", comm.all_reduce(base.view(3, 4))),
+            ("int32", comm.all_reduce(base.to(torch.int32))),
+            ("max keyword", comm.all_reduce(base, op="max")),
+            ("min enum", comm.all_reduce(base, ReduceOp.MIN)),
+            ("grad", comm.all_reduce(base.clone().requires_grad_())),
+            ("parameter", comm.all_reduce(torch.nn.Parameter(base.clone()))),
+            ("transposed", comm.all_reduce(base.view(3, 4).t())),
+            ("size", comm.all_reduce(torch.full((1 + round_ % 12,), float(rank + round_)))),
+        ]
+    return type(comm.all_reduce).__name__, cases
+
+
+def expected_routed_variants(world_size: int, rounds: int) -> list[tuple[str, torch.Tensor]]:
+    """What :func:`routed_variants` must return on every rank."""
+    expected = []
+    for round_ in range(rounds):
+        inputs = [
+            torch.arange(12, dtype=torch.float32) + 100 * r + round_ for r in range(world_size)
+        ]
+        total = sum(inputs[1:], inputs[0])
+        sizes = float(sum(r + round_ for r in range(world_size)))
+        expected += [
+            ("flat", total),
+            ("matrix", total.view(3, 4)),
+            ("int32", total.to(torch.int32)),
+            ("max keyword", inputs[-1]),
+            ("min enum", inputs[0]),
+            ("grad", total),
+            ("parameter", total),
+            ("transposed", total.view(3, 4).t()),
+            ("size", torch.full((1 + round_ % 12,), sizes)),
+        ]
+    return expected
