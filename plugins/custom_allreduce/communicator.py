@@ -28,9 +28,10 @@ all-reduce costs a copy, a flag write, a poll and a reduction. The one-shot path
 new tensor) when the extension is built and ``SHARDLINE_NATIVE`` is not ``0``; for dtypes it
 lacks, and otherwise, in Python (numpy or torch), with the same bits. With the extension, a
 communicator's ``all_reduce`` is a C router (``_native.AllReduce``) that runs a call whose
-dtype, size and op already have a C plan without entering Python, and numbers every call. Waits follow the group's
-:class:`~shardline.comm.waiting.Polling` (more ranks than cores: yield the CPU at once, so 4
-ranks on 2 cores stay in tens of µs) and end at the group's deadline with ``CommTimeoutError``.
+dtype, size and op already have a C plan without entering Python, and numbers every call.
+Waits follow the group's :class:`~shardline.comm.waiting.Polling` (more ranks than cores:
+yield the CPU at once, so 4 ranks on 2 cores stay in tens of µs) and end at the group's
+deadline with ``CommTimeoutError``.
 The segment is created 0600 and unlinked as soon as every rank has mapped it, so nothing is
 left in /dev/shm even when a rank is killed.
 """

@@ -433,6 +433,14 @@ typedef struct {
 
 static PyObject *dtype_attr, *nbytes_attr, *is_cpu_attr, *is_contiguous_attr, *op_keyword;
 
+static Route *find_route(AllReduce *self, PyObject *dtype, PyObject *op, Py_ssize_t nbytes) {
+    for (int i = 0; i < self->route_count; i++)
+        if (self->routes[i].dtype == dtype && self->routes[i].op == op &&
+            self->routes[i].nbytes == nbytes)
+            return &self->routes[i];
+    return NULL;
+}
+
 /* The route of a call of ``tensor`` with ``op``: NULL with no error where there is none. */
 static Route *route_of(AllReduce *self, PyObject *tensor, PyObject *op) {
     if (self->route_count == 0 || Py_TYPE(tensor) != (PyTypeObject *)self->tensor_type)
@@ -445,11 +453,7 @@ static Route *route_of(AllReduce *self, PyObject *tensor, PyObject *op) {
     Py_ssize_t nbytes = PyLong_AsSsize_t(size);
     Py_DECREF(size);
     if (nbytes == -1 && PyErr_Occurred()) return NULL;
-    Route *route = NULL;
-    for (int i = 0; i < self->route_count && route == NULL; i++)
-        if (self->routes[i].dtype == dtype && self->routes[i].op == op &&
-            self->routes[i].nbytes == nbytes)
-            route = &self->routes[i];
+    Route *route = find_route(self, dtype, op, nbytes);
     if (route == NULL) return NULL;
     PyObject *on_cpu = PyObject_GetAttr(tensor, is_cpu_attr);
     if (on_cpu == NULL) return NULL;
@@ -506,11 +510,7 @@ static PyObject *AllReduce_route(AllReduce *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "route: nbytes differs from the plan's");
         return NULL;
     }
-    Route *route = NULL;
-    for (int i = 0; i < self->route_count && route == NULL; i++)
-        if (self->routes[i].dtype == dtype && self->routes[i].op == op &&
-            self->routes[i].nbytes == nbytes)
-            route = &self->routes[i];
+    Route *route = find_route(self, dtype, op, nbytes);
     if (route != NULL) {
         Py_SETREF(route->plan, (OneShot *)Py_NewRef(plan));
         Py_RETURN_NONE;
