@@ -61,11 +61,15 @@ def one_shot_path(request, monkeypatch):
 
 
 @pytest.mark.timeout(180)
-def test_shared_path_one_shot_and_two_shot(one_shot_path):
-    with LocalWorld(3, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
-        for count, dtype in ((5, "float32"), (1000, "bfloat16"), ((1 << 20) + 3, "float32")):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_shared_path_one_shot_and_two_shot(one_shot_path, ranks):
+    """One shot up to 256 KiB (4 MiB with two ranks), two shots past it: 1.2 MB is one shot
+    with two ranks and two shots with three; 4 MiB + 12 B is two shots for both."""
+    cases = ((5, "float32"), (1000, "bfloat16"), (300_000, "float32"), ((1 << 20) + 3, "float32"))
+    with LocalWorld(ranks, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
+        for count, dtype in cases:
             results = world.run(allreduce_checks.paths_and_results, count, dtype)
-            inputs = [(torch.arange(count) % 7 + r).to(getattr(torch, dtype)) for r in range(3)]
+            inputs = [(torch.arange(count) % 7 + r).to(getattr(torch, dtype)) for r in range(ranks)]
             expected_sum = torch.stack(inputs).sum(0).to(getattr(torch, dtype))
             expected_max = torch.stack(inputs).amax(0)
             for shared, native, total, largest in results:
@@ -73,7 +77,7 @@ def test_shared_path_one_shot_and_two_shot(one_shot_path):
                 assert torch.equal(total, expected_sum) and torch.equal(largest, expected_max)
         per_rank = world.run(allreduce_checks.every_dtype_and_op)
         for key, result in per_rank[0].items():
-            expected = allreduce_checks.expected_reduction(3, *key)
+            expected = allreduce_checks.expected_reduction(ranks, *key)
             assert result.shape == expected.shape and result.dtype == expected.dtype, key
             assert result.is_contiguous(), key
             # The same bits on every rank, and torch's (NaN where any rank has one).
@@ -87,9 +91,12 @@ def test_shared_path_one_shot_and_two_shot(one_shot_path):
 
 
 @pytest.mark.timeout(180)
-def test_ranks_running_ahead_never_see_a_slot_overwritten(one_shot_path):
-    with LocalWorld(3, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
-        assert world.run(allreduce_checks.back_to_back, 400, 1) == [[], [], []]
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_running_ahead_never_see_a_slot_overwritten(one_shot_path, ranks):
+    """Small calls alternate the slot sets; every 50th is 512 KiB (one shot with two ranks,
+    two shots with three)."""
+    with LocalWorld(ranks, CommunicatorSetup("custom_ar", 30.0), call_timeout_s=120) as world:
+        assert world.run(allreduce_checks.back_to_back, 400, 1) == [[]] * ranks
 
 
 @pytest.mark.timeout(180)

@@ -14,7 +14,7 @@ from support.segments import job_segments
 
 def paths_and_results(ctx, count: int, dtype: str):
     """Whether the shared path is on, whether it runs in C, and all-reduce results (sum, max)
-    of rank-dependent inputs of ``count`` elements (one-shot below 256 KiB, two-shot above)."""
+    of rank-dependent inputs of ``count`` elements."""
     comm = ctx.comm
     torch_dtype = getattr(torch, dtype)
     values = (torch.arange(count) % 7 + comm.rank).to(torch_dtype)
