@@ -319,9 +319,10 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0 or nbytes > SLOT_BYTES:
             return _BASE
-        if nbytes > one_shot_max_bytes(self.world_size):
+        segment = self._segment
+        if nbytes > segment.small_bytes:
             return _TWO_SHOT
-        segment, count, shape = self._segment, tensor.numel(), tuple(tensor.shape)
+        count, shape = tensor.numel(), tuple(tensor.shape)
         native, dtype_name = self._world.native, str(tensor.dtype).removeprefix("torch.")
         if native is not None and dtype_name in native.DTYPES:
             return native.OneShot(
@@ -329,7 +330,7 @@ class CustomAllReduceCommunicator(DelegatingCommunicator):
                 flags_offset=segment.flag_offset(_ARRIVED, 0),
                 flag_stride=_LINE,
                 slots_offset=segment.small_offset(0, 0),
-                slot_bytes=one_shot_max_bytes(self.world_size),
+                slot_bytes=segment.small_bytes,
                 world_size=self.world_size,
                 rank=self._rank,
                 dtype=dtype_name,
@@ -518,6 +519,11 @@ class _Segment:
     @property
     def name(self) -> str:
         return self._path.name
+
+    @property
+    def small_bytes(self) -> int:
+        """Bytes of each small slot: the largest all-reduce that goes in one shot."""
+        return self._small_bytes
 
     @property
     def memory(self) -> mmap.mmap:
