@@ -7,7 +7,7 @@ Each kind holds a weight of random blocks of one file type (the type named besid
 ``--out`` x ``--in`` (a multiple of 256, for the K types); each is copied until the copies
 pass ``--megabytes`` (more than the caches), used in turn, so every call reads its weight
 from memory. The code kinds' rows (``Q4_CODES_F16 (Q4_0)``, ``Q4_CODES_F16 (Q4_1)``,
-``Q4_CODES (Q4_K)``) hold the same types as codes that multiply int8 inputs
+``Q4_CODES (Q4_K)``, ``Q8_CODES_F16 (Q8_0)``) hold the same types as codes that multiply int8 inputs
 (``model.activation_dtype: int8``; no longer float32's bits). The rounds
 interleave the kinds; a cell is the median over ``--rounds`` of the mean time a call.
 "x float32" is float32's time over the kind's, both on the same kernels.
@@ -95,7 +95,7 @@ def main() -> int:
         packed = blocks.pack_linear(weight)
         assert packed.held_as == kind, (kind, packed.held_as)
         held[kind] = (blocks, copies(packed, args.megabytes * 1e6), file_type)
-        if kind in ("Q4_0", "Q4_1", "Q4_K"):  # the same blocks as codes times int8 inputs
+        if kind in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):  # the same blocks as codes times int8 inputs
             packed = codes.pack_linear(weight)
             assert packed.held_as in CODE_KINDS, (kind, packed.held_as)
             held[f"{packed.held_as} ({kind})"] = (

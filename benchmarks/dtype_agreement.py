@@ -3,8 +3,8 @@ bfloat16: linear weights rounded to bfloat16, computed in float32) follows float
 agreement of greedy decoding on held-out prompts (prompts no test or tuning uses), in one run.
 float32 with ``model.weight_dtype`` gguf (the file's quantization blocks held as they are)
 is measured too: it computes float32's very bits, so it must agree everywhere; and gguf with
-``model.activation_dtype`` int8 (weights of 4-bit types multiplied by inputs rounded to int8),
-which does not.
+``model.activation_dtype`` int8 (weights of 4-bit types and Q8_0 multiplied by inputs rounded
+to int8), which does not.
 
 float32 is the reference (its greedy tokens equal transformers'; tests/test_smollm2.py). For
 each prompt it generates ``--tokens`` tokens; then each mode is asked for the next token after

@@ -1,10 +1,11 @@
 """``model.activation_dtype: int8`` with ``weight_dtype: gguf``: weights of the file's 4-bit types
-held as codes (``Q4_CODES_F16`` for Q4_0 and Q4_1, ``Q4_CODES`` for Q4_K) and multiplied by
-their inputs quantized to int8 per 16, in integers. The kernel gives that arithmetic's sums
-(against a float64 reference of the same rounded inputs), the same bits on the AVX2 kernels
-and on a team; a non-finite input spoils only its row; the plan counts the codes' bytes;
-SmolLM2 keeps float32's top choice almost everywhere, and the config refuses the mode
-without gguf."""
+held as codes (``Q4_CODES_F16`` for Q4_0 and Q4_1, ``Q4_CODES`` for Q4_K), and of its types of
+one scale per 32 weights (Q8_0, Q5_0, IQ4_NL) as 8-bit codes (``Q8_CODES_F16``), multiplied
+by their inputs quantized to int8 per 16, in integers. The kernel gives that arithmetic's
+sums (against a float64 reference of the same rounded inputs), the same bits on the AVX2
+kernels and on a team, at the codes' extremes too; a non-finite input spoils only its row;
+the plan counts the codes' bytes; SmolLM2 keeps float32's top choice almost everywhere, and
+the config refuses the mode without gguf."""
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from shardline.config import load_config
 from shardline.engine import LLM, SamplingParams
 from shardline.errors import ConfigError
 from shardline.layers.kernels import NativeKernels
-from shardline.models.memory import HeldBlocks, block_bytes
+from shardline.models.memory import HeldBlocks, HeldKind, block_bytes, merged_block_bytes
 from support.gguf_values import file_weight, random_blocks
 from support.memory_probe import bytes_held
 from support.smollm2 import smollm2_gguf
@@ -25,9 +26,12 @@ needs_code_kernels = pytest.mark.skipif(
     reason="weights held as codes need AVX-512, or AVX2 with FMA and F16C",
 )
 CODES = NativeKernels(native, quantized=True, codes=True)
-CODE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+CODE_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "IQ4_NL")
 #: The code kind each type is held in first.
-CODE_KIND_OF = {"Q4_0": "Q4_CODES_F16", "Q4_1": "Q4_CODES_F16", "Q4_K": "Q4_CODES"}
+CODE_KIND_OF = {
+    "Q4_0": "Q4_CODES_F16", "Q4_1": "Q4_CODES_F16", "Q4_K": "Q4_CODES",
+    "Q8_0": "Q8_CODES_F16", "Q5_0": "Q8_CODES_F16", "IQ4_NL": "Q8_CODES_F16",
+}  # fmt: skip
 #: Inputs that share one int8 scale.
 ACTIVATION_GROUP = 16
 
@@ -71,7 +75,7 @@ def _holds(kind: int, weight) -> bool:
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
 @pytest.mark.parametrize("file_type", CODE_TYPES)
 @needs_code_kernels
-def test_4_bit_weights_multiply_int8_inputs_in_integers(file_type, rows):
+def test_weights_held_as_codes_multiply_int8_inputs_in_integers(file_type, rows):
     rng = np.random.default_rng([CODE_TYPES.index(file_type), rows])
     shapes = [(130, 512), (7, 256)] if file_type == "Q4_K" else [(100, 64), (130, 576), (7, 96)]
     for out_features, in_features in shapes:
@@ -94,6 +98,33 @@ def test_4_bit_weights_multiply_int8_inputs_in_integers(file_type, rows):
         assert torch.equal(team.linear(x, held, bias), y)
         if _has_avx2_f16c():
             assert torch.equal(_blocked(held, x, bias, avx2=True), y)
+
+
+@needs_code_kernels
+def test_8_bit_codes_at_their_extremes_give_exact_sums_on_both_kernels():
+    """Q8_0's q of -128 (even rows) and 127 (odd rows) against inputs that all round to codes
+    of 127 (or all to -127): the AVX2 kernel's int16 pairs (2 x 128 x 127, the most they
+    hold) stay exact, the AVX-512 kernel's codes q + 128 (0 and 255) come back to q through
+    the inputs' code totals, and both give the same bits."""
+    rng = np.random.default_rng(13)
+    blocks = random_blocks("Q8_0", 64, 64, rng)
+    q = np.where(np.arange(64)[:, None] % 2 == 0, -128, 127) * np.ones((1, 32), dtype=int)
+    for block in (0, 1):  # each row's two blocks: scale 0.5
+        blocks[:, 34 * block : 34 * block + 2] = np.frombuffer(
+            np.float16(0.5).tobytes(), dtype=np.uint8
+        )
+        blocks[:, 34 * block + 2 : 34 * block + 34] = q.astype(np.int8).view(np.uint8)
+    weight = file_weight([("Q8_0", blocks)], 64)
+    assert set(weight.unique().tolist()) == {-64.0, 63.5}
+    held = CODES.pack_linear(weight)
+    assert held.held_as == "Q8_CODES_F16"
+    x = torch.ones(2, 64)
+    x[1] = -1.0
+    y = CODES.linear(x, held, None)
+    exact = x.double() @ weight.double().T  # +-64 x 64 or +-63.5 x 64
+    assert ((y.double() - exact).abs() <= 1e-6 * exact.abs()).all()
+    if _has_avx2_f16c():
+        assert torch.equal(_blocked(held, x, None, avx2=True), y)
 
 
 @needs_code_kernels
@@ -182,15 +213,37 @@ def test_a_merged_weight_holds_its_4_bit_part_as_codes_in_a_segment():
     assert ((y[:, :64].double() - rounded).abs() <= 1e-6 * magnitude).all()
 
 
-def test_the_plan_holds_4_bit_types_as_codes_only_when_asked():
+@needs_code_kernels
+def test_a_merged_weight_of_4_and_8_bit_types_holds_both_as_codes_in_segments():
+    """Q4_1 rows and Q8_0 rows in one weight: each part in its own code kind, one quantized
+    input for both, the bytes the plan counts for that layer."""
+    rng = np.random.default_rng(5)
+    parts = [("Q4_1", random_blocks("Q4_1", 64, 256, rng)),
+             ("Q8_0", random_blocks("Q8_0", 64, 256, rng))]  # fmt: skip
+    weight = file_weight(parts, 128)
+    held = CODES.pack_linear(weight)
+    assert held.held_as == "Q4_CODES_F16+Q8_CODES_F16"
+    plan = HeldKind.of([["Q4_1", "Q8_0"]], codes=True)
+    assert held.numel() == merged_block_bytes(plan, [64, 64], 256)
+    x = torch.randn(3, 256)
+    y = CODES.linear(x, held, None)
+    rounded = _quantized_inputs(x)
+    magnitude = rounded.abs() @ weight.double().abs().T
+    assert ((y.double() - rounded @ weight.double().T).abs() <= 1e-6 * magnitude).all()
+    if _has_avx2_f16c():
+        assert torch.equal(_blocked(held, x, None, avx2=True), y)
+
+
+def test_the_plan_holds_types_as_codes_only_when_asked():
     types = {"blk.0.attn_q.weight": "Q4_1", "blk.0.ffn_down.weight": "Q4_K",
              "blk.0.attn_v.weight": "Q6_K", "token_embd.weight": "Q8_0"}  # fmt: skip
     plain, codes = HeldBlocks.of(types, tied=True), HeldBlocks.of(types, tied=True, codes=True)
     assert (plain.down.kind, codes.down.kind) == ("Q4_K", "Q4_CODES")
     # The merged q/k/v: Q4_1 queries and Q6_K values need a kind holding both either way.
     assert plain.qkv.kind == codes.qkv.kind == "INT8_SCALED"
-    assert codes.head.kind == plain.head.kind == "Q8_0"
+    assert (plain.head.kind, codes.head.kind) == ("Q8_0", "Q8_CODES_F16")
     assert block_bytes("Q4_CODES", 64, 32) == block_bytes("Q4_K", 64, 32) == 64 * 24
+    assert block_bytes("Q8_CODES_F16", 64, 32) == block_bytes("Q8_0", 64, 32) == 64 * 34
     q4_1 = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1",
             "blk.0.attn_v.weight": "Q4_1", "token_embd.weight": "Q8_0"}  # fmt: skip
     assert HeldBlocks.of(q4_1, tied=True, codes=True).qkv.kind == "Q4_CODES_F16"

@@ -69,7 +69,8 @@ class Case:
     prompt_tokens: int = 0
     #: ``parallel.cpu_binding`` of Shardline's ranks (and an ``mp`` driver).
     cpu_binding: str = "none"
-    #: Shardline's ``model.activation_dtype`` (int8: 4-bit weights multiply int8 inputs).
+    #: Shardline's ``model.activation_dtype`` (int8: 4-bit and Q8_0 weights multiply int8
+    #: inputs).
     activation_dtype: str | None = None
 
 
@@ -291,7 +292,7 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
         held = rows[0].get("weight_dtype")
         activations = rows[0].get("activation_dtype")
         computed = (
-            f"those of 4-bit types multiplied by {activations} inputs"
+            f"those of 4-bit types and Q8_0 multiplied by {activations} inputs"
             if activations
             else "computed in float32"
         )

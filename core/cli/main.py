@@ -285,7 +285,7 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--activation-dtype",
         help="Shardline's model.activation_dtype (int8 with --weight-dtype gguf: weights of "
-        "4-bit types multiply inputs quantized to int8; transformers stays float32)",
+        "4-bit types and Q8_0 multiply inputs quantized to int8; transformers stays float32)",
     )
     decode.add_argument(
         "--cpu-binding",

@@ -70,7 +70,8 @@ class ModelConfig(Section):
     activation_dtype: Literal["int8"] | None = Field(
         default=None,
         description="null: the linear layers multiply float32 inputs; int8 with weight_dtype "
-        "gguf: weights of the file's 4-bit types (Q4_0, Q4_1, Q4_K) are held as codes and "
+        "gguf: weights of the file's 4-bit types (Q4_0, Q4_1, Q4_K) and of its 8-bit ones "
+        "of a scale per 32 (Q8_0, Q5_0, IQ4_NL) are held as codes and "
         "multiplied by their inputs quantized to int8 per 16 (a scale each) in integers "
         "(faster; no longer the float32 results: the activations are rounded), on a CPU with "
         "AVX-512 VNNI or AVX2; other weights as gguf holds them",
@@ -120,8 +121,8 @@ class ModelConfig(Section):
 
     @property
     def holds_codes(self) -> bool:
-        """Whether weights of the file's 4-bit types are held as codes that multiply inputs
-        quantized to int8 (``activation_dtype: int8``)."""
+        """Whether weights of the file's 4-bit types (and Q8_0's) are held as codes that
+        multiply inputs quantized to int8 (``activation_dtype: int8``)."""
         return self.holds_gguf_blocks and self.activation_dtype == "int8"
 
 

@@ -899,11 +899,12 @@ static int has_codes(const void *weight, int kind) {
 static void quantized_chunk(const LinearJob *job, int kind, const void *weight, long base,
                             long first, long end) {
     if (is_code_kind(kind)) { /* VNNI where the AVX-512 kernels run and it has it */
-        int vnni = job->avx512 && cpu_has_avx512_vnni(), half = kind == WEIGHT_Q4_CODES_F16;
+        int vnni = job->avx512 && cpu_has_avx512_vnni();
         void (*run)(const uint8_t *, long, const QuantizedRows *, float *, const float *, long,
                     long, long, long, long) =
-            vnni ? (half ? code_blocks_f16 : code_blocks)
-                 : (half ? code_blocks_f16_avx2 : code_blocks_avx2);
+            kind == WEIGHT_Q8_CODES_F16 ? (vnni ? code_bytes_blocks : code_bytes_blocks_avx2)
+            : kind == WEIGHT_Q4_CODES_F16 ? (vnni ? code_blocks_f16 : code_blocks_f16_avx2)
+                                          : (vnni ? code_blocks : code_blocks_avx2);
         run(weight, base, job->xq, job->y, job->bias, job->rows, job->out, job->in, first, end);
         return;
     }
@@ -2185,7 +2186,7 @@ static PyMethodDef methods[] = {
      "pack_file_blocks(kind, dest, out, in, weight, parts, team or None): a weight (float32 "
      "out x in as loaded: (address, row stride, column stride)), shared out by team, into "
      "dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, _Q4_0, _Q4_1, _Q4_K, "
-     "_Q5_K, _Q6_K, _INT8_SCALED, _Q4_CODES, _Q4_CODES_F16) from its file's blocks: parts, "
+     "_Q5_K, _Q6_K, _INT8_SCALED, _Q4_CODES, _Q4_CODES_F16, _Q8_CODES_F16) from its file's blocks: parts, "
      "(GGUF type name, address, row stride in bytes, first row, rows), a row no part covers "
      "held as zeros; False where kind does not hold a part's type or a value so held is not "
      "the weight's"},
@@ -2252,6 +2253,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
          PyModule_AddIntConstant(result, "WEIGHT_Q5_K", WEIGHT_Q5_K) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q4_CODES", WEIGHT_Q4_CODES) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q4_CODES_F16", WEIGHT_Q4_CODES_F16) < 0 ||
+         PyModule_AddIntConstant(result, "WEIGHT_Q8_CODES_F16", WEIGHT_Q8_CODES_F16) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_SEGMENTED", WEIGHT_SEGMENTED) < 0 ||
          PyModule_AddIntConstant(result, "SEGMENTS_MAX", SEGMENTS_MAX) < 0 ||
          PyModule_AddIntConstant(result, "SEGMENT_TABLE_BYTES", sizeof(SegmentTable)) < 0))

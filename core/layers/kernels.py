@@ -50,9 +50,10 @@ WeightPacker = Callable[[torch.Tensor], torch.Tensor]
 #: gguf``), fewest bytes first: the first that holds every part's type holds it
 #: (``quantized_blocks.h``).
 QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q8_0", "Q6_K", "INT8_SCALED")
-#: The kinds of 4-bit codes multiplied by int8 inputs (``model.activation_dtype: int8``), tried
-#: before the others: float16 scales and offsets (Q4_0 and Q4_1 blocks), float32 ones (Q4_K).
-CODE_KINDS = ("Q4_CODES_F16", "Q4_CODES")
+#: The kinds of codes multiplied by int8 inputs (``model.activation_dtype: int8``), tried
+#: before the others: 4-bit codes with float16 scales and offsets (Q4_0 and Q4_1 blocks) or
+#: float32 ones (Q4_K); 8-bit codes with float16 scales (Q8_0, Q5_0 and IQ4_NL blocks).
+CODE_KINDS = ("Q4_CODES_F16", "Q4_CODES", "Q8_CODES_F16")
 #: The attribute of a loaded weight that lists the file blocks its rows were decoded from
 #: (:func:`~shardline.layers.linear.note_file_blocks`).
 FILE_BLOCKS = "file_blocks"
@@ -350,7 +351,7 @@ class NativeKernels(TorchKernels):
         CPU has AVX-512, or AVX2 with FMA and F16C (1.5 bytes a weight or less; the C kernel
         widens each weight to the file decoder's value, so results are the float32
         weight's, bit for bit); any other weight is held in float32. ``codes`` (with
-        ``quantized``): weights of the file's 4-bit types are held first as codes
+        ``quantized``): weights of the file's 4-bit types and Q8_0 are held first as codes
         (:data:`CODE_KINDS`) that the C kernel multiplies by each input row quantized to
         int8 per 16 inputs (no longer the float32 results)."""
         super().__init__(weight_dtype)
@@ -1023,8 +1024,8 @@ def layer_kernels(
     built (and ``SHARDLINE_NATIVE`` in ``environ`` is not ``0``), else the torch path; linear
     weights keep the precision of ``weight_dtype`` (:class:`TorchKernels`), and with
     ``quantized`` the C path holds those it can in quantization blocks (:class:`NativeKernels`;
-    elsewhere they stay float32: the same values), with ``codes`` those of 4-bit types as
-    codes multiplied by int8 inputs."""
+    elsewhere they stay float32: the same values), with ``codes`` those of 4-bit types and
+    Q8_0 as codes multiplied by int8 inputs."""
     native = native_extension("shardline.layers._kernels", environ)
     if native is None or torch.device(device).type != "cpu":
         return TorchKernels(weight_dtype)

@@ -38,14 +38,19 @@
  * 4-bit codes 0..15 with a float16 scale and offset per 32 inputs (the file's d and m; Q4_0's
  * -8 as an offset of -8 d, where float16 holds it: else the weight takes Q4_0's own kind,
  * exact), 0.63 bytes a weight; Q4_CODES holds Q4_K's (whose scales are float32 products)
- * with a float32 scale and offset, 0.75 bytes a weight. The kernels never widen them: each
- * row of inputs is quantized to int8 per ACTIVATION_GROUP (quantize_rows) and multiplied by
- * the codes in integers (exact int32 sums, then scale * s * sum + offset * s * code sum per
- * 16 inputs, in float32): no longer the float32 layer's bits. Layout: the scales and offsets
- * (Q4_1's float16 ones, or Q4_K's float32), then for each 8 inputs of the group and each 16
- * outputs, 64 bytes: output o's 4 bytes at 4 o, byte i holding input i of the 8 in its low
- * nibble and input 4 + i in its high one (vpdpbusd's operand: an output's 4 inputs in one
- * 32-bit lane). */
+ * with a float32 scale and offset, 0.75 bytes a weight; Q8_CODES_F16 holds the types of one
+ * float16 scale per 32 weights and no offset but Q4_0 (Q8_0, Q5_0, IQ4_NL) as 8-bit codes
+ * q + 128 (0..255) with the file's scale, 1.06 bytes a weight, as Q8_0. The kernels never
+ * widen them: each row of inputs is quantized to int8 per ACTIVATION_GROUP (quantize_rows)
+ * and multiplied by the codes in integers (exact int32 sums, then per 16 inputs in float32
+ * scale * s * sum + offset * s * code sum; for Q8_CODES_F16, whose sum of (q + 128) * c less
+ * 128 times the codes' total is the exact int32 sum of q * c, scale * s times that): no
+ * longer the float32 layer's bits. Layout: the scales and offsets (Q4_1's float16 ones, or
+ * Q4_K's float32; Q8_CODES_F16 its float16 scales alone), then for each 8 inputs of the
+ * group and each 16 outputs, 64 bytes: output o's 4 bytes at 4 o, byte i holding input i of
+ * the 8 in its low nibble and input 4 + i in its high one (vpdpbusd's operand: an output's 4
+ * inputs in one 32-bit lane); Q8_CODES_F16: for each 4 inputs and each 16 outputs, 64 bytes,
+ * output o's 4 codes at 4 o. */
 
 #include "gguf_blocks.h"
 
@@ -62,6 +67,7 @@ enum {
     WEIGHT_Q5_K,
     WEIGHT_Q4_CODES,
     WEIGHT_Q4_CODES_F16,
+    WEIGHT_Q8_CODES_F16,
     WEIGHT_SEGMENTED,
     WEIGHT_KINDS
 };
@@ -91,12 +97,13 @@ typedef struct {
 
 /* Whether a kind holds codes multiplied by int8 inputs (model.activation_dtype: int8). */
 static inline int is_code_kind(int kind) {
-    return kind == WEIGHT_Q4_CODES || kind == WEIGHT_Q4_CODES_F16;
+    return kind == WEIGHT_Q4_CODES || kind == WEIGHT_Q4_CODES_F16 || kind == WEIGHT_Q8_CODES_F16;
 }
 
 /* Whether a kind holds one byte an input (else a nibble). */
 static inline int holds_bytes(int kind) {
-    return kind == WEIGHT_Q8_0 || kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q6_K;
+    return kind == WEIGHT_Q8_0 || kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q6_K ||
+           kind == WEIGHT_Q8_CODES_F16;
 }
 
 /* Whether a kind keeps a fifth bit of each value beside its nibble (values 0..31). */
@@ -116,7 +123,7 @@ static inline int float_scales(int kind) {
 /* Whether a kind adds an offset (a minimum) to each scaled value. */
 static inline int adds_offset(int kind) {
     return kind == WEIGHT_Q4_1 || kind == WEIGHT_Q4_K || kind == WEIGHT_Q5_K ||
-           kind == WEIGHT_INT8_SCALED || is_code_kind(kind);
+           kind == WEIGHT_INT8_SCALED || kind == WEIGHT_Q4_CODES || kind == WEIGHT_Q4_CODES_F16;
 }
 
 /* Bytes of one block's group: scales (and minimums), then the values. */
@@ -164,6 +171,7 @@ static inline long quantized_bytes(int kind, long out, long in) {
 static inline float widened(int kind, float scale, float minimum, int q) {
     if (adds_offset(kind)) return scale * (float)q + minimum;
     if (kind == WEIGHT_Q4_0) return scale * (float)(q - 8);
+    if (kind == WEIGHT_Q8_CODES_F16) return scale * (float)(q - 128);
     return scale * (float)q;
 }
 
@@ -194,26 +202,28 @@ static inline int holds_value(int kind, float scale, float minimum, int q, float
 
 /* Rows of x as the code kinds multiply them (is_code_kind): each row's inputs as int8
  * codes, per ACTIVATION_GROUP inputs a scale s (x ~ s * code: the group's largest |x| / 127,
- * each code x / s rounded to nearest, ties to even) and s times the sum of its codes. A group
- * of zeros has s 0; one with a value not finite has s NaN and codes 0 (its sums are NaN, as
- * the float32 layer's would be). */
+ * each code x / s rounded to nearest, ties to even), the sum of its codes (code_totals) and
+ * s times that sum. A group of zeros has s 0; one with a value not finite has s NaN and
+ * codes 0 (its sums are NaN, as the float32 layer's would be). */
 #define ACTIVATION_GROUP 16
 typedef struct {
     int8_t *codes;             /* rows x in */
     float *scales, *code_sums; /* rows x in / ACTIVATION_GROUP each */
+    int32_t *code_totals;      /* as many */
 } QuantizedRows;
 
 /* Floats of space QuantizedRows of rows x in take (quantized_rows_in), in a multiple of
  * ACTIVATION_GROUP. */
 static inline long quantized_rows_floats(long rows, long in) {
-    return rows * in / 4 + 2 * rows * (in / ACTIVATION_GROUP);
+    return rows * in / 4 + 3 * rows * (in / ACTIVATION_GROUP);
 }
 
 /* QuantizedRows of rows x in laid out in space of quantized_rows_floats(rows, in) floats. */
 static inline QuantizedRows quantized_rows_in(float *space, long rows, long in) {
     long groups = in / ACTIVATION_GROUP;
     QuantizedRows xq = {.scales = space, .code_sums = space + rows * groups,
-                        .codes = (int8_t *)(space + 2 * rows * groups)};
+                        .code_totals = (int32_t *)(space + 2 * rows * groups),
+                        .codes = (int8_t *)(space + 3 * rows * groups)};
     return xq;
 }
 
@@ -239,6 +249,7 @@ static void quantize_rows(const float *x, long rows, long in, QuantizedRows *out
             }
             out->scales[r * groups + g] = scale;
             out->code_sums[r * groups + g] = scale * (float)sum;
+            out->code_totals[r * groups + g] = sum;
         }
 }
 
@@ -263,6 +274,7 @@ static int holds_type(int kind, const GGUFType *type) {
     case WEIGHT_Q6_K: return one_scale || !strcmp(name, "Q6_K") || !strcmp(name, "Q3_K");
     case WEIGHT_Q4_CODES: return !strcmp(name, "Q4_K");
     case WEIGHT_Q4_CODES_F16: return !strcmp(name, "Q4_0") || !strcmp(name, "Q4_1");
+    case WEIGHT_Q8_CODES_F16: return one_scale && strcmp(name, "Q4_0");
     default: return 0;
     }
 }
@@ -270,6 +282,11 @@ static int holds_type(int kind, const GGUFType *type) {
 /* q stored in a group (values: its values) for input i of output lane as kind holds it,
  * and the q the kernels read back (a nibble and a fifth bit, a byte). */
 static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
+    if (kind == WEIGHT_Q8_CODES_F16) {
+        values[(i / 4 * (LINEAR_BLOCK / 16) + lane / 16) * 64 + 4 * (lane % 16) + i % 4] =
+            (uint8_t)q;
+        return q & 255;
+    }
     if (is_code_kind(kind)) {
         long at = (i / 8 * (LINEAR_BLOCK / 16) + lane / 16) * 64 + 4 * (lane % 16) + i % 4;
         values[at] |= (uint8_t)((q & 15) << (4 * (i % 8 / 4)));
@@ -286,10 +303,11 @@ static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
     return q & 31;
 }
 
-/* What kind adds to a split q of type to store it (0..15): 8 for Q4_0's q (-8..7) in the
- * kinds that hold it unsigned (Q4_0, whose kernels subtract it back, and Q4_CODES_F16,
- * whose offset is -8 scales), else 0. */
+/* What kind adds to a split q of type to store it: 8 for Q4_0's q (-8..7) in the kinds that
+ * hold it unsigned (0..15: Q4_0, whose kernels subtract it back, and Q4_CODES_F16, whose
+ * offset is -8 scales); 128 for Q8_CODES_F16's (-128..127 to 0..255); else 0. */
 static inline int stored_bias(int kind, const GGUFType *type) {
+    if (kind == WEIGHT_Q8_CODES_F16) return 128;
     int unsigned_q4_0 = kind == WEIGHT_Q4_0 || kind == WEIGHT_Q4_CODES_F16;
     return unsigned_q4_0 && !strcmp(type->name, "Q4_0") ? 8 : 0;
 }

@@ -192,8 +192,8 @@ AVX512 static inline __attribute__((always_inline)) void quantized_rows(
  * blocks [first, end) (quantized_blocks.h). */
 DEFINE_QUANTIZED_BLOCKS(AVX512, quantized_blocks, quantized_row, quantized_rows)
 
-/* The code kinds (WEIGHT_Q4_CODES, _F16): rows quantized to int8 (QuantizedRows) multiplied by the
- * weight's 4-bit codes in integers, 64 products a vpdpbusd (an output's 4 inputs in one
+/* The 4-bit code kinds (WEIGHT_Q4_CODES, _F16): rows quantized to int8 (QuantizedRows) multiplied
+ * by the weight's 4-bit codes in integers, 64 products a vpdpbusd (an output's 4 inputs in one
  * 32-bit lane: the layout store_q writes), exact int32 sums over each ACTIVATION_GROUP
  * inputs, which then add (scale * s) * sum + offset * (s * code sum) to an output's float32
  * sum, with the same operations in the same order in the AVX2 kernel (code_tile_avx2): the
@@ -207,7 +207,7 @@ static int cpu_has_avx512_vnni(void) {
 /* A group of code kind KIND: the scales (which 0) or the offsets (1) of its outputs 16 k ..
  * 16 k + 15 (float16 ones widened: exact). */
 AVX512 static inline __m512 code_header(const int KIND, const uint8_t *group, int which, int k) {
-    if (KIND == WEIGHT_Q4_CODES_F16)
+    if (KIND != WEIGHT_Q4_CODES)
         return _mm512_cvtph_ps(_mm256_loadu_si256(
             (const __m256i *)((const uint16_t *)group + which * LINEAR_BLOCK + 16 * k)));
     return _mm512_loadu_ps((const float *)group + which * LINEAR_BLOCK + 16 * k);
@@ -274,7 +274,64 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
         }
 }
 
-/* code_blocks(weight, base, xq, y, bias, rows, out, in, first, end) and code_blocks_f16, of
- * Q4_CODES and of Q4_CODES_F16 (quantized_blocks.h). */
+/* R (<= 4) rows against one block of Q8_CODES_F16 (KIND): per 4 inputs, the block's 64
+ * outputs' codes (q + 128) in 4 vectors, each vpdpbusd'd with a row's 4 int8 inputs; per
+ * ACTIVATION_GROUP inputs the sums less 128 times the inputs' code total (the exact sums of
+ * q * code), times scale * s, added to the outputs' float32 sums. */
+AVX512_VNNI static inline __attribute__((always_inline)) void code_bytes_tile(
+    const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
+    long first, long in, float *y, long y_stride, long width, const float *bias) {
+    const long group_bytes = quantized_group_bytes(KIND);
+    const long header = quantized_header_bytes(KIND);
+    const int quads = ACTIVATION_GROUP / 4;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) acc[r][k] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *group = block + g * group_bytes, *values = group + header;
+        prefetch_group_header(KIND, group);
+        __m512 scale[4];
+        for (int k = 0; k < 4; k++) scale[k] = code_header(KIND, group, 0, k);
+        for (int a = 0; a < QUANT_GROUP / ACTIVATION_GROUP; a++) {
+            __m512i sums[4][4];
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < 4; k++) sums[r][k] = _mm512_setzero_si512();
+            for (int j = a * quads; j < (a + 1) * quads; j++) {
+                __m512i codes_of[4];
+                for (int k = 0; k < 4; k++)
+                    codes_of[k] = _mm512_loadu_si512(values + (j * 4 + k) * 64);
+                for (int r = 0; r < R; r++) {
+                    int32_t quad;
+                    memcpy(&quad, xq->codes + (first + r) * in + g * QUANT_GROUP + 4 * j,
+                           sizeof quad);
+                    __m512i x = _mm512_set1_epi32(quad);
+                    for (int k = 0; k < 4; k++)
+                        sums[r][k] = _mm512_dpbusd_epi32(sums[r][k], codes_of[k], x);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                long at = ((first + r) * in + g * QUANT_GROUP) / ACTIVATION_GROUP + a;
+                __m512 s = _mm512_set1_ps(xq->scales[at]);
+                __m512i lifted = _mm512_set1_epi32(128 * xq->code_totals[at]);
+                for (int k = 0; k < 4; k++) {
+                    __m512 products = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][k], lifted));
+                    acc[r][k] = _mm512_fmadd_ps(_mm512_mul_ps(scale[k], s), products, acc[r][k]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) {
+            __mmask16 lanes = tail_mask(width, k);
+            __m512 sum =
+                bias ? _mm512_add_ps(acc[r][k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
+                     : acc[r][k];
+            _mm512_mask_storeu_ps(y + r * y_stride + 16 * k, lanes, sum);
+        }
+}
+
+/* code_blocks(weight, base, xq, y, bias, rows, out, in, first, end), code_blocks_f16 and
+ * code_bytes_blocks, of Q4_CODES, Q4_CODES_F16 and Q8_CODES_F16 (quantized_blocks.h). */
 DEFINE_CODE_BLOCKS(AVX512_VNNI, code_blocks, code_tile, WEIGHT_Q4_CODES)
 DEFINE_CODE_BLOCKS(AVX512_VNNI, code_blocks_f16, code_tile, WEIGHT_Q4_CODES_F16)
+DEFINE_CODE_BLOCKS(AVX512_VNNI, code_bytes_blocks, code_bytes_tile, WEIGHT_Q8_CODES_F16)

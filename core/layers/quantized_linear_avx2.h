@@ -148,7 +148,7 @@ DEFINE_QUANTIZED_BLOCKS(AVX2_F16C, quantized_blocks_avx2, quantized_row_avx2,
 /* code_header's 8 outputs from output `at` on. */
 AVX2_F16C static inline __m256 code_header_avx2(const int KIND, const uint8_t *group, int which,
                                                 int at) {
-    if (KIND == WEIGHT_Q4_CODES_F16)
+    if (KIND != WEIGHT_Q4_CODES)
         return _mm256_cvtph_ps(_mm_loadu_si128(
             (const __m128i *)((const uint16_t *)group + which * LINEAR_BLOCK + at)));
     return _mm256_loadu_ps((const float *)group + which * LINEAR_BLOCK + at);
@@ -225,6 +225,76 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
     }
 }
 
-/* code_blocks and code_blocks_f16 on AVX2. */
+/* code_bytes_tile on AVX2, 8 outputs a vector: each code's q (the byte less 128) splits into
+ * |q| (0..128, unsigned) and its sign, moved onto the input (vpsignb), so that vpmaddubsw's
+ * pairs stay within int16 (at most 2 x 128 x 127); vpmaddwd adds the pairs' pairs: the int32
+ * sums of q * code that code_bytes_tile reaches through the codes' totals, the same bits. */
+AVX2_F16C static inline __attribute__((always_inline)) void code_bytes_tile_avx2(
+    const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
+    long first, long in, float *y, long y_stride, long width, const float *bias) {
+    const long group_bytes = quantized_group_bytes(KIND);
+    const long header = quantized_header_bytes(KIND);
+    const __m256i lift = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const int quads = ACTIVATION_GROUP / 4;
+    for (int h = 0; h < 2; h++) { /* outputs 32h..32h+31: 4 vectors of 8 */
+        __m256 acc[4][4];
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            const uint8_t *group = block + g * group_bytes, *values = group + header;
+            if (h == 0) prefetch_group_header(KIND, group);
+            __m256 scale[4];
+            for (int k = 0; k < 4; k++) scale[k] = code_header_avx2(KIND, group, 0, 32 * h + 8 * k);
+            for (int a = 0; a < QUANT_GROUP / ACTIVATION_GROUP; a++) {
+                __m256i sums[4][4];
+                for (int r = 0; r < R; r++)
+                    for (int k = 0; k < 4; k++) sums[r][k] = _mm256_setzero_si256();
+                for (int j = a * quads; j < (a + 1) * quads; j++) {
+                    __m256i q[4], magnitude[4];
+                    for (int k = 0; k < 4; k++) { /* vector k: outputs 32h + 8k .. + 7 */
+                        int sixteen = 2 * h + k / 2, half = k % 2;
+                        q[k] = _mm256_xor_si256(
+                            _mm256_loadu_si256(
+                                (const __m256i *)(values + (j * 4 + sixteen) * 64 + 32 * half)),
+                            lift);
+                        magnitude[k] = _mm256_abs_epi8(q[k]);
+                    }
+                    for (int r = 0; r < R; r++) {
+                        int32_t quad;
+                        memcpy(&quad, xq->codes + (first + r) * in + g * QUANT_GROUP + 4 * j,
+                               sizeof quad);
+                        __m256i x = _mm256_set1_epi32(quad);
+                        for (int k = 0; k < 4; k++) {
+                            __m256i pairs =
+                                _mm256_maddubs_epi16(magnitude[k], _mm256_sign_epi8(x, q[k]));
+                            sums[r][k] =
+                                _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(pairs, ones));
+                        }
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    long at = ((first + r) * in + g * QUANT_GROUP) / ACTIVATION_GROUP + a;
+                    __m256 s = _mm256_set1_ps(xq->scales[at]);
+                    for (int k = 0; k < 4; k++) {
+                        __m256 products = _mm256_cvtepi32_ps(sums[r][k]);
+                        acc[r][k] =
+                            _mm256_fmadd_ps(_mm256_mul_ps(scale[k], s), products, acc[r][k]);
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < 4; k++) {
+                long lane = 32 * h + 8 * k;
+                float sums_out[8];
+                _mm256_storeu_ps(sums_out, acc[r][k]);
+                for (int i = 0; i < 8 && lane + i < width; i++)
+                    y[r * y_stride + lane + i] = sums_out[i] + (bias ? bias[lane + i] : 0.0f);
+            }
+    }
+}
+
+/* code_blocks, code_blocks_f16 and code_bytes_blocks on AVX2. */
 DEFINE_CODE_BLOCKS(AVX2_F16C, code_blocks_avx2, code_tile_avx2, WEIGHT_Q4_CODES)
 DEFINE_CODE_BLOCKS(AVX2_F16C, code_blocks_f16_avx2, code_tile_avx2, WEIGHT_Q4_CODES_F16)
+DEFINE_CODE_BLOCKS(AVX2_F16C, code_bytes_blocks_avx2, code_bytes_tile_avx2, WEIGHT_Q8_CODES_F16)

@@ -25,11 +25,11 @@ _FLOAT32 = 4
 #: Bytes of one output's group of 32 inputs held in each GGUF block kind (float16 scale,
 #: Q4_1's float16 minimum, the values; Q4_K: a float32 scale and offset, 16 bytes of nibbles;
 #: Q5_K: Q4_K's and 4 bytes of fifth bits; Q6_K: two float32 scales, 32 int8; INT8_SCALED: two
-#: float32 scales and offsets, 32 int8; the code kinds: Q4_K's bytes, or Q4_1's with float16
-#: scales and offsets), in blocks of 64 outputs (``quantized_blocks.h``).
+#: float32 scales and offsets, 32 int8; the code kinds: Q4_K's bytes, Q4_1's with float16
+#: scales and offsets, or Q8_0's), in blocks of 64 outputs (``quantized_blocks.h``).
 _BLOCK_GROUP_BYTES = {
     "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 24, "Q5_K": 28, "Q6_K": 40, "INT8_SCALED": 48,
-    "Q4_CODES": 24, "Q4_CODES_F16": 20,
+    "Q4_CODES": 24, "Q4_CODES_F16": 20, "Q8_CODES_F16": 34,
 }  # fmt: skip
 _GROUP, _BLOCK_OUTPUTS = 32, 64
 #: The file's block types each kind holds (``quantized_blocks.h``: holds_type), in the order
@@ -47,7 +47,11 @@ _HOLDS = {
 #: The types the code kinds hold (``model.activation_dtype: int8``: tried before the others).
 #: A Q4_0 weight with a scale past 8188, whose -8 scales float16 cannot hold, takes Q4_0's
 #: own kind: fewer bytes than planned.
-_CODE_HOLDS = {"Q4_CODES_F16": ("Q4_0", "Q4_1"), "Q4_CODES": ("Q4_K",)}
+_CODE_HOLDS = {
+    "Q4_CODES_F16": ("Q4_0", "Q4_1"),
+    "Q4_CODES": ("Q4_K",),
+    "Q8_CODES_F16": ("Q8_0", "Q5_0", "IQ4_NL"),
+}
 #: The inputs one block of a file's type spans: a shard that cuts one is held in float32.
 _K_TYPES, _SUPER_BLOCK = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), 256
 #: A weight held in segments (``quantized_blocks.h``: SegmentTable): the table's bytes, and
@@ -59,11 +63,11 @@ _SEGMENT_TABLE_BYTES, _SEGMENTS_MAX = 64, 7
 class HeldKind:
     """How one weight is held (``model.weight_dtype: gguf``): ``kind``, a block kind
     (``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q8_0``, ``Q6_K``, ``INT8_SCALED``,
-    ``Q4_CODES_F16``, ``Q4_CODES``) or ``F32``, and ``inputs``, the inputs one of the file's
-    blocks spans (a shard's inputs must be whole blocks); ``layers``, for a merged weight
-    (q/k/v, gate/up), each different layer's one kind holding all its parts and each part's
-    first kind, in row order: the kernels hold a layer whose parts' first kinds differ in
-    segments of them, where the parts start on blocks of 64 outputs
+    ``Q4_CODES_F16``, ``Q4_CODES``, ``Q8_CODES_F16``) or ``F32``, and ``inputs``, the inputs
+    one of the file's blocks spans (a shard's inputs must be whole blocks); ``layers``, for a
+    merged weight (q/k/v, gate/up), each different layer's one kind holding all its parts and
+    each part's first kind, in row order: the kernels hold a layer whose parts' first kinds
+    differ in segments of them, where the parts start on blocks of 64 outputs
     (:func:`merged_block_bytes`)."""
 
     kind: str
@@ -107,7 +111,7 @@ class HeldBlocks:
     @classmethod
     def of(cls, tensor_types: Mapping[str, str], tied: bool, codes: bool = False) -> HeldBlocks:
         """From the file's tensor types (GGUF name -> type name); ``codes``: weights of
-        4-bit types held as codes (``model.activation_dtype: int8``)."""
+        4-bit types and Q8_0 held as codes (``model.activation_dtype: int8``)."""
         layers: dict[str, dict[str, str]] = {}
         for name, kind in tensor_types.items():
             if name.startswith("blk.") and name.endswith(".weight"):
