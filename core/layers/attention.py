@@ -9,6 +9,7 @@ cache of fixed-size blocks; ``block_tables[i]`` lists sequence ``i``'s blocks in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -35,15 +36,23 @@ class DecodeBatch:
     gathered for one batched attention call, each as a one-token sequence: their rows in the
     batch (None when they are all the batch's rows, in order: e.g. a step of decodes only),
     their cache blocks (``[B * blocks_per_seq]``, each table padded with block 0), the longest
-    length and which of the first ``length`` positions are real (``[B, 1, 1, length]``; None
-    when none is padding) and each row's length (``[B]``, int64, in host memory)."""
+    length, each row's length (``[B]``, int64, in host memory) and the device the blocks are
+    on; :attr:`visible` says which positions are real, made when first asked (the fused C
+    step never asks)."""
 
     rows: torch.Tensor | None
     blocks: torch.Tensor
     blocks_per_seq: int
     length: int
-    visible: torch.Tensor | None
     lengths: torch.Tensor
+    device: torch.device | str
+
+    @functools.cached_property
+    def visible(self) -> torch.Tensor | None:
+        """Which of the first ``length`` positions of each row are real (``[B, 1, 1,
+        length]``, on ``device``); None when none is padding."""
+        mask = (torch.arange(self.length, device="cpu") < self.lengths[:, None])[:, None, None, :]
+        return None if bool(mask.all()) else mask.to(self.device)
 
 
 @dataclass
@@ -94,8 +103,6 @@ class AttentionMetadata:
         for table in row_tables:
             table = table[:per_seq]
             blocks += table + [0] * (per_seq - len(table))
-        lengths = torch.tensor(row_lengths, device="cpu")
-        visible_mask = (torch.arange(longest, device="cpu") < lengths[:, None])[:, None, None, :]
         every_row = starts[-1] == len(rows)
         # Built on the host from the lists, then moved to the device once per step.
         return DecodeBatch(
@@ -103,8 +110,8 @@ class AttentionMetadata:
             torch.tensor(blocks, dtype=torch.long, device=self.device),
             per_seq,
             longest,
-            None if bool(visible_mask.all()) else visible_mask.to(self.device),
-            lengths,
+            torch.tensor(row_lengths, device="cpu"),
+            self.device,
         )
 
 

@@ -279,11 +279,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         rope = self.rotary.at(positions)
-        with attention_kernels():
-            stacked = self._decode_layers(hidden, residual, rope, metadata, kv_caches)
-            if stacked is not None:
-                hidden, residual = stacked
-            else:
+        stacked = self._decode_layers(hidden, residual, rope, metadata, kv_caches)
+        if stacked is not None:
+            hidden, residual = stacked
+        else:
+            with attention_kernels():  # torch's attention, in the layers one by one
                 for i in self.layer_range:
                     hidden, residual = self.layers[str(i)](
                         hidden, residual, rope, metadata, kv_caches[i], self.timer
