@@ -213,6 +213,20 @@ AVX512 static inline __m512 code_header(const int KIND, const uint8_t *group, in
     return _mm512_loadu_ps((const float *)group + which * LINEAR_BLOCK + 16 * k);
 }
 
+/* A code tile's sums (acc: R rows of a block's 64 outputs) to y's rows, y_stride apart: width
+ * outputs, plus the bias. */
+AVX512 static inline __attribute__((always_inline)) void store_code_sums(
+    const int R, __m512 acc[][4], float *y, long y_stride, long width, const float *bias) {
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) {
+            __mmask16 lanes = tail_mask(width, k);
+            __m512 sum =
+                bias ? _mm512_add_ps(acc[r][k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
+                     : acc[r][k];
+            _mm512_mask_storeu_ps(y + r * y_stride + 16 * k, lanes, sum);
+        }
+}
+
 /* R (<= 4) rows (from row `first` of xq) against one block of code kind KIND; y's rows
  * y_stride apart, width outputs, plus the bias. */
 AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
@@ -264,14 +278,7 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int k = 0; k < 4; k++) {
-            __mmask16 lanes = tail_mask(width, k);
-            __m512 sum =
-                bias ? _mm512_add_ps(acc[r][k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
-                     : acc[r][k];
-            _mm512_mask_storeu_ps(y + r * y_stride + 16 * k, lanes, sum);
-        }
+    store_code_sums(R, acc, y, y_stride, width, bias);
 }
 
 /* R (<= 4) rows against one block of Q8_CODES_F16 (KIND): per 4 inputs, the block's 64
@@ -320,14 +327,7 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_bytes_tile(
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int k = 0; k < 4; k++) {
-            __mmask16 lanes = tail_mask(width, k);
-            __m512 sum =
-                bias ? _mm512_add_ps(acc[r][k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
-                     : acc[r][k];
-            _mm512_mask_storeu_ps(y + r * y_stride + 16 * k, lanes, sum);
-        }
+    store_code_sums(R, acc, y, y_stride, width, bias);
 }
 
 /* code_blocks(weight, base, xq, y, bias, rows, out, in, first, end), code_blocks_f16 and

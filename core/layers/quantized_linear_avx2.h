@@ -154,6 +154,21 @@ AVX2_F16C static inline __m256 code_header_avx2(const int KIND, const uint8_t *g
     return _mm256_loadu_ps((const float *)group + which * LINEAR_BLOCK + at);
 }
 
+/* A code tile's sums (acc: R rows of outputs 32h..32h+31) to y's rows, y_stride apart: those
+ * of the block's first width outputs, plus the bias. */
+AVX2_F16C static inline __attribute__((always_inline)) void store_code_sums_avx2(
+    const int R, __m256 acc[][4], int h, float *y, long y_stride, long width,
+    const float *bias) {
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) {
+            long lane = 32 * h + 8 * k;
+            float sums_out[8];
+            _mm256_storeu_ps(sums_out, acc[r][k]);
+            for (int i = 0; i < 8 && lane + i < width; i++)
+                y[r * y_stride + lane + i] = sums_out[i] + (bias ? bias[lane + i] : 0.0f);
+        }
+}
+
 /* The code kinds on AVX2 (code_tile's arithmetic, 8 outputs a vector): each 64 bytes of codes
  * are 16 outputs' 4 inputs, a 256-bit half 8 of them; vpmaddubsw multiplies codes by int8
  * inputs and adds pairs (at most 2 x 15 x 127: never saturates), vpmaddwd adds the pairs'
@@ -214,14 +229,7 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
                 }
             }
         }
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < 4; k++) {
-                long lane = 32 * h + 8 * k;
-                float sums_out[8];
-                _mm256_storeu_ps(sums_out, acc[r][k]);
-                for (int i = 0; i < 8 && lane + i < width; i++)
-                    y[r * y_stride + lane + i] = sums_out[i] + (bias ? bias[lane + i] : 0.0f);
-            }
+        store_code_sums_avx2(R, acc, h, y, y_stride, width, bias);
     }
 }
 
@@ -283,14 +291,7 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_bytes_tile_avx2
                 }
             }
         }
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < 4; k++) {
-                long lane = 32 * h + 8 * k;
-                float sums_out[8];
-                _mm256_storeu_ps(sums_out, acc[r][k]);
-                for (int i = 0; i < 8 && lane + i < width; i++)
-                    y[r * y_stride + lane + i] = sums_out[i] + (bias ? bias[lane + i] : 0.0f);
-            }
+        store_code_sums_avx2(R, acc, h, y, y_stride, width, bias);
     }
 }
 
