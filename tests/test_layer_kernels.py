@@ -79,6 +79,21 @@ def test_rms_norm_with_and_without_the_residual_add(rows, hidden):
     _close(out, expected_out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_vocabulary_parallel_lookup_copies_its_ranges_rows_and_zeros_the_rest(dtype):
+    """Tokens below, inside and past the range [100, 100 + 64): the C path's rows are the
+    torch path's (which masks a lookup of the clamped ids with a multiply by zero)."""
+    table = torch.randn(64, 40).to(dtype)
+    tokens = torch.tensor([0, 99, 100, 131, 163, 164, 5000, 120, 100])
+    expected = TORCH_KERNELS.embedding_rows(tokens, table, 100)
+    rows = NATIVE.embedding_rows(tokens, table, 100)
+    assert torch.equal(rows, expected)
+    assert torch.equal(rows[2], table[0]) and torch.equal(rows[4], table[63])
+    assert not rows[[0, 1, 5, 6]].any()
+    strided = tokens[::2]  # not contiguous: the torch path
+    assert torch.equal(NATIVE.embedding_rows(strided, table, 100), expected[::2])
+
+
 @pytest.mark.parametrize("rows,size", [(1, 768), (4, 13)])
 def test_silu_and_mul(rows, size):
     gate_up = torch.randn(rows, 2 * size) * 8  # far into both tails of the exponential

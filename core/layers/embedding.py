@@ -21,7 +21,8 @@ from shardline.profiling import EMBEDDING_LOOKUP, MATMUL
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding split along the vocabulary."""
+    """Token embedding split along the vocabulary; with several ranks, each looks up its
+    range's rows through ``kernels`` (:meth:`~TorchKernels.embedding_rows`)."""
 
     profile_part = EMBEDDING_LOOKUP
 
@@ -32,9 +33,11 @@ class VocabParallelEmbedding(nn.Module):
         tp: GroupCoordinator,
         *,
         dtype: torch.dtype = torch.float32,
+        kernels: TorchKernels = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels = kernels
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.shard = vocab_shard(vocab_size, tp.world_size, tp.rank_in_group)
@@ -66,9 +69,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return F.embedding(token_ids, self.weight)
-        inside = (token_ids >= self.shard.start) & (token_ids < self.shard.end)
-        local = torch.where(inside, token_ids - self.shard.start, 0)
-        embedded = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        embedded = self.kernels.embedding_rows(token_ids, self.weight, self.shard.start)
         return self.tp.all_reduce(embedded)
 
 
@@ -88,8 +89,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         dtype: torch.dtype = torch.float32,
         kernels: TorchKernels = TORCH_KERNELS,
     ) -> None:
-        super().__init__(vocab_size, hidden_size, tp, dtype=dtype)
-        self.kernels = kernels
+        super().__init__(vocab_size, hidden_size, tp, dtype=dtype, kernels=kernels)
         if tied_to is not None:  # row by row, then, where the head's kernels keep it unpacked
             self.weight = tied_to.weight
 

@@ -1442,6 +1442,25 @@ static PyObject *rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+static PyObject *embedding_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 8, "embedding_rows") < 0) return NULL;
+    long bf16 = SIZE(0), table_rows = SIZE(2), hidden = SIZE(3), count = SIZE(5);
+    long first = SIZE(6);
+    const char *table = ADDRESS(1);
+    const int64_t *ids = ADDRESS(4);
+    char *out = ADDRESS(7);
+    if (PyErr_Occurred()) return NULL;
+    size_t row_bytes = (size_t)hidden * (bf16 ? 2 : 4);
+    for (long i = 0; i < count; i++) {
+        int64_t row = ids[i] - first;
+        if (row >= 0 && row < table_rows)
+            memcpy(out + i * row_bytes, table + row * row_bytes, row_bytes);
+        else
+            memset(out + i * row_bytes, 0, row_bytes);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *rope_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (take_args(args, nargs, 13, "rope_store") < 0) return NULL;
     long bf16 = SIZE(0), rows = SIZE(2), q_heads = SIZE(3), kv_heads = SIZE(4), d = SIZE(5);
@@ -2168,6 +2187,9 @@ static PyObject *quantized_linear_available(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,
      "rms_norm(bf16, x, residual or 0, weight, out, residual_out or 0, rows, hidden, eps)"},
+    {"embedding_rows", (PyCFunction)(void (*)(void))embedding_rows, METH_FASTCALL,
+     "embedding_rows(bf16, table, rows, hidden, ids, count, first, out): out's row i the "
+     "table's row ids[i] - first where that is one of its rows, else zeros"},
     {"rope_store", (PyCFunction)(void (*)(void))rope_store, METH_FASTCALL,
      "rope_store(bf16, qkv, rows, q_heads, kv_heads, d, cos, sin, q_out, key_cache, "
      "value_cache, slots, num_slots)"},

@@ -155,6 +155,17 @@ class TorchKernels:
         out = weight * x32.to(dtype)
         return out if residual is None else (out, residual)
 
+    def embedding_rows(
+        self, token_ids: torch.Tensor, table: torch.Tensor, first: int
+    ) -> torch.Tensor:
+        """``[N, hidden]``: for each of ``token_ids`` (``[N]``) the row ``token - first`` of
+        ``table`` where that is one of its rows, else zeros (a vocabulary-parallel rank's
+        lookup: the others' tokens add nothing to the sum over ranks)."""
+        local = token_ids - first
+        inside = (local >= 0) & (local < table.shape[0])
+        rows = F.embedding(torch.where(inside, local, 0), table)
+        return rows * inside.unsqueeze(-1).to(table.dtype)
+
     def rotate_and_store(
         self,
         qkv: torch.Tensor,
@@ -569,6 +580,20 @@ class NativeKernels(TorchKernels):
             0 if summed is None else summed.data_ptr(), x.shape[0], x.shape[1], eps,
         )  # fmt: skip
         return out if summed is None else (out, summed)
+
+    def embedding_rows(self, token_ids, table, first):
+        if not (
+            _fits(table) and table.dim() == 2 and token_ids.dim() == 1
+            and token_ids.dtype is torch.int64 and token_ids.is_contiguous()
+            and token_ids.device.type == "cpu"
+        ):  # fmt: skip
+            return super().embedding_rows(token_ids, table, first)
+        out = torch.empty(token_ids.shape[0], table.shape[1], dtype=table.dtype)
+        self.native.embedding_rows(
+            table.dtype is torch.bfloat16, table.data_ptr(), table.shape[0], table.shape[1],
+            token_ids.data_ptr(), token_ids.shape[0], first, out.data_ptr(),
+        )  # fmt: skip
+        return out
 
     def rotate_and_store(self, qkv, q_heads, kv_heads, rope, cache, slot_mapping):
         cos, sin = rope

@@ -232,7 +232,9 @@ class LlamaForCausalLM(nn.Module):
         self.is_last_stage = pp.is_last_rank
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_positions)
         self.embed_tokens = (
-            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype=dtype)
+            VocabParallelEmbedding(
+                arch.vocab_size, arch.hidden_size, tp, dtype=dtype, kernels=kernels
+            )
             if self.is_first_stage
             else None
         )
