@@ -184,11 +184,14 @@ def test_idle_workers_use_little_cpu_and_exit_when_the_driver_is_killed(tiny_lla
     driver, info = _start_driver(tiny_llama_dir)
     try:
         workers = info["workers"]
-        time.sleep(0.5)
+        time.sleep(1.5)  # past start-up's tail, which a loaded host stretches
         start = {pid: _cpu_seconds(pid) for pid in [driver.pid, *workers]}
         time.sleep(3.0)
         used = sum(_cpu_seconds(pid) - start[pid] for pid in start)
-        assert used / 3.0 < 0.05, f"idle engine used {used / 3.0:.1%} of a core"
+        # Idle, the three processes' backed-off polls take 2.0-2.7% of a core on a quiet host
+        # and took 5.3% once beside the rest of the suite (each wake-up costs more there); a
+        # process that spins, even yielding, takes a third of a core or more.
+        assert used / 3.0 < 0.08, f"idle engine used {used / 3.0:.1%} of a core"
         driver.kill()
         driver.wait(10)
         assert wait_gone(workers, 5.0) == []
