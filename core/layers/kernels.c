@@ -2208,10 +2208,10 @@ static PyMethodDef methods[] = {
      "pack_file_blocks(kind, dest, out, in, weight, parts, team or None): a weight (float32 "
      "out x in as loaded: (address, row stride, column stride)), shared out by team, into "
      "dest (quantized_size(kind, ...) bytes) as kind (WEIGHT_Q8_0, _Q4_0, _Q4_1, _Q4_K, "
-     "_Q5_K, _Q6_K, _INT8_SCALED, _Q4_CODES, _Q4_CODES_F16, _Q8_CODES_F16) from its file's blocks: parts, "
-     "(GGUF type name, address, row stride in bytes, first row, rows), a row no part covers "
-     "held as zeros; False where kind does not hold a part's type or a value so held is not "
-     "the weight's"},
+     "_Q5_K, _Q6_K, _INT8_SCALED, _Q4_CODES, _Q4_CODES_F16, _Q8_CODES_F16) from its "
+     "file's blocks: parts, (GGUF type name, address, row stride in bytes, first row, "
+     "rows), a row no part covers held as zeros; False where kind does not hold a part's "
+     "type or a value so held is not the weight's"},
     {"quantized_size", (PyCFunction)(void (*)(void))quantized_size, METH_FASTCALL,
      "quantized_size(kind, out, in): the bytes pack_file_blocks writes"},
     {"kind_holds", (PyCFunction)(void (*)(void))kind_holds, METH_FASTCALL,

@@ -583,9 +583,8 @@ class NativeKernels(TorchKernels):
 
     def embedding_rows(self, token_ids, table, first):
         if not (
-            _fits(table) and table.dim() == 2 and token_ids.dim() == 1
-            and token_ids.dtype is torch.int64 and token_ids.is_contiguous()
-            and token_ids.device.type == "cpu"
+            _fits(table) and table.dim() == 2
+            and _fits(token_ids, torch.int64) and token_ids.dim() == 1
         ):  # fmt: skip
             return super().embedding_rows(token_ids, table, first)
         out = torch.empty(token_ids.shape[0], table.shape[1], dtype=table.dtype)

@@ -282,13 +282,13 @@ static int holds_type(int kind, const GGUFType *type) {
 /* q stored in a group (values: its values) for input i of output lane as kind holds it,
  * and the q the kernels read back (a nibble and a fifth bit, a byte). */
 static int store_q(int kind, uint8_t *values, long lane, int i, int q) {
-    if (kind == WEIGHT_Q8_CODES_F16) {
-        values[(i / 4 * (LINEAR_BLOCK / 16) + lane / 16) * 64 + 4 * (lane % 16) + i % 4] =
-            (uint8_t)q;
-        return q & 255;
-    }
-    if (is_code_kind(kind)) {
-        long at = (i / 8 * (LINEAR_BLOCK / 16) + lane / 16) * 64 + 4 * (lane % 16) + i % 4;
+    if (is_code_kind(kind)) { /* 64 bytes a 16 outputs' 4 (8-bit) or 8 (4-bit) inputs */
+        int inputs = kind == WEIGHT_Q8_CODES_F16 ? 4 : 8;
+        long at = (i / inputs * (LINEAR_BLOCK / 16) + lane / 16) * 64 + 4 * (lane % 16) + i % 4;
+        if (inputs == 4) {
+            values[at] = (uint8_t)q;
+            return q & 255;
+        }
         values[at] |= (uint8_t)((q & 15) << (4 * (i % 8 / 4)));
         return q & 15;
     }
