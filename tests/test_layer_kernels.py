@@ -377,14 +377,16 @@ def test_the_c_linear_multiplies_as_f_linear(rows, out_features, in_features):
     )
 
 
-@pytest.mark.parametrize("out_features", [64, 128, 320, 330])
+@pytest.mark.parametrize("out_features", [64, 128, 320, 330, 490])
 @needs_c_linear
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(out_features):
-    """Up to 64 rows go through pairs of blocks a piece at a time, in tiles of up to 3 rows;
-    more rows through one block at a time in tiles of up to 6, in one pass (on AVX2: halves of
-    a block in tiles of up to 3 rows below 12 rows, quarters in tiles of up to 6 from there):
-    each output is the same sum in the same order every way (pairs of blocks, an odd block left
-    over, a partial last block, pieces of 32 of the 96 inputs; with a bias)."""
+    """One row goes through four blocks at a time, then a pair, then one (490: 4 + 2 + 1 full
+    blocks and a partial one); up to 64 rows through pairs of blocks a piece at a time, in
+    tiles of up to 3 rows; more rows through one block at a time in tiles of up to 6, in one
+    pass (on AVX2: halves of a block in tiles of up to 3 rows below 12 rows, quarters in tiles
+    of up to 6 from there): each output is the same sum in the same order every way (pairs of
+    blocks, an odd block left over, a partial last block, pieces of 32 of the 96 inputs; with a
+    bias)."""
     weight, bias = NATIVE.pack_linear(torch.randn(out_features, 96)), torch.randn(out_features)
     x = torch.randn(70, 96)
     batch = NATIVE.linear(x, weight, bias)
