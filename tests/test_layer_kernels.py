@@ -791,10 +791,11 @@ def test_a_weight_held_as_its_files_blocks_gives_the_bits_of_its_float32_weight(
     and Q5_1 as Q5_K, Q6_K and Q3_K as Q6_K, any other type split (INT8_SCALED), in whole
     blocks of 64 outputs; and
     multiplies to the very
-    bits of the float32 kernel (one row, tiles of rows, partial last blocks, a bias; alone, on
-    a team of three, on the AVX2 kernels)."""
+    bits of the float32 kernel (one row, four blocks at a time and one, tiles of rows, partial
+    last blocks, a bias; alone, on a team of three, on the AVX2 kernels)."""
     rng = np.random.default_rng([GGUF_TYPES.index(kind), rows])
-    shapes = [(130, 512), (7, 256)] if kind.endswith("_K") else [(100, 64), (130, 576), (7, 96)]
+    shapes = [(130, 512), (330, 256), (7, 256)] if kind.endswith("_K") else [
+        (100, 64), (130, 576), (330, 64), (7, 96)]  # fmt: skip
     for out_features, in_features in shapes:
         weight = file_weight([(kind, random_blocks(kind, out_features, in_features, rng))],
                              out_features)  # fmt: skip

@@ -74,6 +74,8 @@ enum {
 
 #define QUANT_GROUP 32
 #define QUANT_HALF (QUANT_GROUP / 2)
+/* Full blocks one row goes through at once (a kernel's ROW below). */
+#define QUANTIZED_ROW_BLOCKS 4
 
 /* Whether a kind is one of quantization blocks (one layout for the whole weight). */
 static inline int is_quantized(int kind) { return kind >= WEIGHT_Q8_0 && kind < WEIGHT_SEGMENTED; }
@@ -419,11 +421,12 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
     return 1;
 }
 
-/* The block kernels of one instruction set (TARGET: its function attribute; ROW and ROWS:
- * its kernels of one row and of several rows against one block, given the kind as a
- * constant): NAME##_q8_0, _q4_0, ... (one a kind), and NAME(kind, weight, base, x, y, bias,
- * rows, out, in, first, end), which computes y's outputs in blocks [first, end) with the
- * kind's, weight holding the blocks from block base on. One row widens as it reads; several
+/* The block kernels of one instruction set (TARGET: its function attribute; ROW: its kernel
+ * of one row against 1 or QUANTIZED_ROW_BLOCKS blocks, ROWS: of several rows against one
+ * block, given the kind as a constant): NAME##_q8_0, _q4_0, ... (one a kind), and NAME(kind,
+ * weight, base, x, y, bias, rows, out, in, first, end), which computes y's outputs in blocks
+ * [first, end) with the kind's, weight holding the blocks from block base on. One row widens
+ * as it reads, QUANTIZED_ROW_BLOCKS full blocks at a time where there are that many; several
  * widen each group once for all (row by row where the scratch cannot be had: the same
  * sums). */
 #define DEFINE_QUANTIZED_BLOCKS_OF_KIND(TARGET, NAME, KIND, ROW, ROWS)                       \
@@ -440,10 +443,15 @@ static int pack_file_rows(int kind, const GGUFType *type, const uint8_t *raw, lo
             long width = out - b * LINEAR_BLOCK < LINEAR_BLOCK ? out - b * LINEAR_BLOCK     \
                                                                : LINEAR_BLOCK;               \
             const float *block_bias = bias ? bias + b * LINEAR_BLOCK : NULL;                 \
-            if (scratch == NULL)                                                             \
+            if (rows == 1 && b + QUANTIZED_ROW_BLOCKS <= end &&                              \
+                (b + QUANTIZED_ROW_BLOCKS) * LINEAR_BLOCK <= out) {                          \
+                ROW(KIND, QUANTIZED_ROW_BLOCKS, block, block_bytes, groups, x,               \
+                    y + b * LINEAR_BLOCK, LINEAR_BLOCK, block_bias);                         \
+                b += QUANTIZED_ROW_BLOCKS - 1;                                               \
+            } else if (scratch == NULL)                                                      \
                 for (long r = 0; r < rows; r++)                                              \
-                    ROW(KIND, block, groups, x + r * in, y + r * out + b * LINEAR_BLOCK,     \
-                        width, block_bias);                                                  \
+                    ROW(KIND, 1, block, block_bytes, groups, x + r * in,                     \
+                        y + r * out + b * LINEAR_BLOCK, width, block_bias);                  \
             else                                                                             \
                 ROWS(KIND, block, groups, x, in, y + b * LINEAR_BLOCK, out, rows, width,     \
                      block_bias, scratch, scratch + QUANT_GROUP * LINEAR_BLOCK);             \

@@ -60,49 +60,61 @@ AVX512 static inline __attribute__((always_inline)) void group_scales(
     }
 }
 
-/* y's width (<= LINEAR_BLOCK) outputs of one row against one block, widening as it reads:
- * the sums in registers from the first input to the last. */
+/* One row against B (1 or QUANTIZED_ROW_BLOCKS) blocks from block, block_bytes apart: y's
+ * outputs (and the bias's) from 0, 64 a block but width in the last, widening as it reads, the
+ * sums in registers from the first input to the last. The blocks' groups are read in turn,
+ * group by group: B streams through memory at once, which one core reads faster than one
+ * (a 24576 x 576 Q8_0 weight from memory, one thread: 2.1-2.3 ms a row one block at a time,
+ * 1.8-1.9 four at a time; a GGUF decode, float32 inputs, alternating builds: TP=2 149-153 ->
+ * 177-183 tok/s, TP=1 162-167 -> 178-184). */
 AVX512 static inline __attribute__((always_inline)) void quantized_row(
-    const int kind, const uint8_t *block, long groups, const float *x, float *y, long width,
-    const float *bias) {
-    __m512 acc[4];
-    for (int k = 0; k < 4; k++) acc[k] = _mm512_setzero_ps();
+    const int kind, const int B, const uint8_t *block, long block_bytes, long groups,
+    const float *x, float *y, long width, const float *bias) {
+    __m512 acc[QUANTIZED_ROW_BLOCKS][4];
+    for (int b = 0; b < B; b++)
+        for (int k = 0; k < 4; k++) acc[b][k] = _mm512_setzero_ps();
     long group_bytes = quantized_group_bytes(kind), header = quantized_header_bytes(kind);
     for (long g = 0; g < groups; g++) {
-        const uint8_t *group = block + g * group_bytes, *values = group + header;
         const float *xg = x + g * QUANT_GROUP;
-        __m512 scale[4], minimum[4];
-        prefetch_group_header(kind, group);
-        group_scales(kind, group, 0, scale, minimum);
-        if (holds_bytes(kind)) {
-            for (long i = 0; i < QUANT_GROUP; i++) {
-                if (scales_halves(kind) && i == QUANT_HALF)
-                    group_scales(kind, group, 1, scale, minimum);
-                __m512 value = _mm512_set1_ps(xg[i]), w, unused;
+        for (int b = 0; b < B; b++) {
+            const uint8_t *group = block + b * block_bytes + g * group_bytes;
+            const uint8_t *values = group + header;
+            __m512 scale[4], minimum[4];
+            prefetch_group_header(kind, group);
+            group_scales(kind, group, 0, scale, minimum);
+            if (holds_bytes(kind)) {
+                for (long i = 0; i < QUANT_GROUP; i++) {
+                    if (scales_halves(kind) && i == QUANT_HALF)
+                        group_scales(kind, group, 1, scale, minimum);
+                    __m512 value = _mm512_set1_ps(xg[i]), w, unused;
+                    for (int k = 0; k < 4; k++) {
+                        widen_16(kind, values, i, k, scale[k], minimum[k], &w, &unused);
+                        acc[b][k] = _mm512_fmadd_ps(w, value, acc[b][k]);
+                    }
+                }
+                continue;
+            }
+            for (long p = 0; p < QUANT_GROUP / 2; p++) {
+                __m512 first_value = _mm512_set1_ps(xg[2 * p]);
+                __m512 second_value = _mm512_set1_ps(xg[2 * p + 1]);
                 for (int k = 0; k < 4; k++) {
-                    widen_16(kind, values, i, k, scale[k], minimum[k], &w, &unused);
-                    acc[k] = _mm512_fmadd_ps(w, value, acc[k]);
+                    __m512 first, second;
+                    widen_16(kind, values, p, k, scale[k], minimum[k], &first, &second);
+                    acc[b][k] = _mm512_fmadd_ps(first, first_value, acc[b][k]);
+                    acc[b][k] = _mm512_fmadd_ps(second, second_value, acc[b][k]);
                 }
             }
-            continue;
-        }
-        for (long p = 0; p < QUANT_GROUP / 2; p++) {
-            __m512 first_value = _mm512_set1_ps(xg[2 * p]);
-            __m512 second_value = _mm512_set1_ps(xg[2 * p + 1]);
-            for (int k = 0; k < 4; k++) {
-                __m512 first, second;
-                widen_16(kind, values, p, k, scale[k], minimum[k], &first, &second);
-                acc[k] = _mm512_fmadd_ps(first, first_value, acc[k]);
-                acc[k] = _mm512_fmadd_ps(second, second_value, acc[k]);
-            }
         }
     }
-    for (int k = 0; k < 4; k++) {
-        __mmask16 lanes = tail_mask(width, k);
-        __m512 sum = bias ? _mm512_add_ps(acc[k], _mm512_maskz_loadu_ps(lanes, bias + 16 * k))
-                          : acc[k];
-        _mm512_mask_storeu_ps(y + 16 * k, lanes, sum);
-    }
+    for (int b = 0; b < B; b++)
+        for (int k = 0; k < 4; k++) {
+            long at = b * LINEAR_BLOCK + 16 * k;
+            __mmask16 lanes = tail_mask(b == B - 1 ? width : LINEAR_BLOCK, k);
+            __m512 sum =
+                bias ? _mm512_add_ps(acc[b][k], _mm512_maskz_loadu_ps(lanes, bias + at))
+                     : acc[b][k];
+            _mm512_mask_storeu_ps(y + at, lanes, sum);
+        }
 }
 
 /* A group of one block widened into wide (QUANT_GROUP x LINEAR_BLOCK float32, input by

@@ -72,7 +72,7 @@ AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
 
 /* The width (<= LINEAR_BLOCK) outputs of one row against one block (y and bias at the
  * block's first output), sums in registers from the first input to the last. */
-AVX2_F16C static inline __attribute__((always_inline)) void quantized_row_avx2(
+AVX2_F16C static inline __attribute__((always_inline)) void quantized_block_row_avx2(
     const int kind, const uint8_t *block, long groups, const float *x, float *y, long width,
     const float *bias) {
     __m256 acc[8];
@@ -98,6 +98,17 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_row_avx2(
     float sums[LINEAR_BLOCK];
     for (int k = 0; k < 8; k++) _mm256_storeu_ps(sums + 8 * k, acc[k]);
     for (long o = 0; o < width; o++) y[o] = bias ? sums[o] + bias[o] : sums[o];
+}
+
+/* One row against B blocks from block, block_bytes apart (quantized_row's contract), one
+ * block after another: 16 registers hold one block's sums. */
+AVX2_F16C static inline __attribute__((always_inline)) void quantized_row_avx2(
+    const int kind, const int B, const uint8_t *block, long block_bytes, long groups,
+    const float *x, float *y, long width, const float *bias) {
+    for (int b = 0; b < B; b++)
+        quantized_block_row_avx2(kind, block + b * block_bytes, groups, x, y + b * LINEAR_BLOCK,
+                                 b == B - 1 ? width : LINEAR_BLOCK,
+                                 bias ? bias + b * LINEAR_BLOCK : NULL);
 }
 
 /* Several rows against one block: each group widened once into wide (QUANT_GROUP x
