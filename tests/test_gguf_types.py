@@ -122,5 +122,6 @@ def test_weights_are_held_in_their_files_blocks_with_the_float32_models_bits(tmp
     (blocks_held, blocks_answers), (float32_held, float32_answers) = found["gguf"], found["float32"]
     assert blocks_answers == float32_answers
     assert all(len(tokens) > 4 for tokens, _ in blocks_answers)
-    # 28 bytes for 32 weights (Q4_K's 24 for the downs, Q8_0's 34 for the head), against 128.
-    assert all(0.2 < b / f < 0.25 for b, f in zip(blocks_held, float32_held, strict=True))
+    # 28 bytes for 32 weights (Q4_K's 24 for the downs, Q8_0's 34 for the head), against 128
+    # (and float32's greedy step reads its head's Q8_0 screen: 0.26 in all).
+    assert all(0.24 < b / f < 0.28 for b, f in zip(blocks_held, float32_held, strict=True))

@@ -1,5 +1,7 @@
 """Parallel layers in real gloo worlds (tp = 2 and 4) against the unsharded computation."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ from shardline.config import load_config
 from shardline.launch.comm_world import ParallelSetup
 from shardline.launch.local_world import LocalWorld
 from shardline.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardline.layers.kernels import layer_kernels, screens_greedy_head
 from shardline.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -93,6 +96,17 @@ def _run_layers(ctx) -> dict:
     twin_head = ParallelLMHead(VOCAB, HIDDEN, tp, tied_to=twin_table)
     twin_head.pack()  # its own copy, packed for oneDNN where this torch has it
     out["greedy_twins"] = twin_head(twins[[10, 90]] * 10, greedy=True)
+    # The same head on the C kernels where built: blocked, and screened where they screen
+    # (each rank's best found through its Q8_0 screen), then with the screen dropped.
+    screened = ParallelLMHead(
+        VOCAB, HIDDEN, tp, tied_to=twin_table, kernels=layer_kernels(torch.device("cpu"), {})
+    )
+    screened.pack()
+    out["screened"] = screened.screen is not None
+    out["screened_twins"] = screened(twins[[10, 90]] * 10, greedy=True)
+    out["screened_greedy"] = screened(w["x"], greedy=True)
+    screened.screen = None
+    out["unscreened_greedy"] = screened(w["x"], greedy=True)
     return out
 
 
@@ -135,3 +149,6 @@ def test_layers_match_the_unsharded_computation(tp_world):
         # Greedy without gathering: the argmax of the logits, the lowest id among equals.
         assert torch.equal(out["greedy"], out["logits"].argmax(dim=-1))
         assert out["greedy_twins"].tolist() == [10, 10]
+        assert out["screened"] == screens_greedy_head("cpu", os.environ)
+        assert out["screened_twins"].tolist() == [10, 10]
+        assert torch.equal(out["screened_greedy"], out["unscreened_greedy"])

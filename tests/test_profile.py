@@ -4,6 +4,7 @@ from the bytes each rank really reads, and every part of a decode step per rank 
 driver."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from shardline.cli.bench_decode import QUESTION
 from shardline.config import load_config
 from shardline.launch.comm_world import ParallelSetup
 from shardline.launch.local_world import LocalWorld
+from shardline.layers.kernels import screens_greedy_head
 from shardline.profiling import SpanTimer
 from shardline.worker.worker import Worker
 from support.cli import shardline
@@ -79,12 +81,16 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
     assert "floor_s" not in transformers and "step_profile" not in transformers
 
     # The floor: every weight read once per step - all tensors but the (untied) embedding
-    # table, the LM head padded from 100 to 128 vocabulary rows - at the measured bandwidth.
+    # table, the LM head padded from 100 to 128 vocabulary rows - at the measured bandwidth;
+    # where the C kernels screen the head, its screen's bytes instead of its own.
     tensors = load_file(model / "model.safetensors")
     read = sum(t.numel() * t.element_size() for n, t in tensors.items() if "embed" not in n)
     padding = (128 - 100) * 64 * torch.float32.itemsize
-    assert rows["tp1"]["weight_bytes"] == [read + padding]
-    assert sum(rows["tp2"]["weight_bytes"]) > read  # sharded, norms on both ranks
+    expected = read + padding
+    if screens_greedy_head("cpu", os.environ):  # Q8_0 blocks and a bound an output
+        expected += 128 * 64 // 32 * 34 + 4 * 128 - 128 * 64 * torch.float32.itemsize
+    assert rows["tp1"]["weight_bytes"] == [expected]
+    assert sum(rows["tp2"]["weight_bytes"]) > expected  # sharded, norms on both ranks
     # Measured before each batch-1 request: "of floor" is the median of their own ratios.
     for row in rows.values():
         assert all(b > 1e8 for b in row["bandwidth"])  # bytes per second (medians per rank)

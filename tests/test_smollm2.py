@@ -279,9 +279,11 @@ def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
     gguf_path, reference, layout
 ):
     """``model.weight_dtype: gguf``: every linear weight and the LM head held in the file's
-    own blocks (Q4_1 linears, 0.16 of float32's bytes, and a Q8_0 head, 0.27), under 0.21 of
-    float32's bytes a step reads on every rank (the memory plan counted them so), and the
-    answers and log-probabilities the float32 model's, bit for bit (transformers' tokens)."""
+    own blocks (Q4_1 linears, 0.16 of float32's bytes, and a Q8_0 head, as many bytes as the
+    float32 head's greedy screen), under 0.27 of the bytes float32's greedy step reads on
+    every rank (0.16 on a stage without the head, 0.21 at TP=1 and 2, 0.26 on PP=2's last;
+    the memory plan counted them so), and the answers and log-probabilities the float32
+    model's, bit for bit (transformers' tokens)."""
     kernels = pytest.importorskip("shardline.layers._kernels", reason="C extension not built")
     if not kernels.quantized_linear_available():
         pytest.skip("weights held in quantization blocks need AVX-512 or AVX2 with F16C")
@@ -306,7 +308,7 @@ def test_weights_held_in_the_files_blocks_give_the_float32_models_bits(
     assert blocks_answers == float32_answers
     assert [answer[0] for answer in blocks_answers] == reference["tokens"]
     assert len(blocks_held) == len(float32_held) == (2 if layout else 1)
-    assert all(b < 0.21 * f for b, f in zip(blocks_held, float32_held, strict=True))
+    assert all(b < 0.27 * f for b, f in zip(blocks_held, float32_held, strict=True))
 
 
 def test_another_quantizers_blocks_are_held_and_a_rank_holding_float32_is_refused(

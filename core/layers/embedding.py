@@ -14,7 +14,7 @@ from torch import nn
 
 from shardline.distributed import GroupCoordinator
 from shardline.interfaces import ReduceOp
-from shardline.layers.kernels import TORCH_KERNELS, TorchKernels, WeightPacker
+from shardline.layers.kernels import TORCH_KERNELS, GreedyScreen, TorchKernels, WeightPacker
 from shardline.layers.linear import note_file_blocks, weight_matrix
 from shardline.layers.sharding import TensorSource, vocab_shard
 from shardline.profiling import EMBEDDING_LOOKUP, MATMUL
@@ -92,6 +92,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp, dtype=dtype, kernels=kernels)
         if tied_to is not None:  # row by row, then, where the head's kernels keep it unpacked
             self.weight = tied_to.weight
+        #: Where the kernels have one for the packed weight, what greedy steps read instead of
+        #: it (:class:`~shardline.layers.kernels.GreedyScreen`).
+        self.screen: GreedyScreen | None = None
 
     @staticmethod
     def _table(rows: int, hidden_size: int, dtype: torch.dtype) -> nn.Parameter:
@@ -102,8 +105,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Lay the head's weight out for its kernels' linear (``packer``, from
         :meth:`~shardline.layers.kernels.TorchKernels.weight_packer`, or
         :meth:`~shardline.layers.kernels.TorchKernels.pack_linear`). A tied head then holds
-        its own copy: the embedding keeps the plain table its lookups read."""
-        self.weight = (packer or self.kernels.pack_linear)(self.weight)
+        its own copy: the embedding keeps the plain table its lookups read. Then the kernels'
+        greedy screen of it, where they have one."""
+        table = self.weight
+        self.weight = (packer or self.kernels.pack_linear)(table)
+        self.screen = self.kernels.greedy_screen(table, self.weight)
 
     def forward(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab_size]`` logits, identical on every TP rank; with
@@ -116,17 +122,26 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax of the logits (the first of equal maxima), identical on every TP rank,
-        without gathering them: each rank takes its range's best, and two all-reduces of
-        ``N`` values pick the global best and, among ranks holding it, the lowest id."""
-        local = self.kernels.linear(hidden, self.weight, None)
-        local = local[:, : self.shard.end - self.shard.start]
-        if self.tp.world_size == 1:
-            return local.argmax(dim=-1)
-        if local.shape[1] == 0:  # only padding on this rank
-            best = torch.full((local.shape[0],), float("-inf"), dtype=local.dtype)
-            index = torch.zeros(local.shape[0], dtype=torch.long)
+        without gathering them: each rank takes its range's best (through the screen where
+        there is one: the same choice), and two all-reduces of ``N`` values pick the global
+        best and, among ranks holding it, the lowest id."""
+        valid = self.shard.end - self.shard.start
+        settled = None
+        if self.screen is not None and valid > 0:
+            settled = self.screen.argmax(hidden, self.weight, valid)
+        if settled is not None:
+            best, index = settled
+            if self.tp.world_size == 1:
+                return index
         else:
-            best, index = local.max(dim=-1)
+            local = self.kernels.linear(hidden, self.weight, None)[:, :valid]
+            if self.tp.world_size == 1:
+                return local.argmax(dim=-1)
+            if valid == 0:  # only padding on this rank
+                best = torch.full((local.shape[0],), float("-inf"), dtype=local.dtype)
+                index = torch.zeros(local.shape[0], dtype=torch.long)
+            else:
+                best, index = local.max(dim=-1)
         overall = self.tp.all_reduce(best, ReduceOp.MAX)
         candidate = torch.where(best == overall, index + self.shard.start, self.vocab_size)
         return self.tp.all_reduce(candidate, ReduceOp.MIN)

@@ -13,6 +13,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -955,11 +956,11 @@ static void linear_chunk(const void *context, long chunk, int worker) {
 }
 
 /* y = x W^T + b, W blocked (held as kind says: WEIGHT_*; quantized kinds need AVX-512, or
- * AVX2 with FMA and F16C),
- * shared out by team (NULL: this thread alone) in chunks of blocks: four for one row (its
- * pass's blocks), two up to LINEAR_PAIR_MAX_ROWS rows (a pair), one otherwise. A weight with code-kind blocks
- * (has_codes) multiplies x quantized once here, into activations: space of at least
- * quantized_rows_floats(rows, in) floats (unused otherwise: may be NULL). */
+ * AVX2 with FMA and F16C), shared out by team (NULL: this thread alone) in chunks of blocks:
+ * four for one row (its pass's blocks), two up to LINEAR_PAIR_MAX_ROWS rows (a pair), one
+ * otherwise. A weight with code-kind blocks (has_codes) multiplies x quantized once here, into
+ * activations: space of at least quantized_rows_floats(rows, in) floats (unused otherwise: may
+ * be NULL). */
 static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, int kind,
                                    const float *x, float *y, const float *bias, long rows,
                                    long out, long in, float *activations) {
@@ -1995,6 +1996,136 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+#ifdef HAVE_BLOCKED_LINEAR
+/* Output o of row x through a blocked weight of out x in (float32, or bfloat16: bf16) without
+ * a bias, as every blocked kernel sums it: input by input from 0, each product added by one
+ * fused multiply-add. Its values lie in o's block, one row of the block an input, where a full
+ * bfloat16 block holds each 32 outputs in pairs (shardline.layers.kernels.blocked). */
+static float blocked_output(const void *weight, int bf16, long out, long in, long o,
+                           const float *x) {
+    long block = o / LINEAR_BLOCK, within = o % LINEAR_BLOCK;
+    long width = out - block * LINEAR_BLOCK < LINEAR_BLOCK ? out - block * LINEAR_BLOCK
+                                                         : LINEAR_BLOCK;
+    if (bf16 && width == LINEAR_BLOCK) {
+        long t = within % 32;
+        within += (t < 16 ? 2 * t : 2 * (t - 16) + 1) - t;
+    }
+    long at = block * LINEAR_BLOCK * in + within;
+    float sum = 0.0f;
+    if (bf16) {
+        const uint16_t *column = (const uint16_t *)weight + at;
+        for (long i = 0; i < in; i++) sum = fmaf(bf16_to_float(column[i * width]), x[i], sum);
+    } else {
+        const float *column = (const float *)weight + at;
+        for (long i = 0; i < in; i++) sum = fmaf(column[i * width], x[i], sum);
+    }
+    return sum;
+}
+
+/* How far the screen logits a may lie from their exact sums, at most: their bounds times the
+ * row's norm, enlarged by 2^-20 of itself and of |a|, which covers the float32 rounding of
+ * this and of a +- it (3 roundings of 2^-24 of those at most), and by 2^-120, far more than
+ * the sums can lose where they underflow (2^-149 an operation). Four outputs at a time (SSE,
+ * every x86-64 CPU has it). */
+static inline __m128 reach_of(__m128 a, __m128 bounds, __m128 norm) {
+    __m128 reach = _mm_mul_ps(norm, bounds);
+    __m128 size = _mm_add_ps(_mm_andnot_ps(_mm_set1_ps(-0.0f), a), reach);
+    reach = _mm_add_ps(reach, _mm_mul_ps(_mm_set1_ps(0x1p-20f), size));
+    return _mm_add_ps(reach, _mm_set1_ps(0x1p-120f));
+}
+
+/* Four outputs from v of a row's screen logits (approx) and their bounds; past valid (a
+ * row's last outputs), a logit of -FLT_MAX and a bound of 0, which the caller passes over. */
+static inline void four_outputs(const float *approx, const float *bounds, long v, long valid,
+                                __m128 *a, __m128 *b) {
+    if (v + 4 <= valid) {
+        *a = _mm_loadu_ps(approx + v), *b = _mm_loadu_ps(bounds + v);
+        return;
+    }
+    float some[4] = {-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX}, zero[4] = {0};
+    memcpy(some, approx + v, sizeof(float) * (size_t)(valid - v));
+    memcpy(zero, bounds + v, sizeof(float) * (size_t)(valid - v));
+    *a = _mm_loadu_ps(some), *b = _mm_loadu_ps(zero);
+}
+
+/* The first of the largest of outputs [0, valid) of row x through the blocked head (what the
+ * blocked kernel would compute for each), from the screen's logits (approx) and bounds (how
+ * far each may lie from its exact sum, per unit of x's norm): only the outputs whose reach
+ * touches the highest floor (approx - reach) can be the largest, and only they are summed
+ * exactly. Returns 0, deciding nothing, where x's norm or a screen logit is not finite, an
+ * exact sum is NaN, or more than most outputs are in reach. */
+static int settle_row(const float *approx, const float *bounds, const float *x, long in,
+                      long valid, const void *head, int bf16, long out, long most, float *best,
+                      int64_t *index) {
+    double squares = 0.0;
+    for (long i = 0; i < in; i++) squares += (double)x[i] * x[i];
+    /* above the norm: float64's rounding of it is ~1e-16, float32's 6e-8 */
+    float scalar_norm = (float)(sqrt(squares) * (1.0 + 1e-6));
+    if (!isfinite(scalar_norm)) return 0;
+    __m128 norm = _mm_set1_ps(scalar_norm), floors = _mm_set1_ps(-INFINITY), a, b;
+    __m128 finite = _mm_castsi128_ps(_mm_set1_epi32(-1)), largest = _mm_set1_ps(FLT_MAX);
+    for (long v = 0; v < valid; v += 4) {
+        four_outputs(approx, bounds, v, valid, &a, &b);
+        floors = _mm_max_ps(floors, _mm_sub_ps(a, reach_of(a, b, norm)));
+        /* NaN compares false */
+        finite = _mm_and_ps(finite, _mm_cmple_ps(_mm_andnot_ps(_mm_set1_ps(-0.0f), a), largest));
+    }
+    if (_mm_movemask_ps(finite) != 15) return 0;
+    floors = _mm_max_ps(floors, _mm_shuffle_ps(floors, floors, _MM_SHUFFLE(1, 0, 3, 2)));
+    floors = _mm_max_ps(floors, _mm_shuffle_ps(floors, floors, _MM_SHUFFLE(2, 3, 0, 1)));
+    long candidates = 0;
+    for (long v = 0; v < valid; v += 4) {
+        four_outputs(approx, bounds, v, valid, &a, &b);
+        int reaching = _mm_movemask_ps(_mm_cmpge_ps(_mm_add_ps(a, reach_of(a, b, norm)), floors));
+        for (int lane = 0; lane < 4 && v + lane < valid; lane++) {
+            if (!(reaching >> lane & 1)) continue;
+            if (++candidates > most) return 0;
+            float sum = blocked_output(head, bf16, out, in, v + lane, x);
+            if (isnan(sum)) return 0;
+            if (candidates == 1 || sum > *best) *best = sum, *index = v + lane;
+        }
+    }
+    return candidates > 0;
+}
+#endif
+
+/* screened_argmax(head, bf16, screen, bounds, x, rows, out, in, valid, approx, best, index,
+ * most, team): each row of x's largest output among [0, valid) through the blocked head
+ * (float32 or bfloat16 elements: bf16) and its first index, into best and index, as the
+ * blocked kernel's logits would give them: the screen (the head's values as WEIGHT_Q8_0 blocks)
+ * multiplies every row into approx (rows x out floats), shared out by team; bounds (valid
+ * floats) bound each output's |approx - exact| per unit of x's norm (Python's GreedyScreen
+ * says how), and settle_row sums the few outputs in reach exactly. True where every row was
+ * settled, else False (the caller then computes the head's logits). */
+static PyObject *screened_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 14, "screened_argmax") < 0) return NULL;
+    const void *head = ADDRESS(0), *screen = ADDRESS(2);
+    int bf16 = SIZE(1) != 0, failed;
+    const float *bounds = ADDRESS(3), *x = ADDRESS(4);
+    long rows = SIZE(5), out = SIZE(6), in = SIZE(7), valid = SIZE(8), most = SIZE(12);
+    float *approx = ADDRESS(9), *best = ADDRESS(10);
+    int64_t *index = ADDRESS(11);
+    Team *team = team_of(args[13], &failed);
+    if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0 ||
+        check_kind(WEIGHT_Q8_0, in, "screened_argmax") < 0)
+        return NULL;
+    if (valid < 1 || valid > out || rows < 1) {
+        PyErr_Format(PyExc_ValueError, "screened_argmax: valid %ld of out %ld, rows %ld; "
+                     "allowed: 1 <= valid <= out, rows >= 1", valid, out, rows);
+        return NULL;
+    }
+    int settled = 1;
+#ifdef HAVE_BLOCKED_LINEAR
+    Py_BEGIN_ALLOW_THREADS
+    blocked_linear_rows(team, screen, WEIGHT_Q8_0, x, approx, NULL, rows, out, in, NULL);
+    for (long r = 0; r < rows && settled; r++)
+        settled = settle_row(approx + r * out, bounds, x + r * in, in, valid, head, bf16, out,
+                             most, best + r, index + r);
+    Py_END_ALLOW_THREADS
+#endif
+    return PyBool_FromLong(settled);
+}
+
 /* A part of a weight held from its file's blocks: the blocks of rows [first, first + rows). */
 typedef struct {
     const GGUFType *type;
@@ -2210,6 +2341,10 @@ static PyMethodDef methods[] = {
      "runs the AVX2 kernel where the CPU has AVX-512 too (the same bits)"},
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(bf16, gate_up, out, rows, size)"},
+    {"screened_argmax", (PyCFunction)(void (*)(void))screened_argmax, METH_FASTCALL,
+     "screened_argmax(head, bf16, screen, bounds, x, rows, out, in, valid, approx, best, "
+     "index, most, team or None): each row's largest output of the blocked head and its first "
+     "index, found through the head's WEIGHT_Q8_0 screen; False where a row was not settled"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
      "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, kind, avx2): "
      "float32 rows, the weight blocked by LINEAR_BLOCK outputs and held as kind says "

@@ -121,6 +121,12 @@ class TorchKernels:
         values = weight.detach().to(self.weight_dtype).to(weight.dtype)
         return nn.Parameter(values, requires_grad=False)
 
+    def greedy_screen(self, table: torch.Tensor, held: torch.Tensor) -> GreedyScreen | None:
+        """The screen that finds an LM head's largest logits reading fewer bytes
+        (:class:`GreedyScreen`), for ``held``, the head's weight as :meth:`pack_linear` made it
+        from ``table``; None where these kernels have none (the torch ones never do)."""
+        return None
+
     def weight_packer(self, weights: Sequence[torch.Tensor]) -> WeightPacker:
         """A :meth:`pack_linear` for a model's weights, ``weights`` (loaded), to be called on
         each of them in this order (the order a step multiplies by them); it may place them
@@ -516,6 +522,40 @@ class NativeKernels(TorchKernels):
             return self._held(weight, arena)
 
         return pack
+
+    def greedy_screen(self, table, held):
+        """A :class:`GreedyScreen` for a head held blocked in float32 or bfloat16 (not in a
+        file's blocks) with inputs in whole groups, on a CPU that runs the Q8_0 kernel; made
+        ``_SCREEN_ROWS`` rows at a time, so it needs little memory beyond its own. None
+        otherwise, or where a value is not finite (or a group's scale not a float16 one)."""
+        native = self.native
+        if (
+            held.dim() != 1 or hasattr(held, "weight_kind")
+            or not native.quantized_linear_available()
+            or held.blocked_shape[1] % native.QUANT_GROUP
+        ):  # fmt: skip
+            return None
+        out_features, in_features = held.blocked_shape
+        kind = native.WEIGHT_Q8_0
+        size = native.quantized_size(kind, out_features, in_features)
+        weight = torch.empty(size, dtype=torch.uint8)
+        bounds = torch.empty(out_features, dtype=torch.float32)
+        block_bytes = native.quantized_size(kind, native.LINEAR_BLOCK, in_features)
+        for first in range(0, out_features, _SCREEN_ROWS):
+            values = table.detach()[first : first + _SCREEN_ROWS].to(held.dtype).float()
+            screened = _q8_0_rows(values)
+            if screened is None:
+                return None
+            raw, decoded = screened
+            rows = values.shape[0]
+            place = weight[first // native.LINEAR_BLOCK * block_bytes :]
+            if not native.pack_file_blocks(
+                kind, place.data_ptr(), rows, in_features, _loaded(decoded),
+                [("Q8_0", raw.data_ptr(), raw.stride(0), 0, rows)], self.team,
+            ):  # fmt: skip
+                return None
+            bounds[first : first + rows] = _screen_bounds(values, decoded)
+        return GreedyScreen(native, weight, bounds, self.team)
 
     def _most_bytes(self, weight: torch.Tensor) -> int:
         """The most bytes :meth:`_held` may take for ``weight``."""
@@ -937,6 +977,99 @@ class WeightArena:
         return piece
 
 
+#: Rows of a head a :class:`GreedyScreen` is made from at a time (a multiple of the blocked
+#: kernels' 64 outputs a block).
+_SCREEN_ROWS = 1024
+#: Q8_0's largest code: a group's values are scale x code, code in [-127, 127].
+_Q8_0_LARGEST = 127
+#: The most rows a :class:`GreedyScreen` takes: past them the Q8_0 kernel's arithmetic costs
+#: what the bytes save (a 24576 x 576 head from memory, one thread, head / screen: 3.7 / 2.0
+#: ms at 1 row, 4.5 / 3.1 at 4, 5.0 / 4.0 at 8, 5.8 / 5.6 at 16).
+SCREENED_ROWS_MAX = 8
+
+
+class GreedyScreen(nn.Module):
+    """Finds each row's largest logit of an LM head held blocked in float32 or bfloat16 and
+    its index, as the blocked kernel's logits would give them, reading about a quarter of the
+    head's bytes (a decode step's largest weight). ``weight`` holds the head's values as GGUF
+    Q8_0 blocks (an int8 code per value, a float16 scale per 32: decoded exactly in float32);
+    ``bounds[v]``, per unit of an input row's L2 norm, bounds how far output v's logit
+    through them may lie from the head's own: the norm of the values' difference plus both
+    float32 sums' rounding (``gamma_n`` = n u / (1 - n u) times each row's norm, for n
+    inputs, u = 2^-24), a little enlarged. The outputs whose logit can reach the highest
+    lower bound are the only ones that may be the largest (its owner among them); they are
+    few, and summed exactly, the kernel's way (``screened_argmax`` in C). Its tensors are
+    parameters: weights the rank holds, which the memory plan counts."""
+
+    def __init__(
+        self, native: ModuleType, weight: torch.Tensor, bounds: torch.Tensor, team: object
+    ) -> None:
+        super().__init__()
+        self.native, self.team = native, team
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bounds = nn.Parameter(bounds, requires_grad=False)
+
+    def argmax(
+        self, x: torch.Tensor, head: torch.Tensor, valid: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row of ``x`` (``[N, in]`` float32) through ``head`` (the weight this screens):
+        the largest logit among outputs ``[0, valid)`` and its first index (float32 ``[N]``,
+        int64 ``[N]``); None where it does not pay (more than :data:`SCREENED_ROWS_MAX` rows)
+        or a row was not settled: its norm or a logit not finite, or more than a sixteenth of
+        the outputs (at least 64) within reach of the largest (then compute the logits)."""
+        out_features, in_features = head.blocked_shape
+        rows = x.shape[0]
+        if rows > SCREENED_ROWS_MAX:
+            return None
+        x = x.contiguous()
+        approx = x.new_empty(rows, out_features)
+        best = x.new_empty(rows)
+        index = torch.empty(rows, dtype=torch.int64)
+        settled = self.native.screened_argmax(
+            head.data_ptr(), head.dtype is torch.bfloat16, self.weight.data_ptr(),
+            self.bounds.data_ptr(), x.data_ptr(), rows, out_features, in_features, valid,
+            approx.data_ptr(), best.data_ptr(), index.data_ptr(), max(64, valid // 16),
+            self.team,
+        )  # fmt: skip
+        return (best, index) if settled else None
+
+
+def _q8_0_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``values`` (``[rows, in]`` float32, ``in`` a multiple of 32) as GGUF Q8_0 rows (raw
+    bytes, ``[rows, in / 32 * 34]``: each 32's float16 scale, then its 32 int8 codes) and
+    the float32 values they decode to (scale x code: exact, an 11-bit scale times a 7-bit
+    code); None where a value or a scale is not finite."""
+    rows, in_features = values.shape
+    groups = values.view(rows, -1, 32)
+    scale = (groups.abs().amax(dim=-1) / _Q8_0_LARGEST).to(torch.float16)
+    if not (torch.isfinite(values).all() and torch.isfinite(scale).all()):
+        return None
+    wide = scale.float().unsqueeze(-1)
+    codes = torch.where(wide > 0, groups / wide, torch.zeros_like(groups))
+    codes = codes.round().clamp(-_Q8_0_LARGEST, _Q8_0_LARGEST).to(torch.int8)
+    raw = torch.empty(rows, groups.shape[1], 34, dtype=torch.uint8)
+    raw[..., :2] = scale.view(torch.uint8).view(rows, -1, 2)
+    raw[..., 2:] = codes.view(torch.uint8)
+    decoded = (wide * codes.float()).view(rows, in_features)
+    return raw.view(rows, -1), decoded
+
+
+def _screen_bounds(values: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """:class:`GreedyScreen`'s bounds of rows ``values`` screened as ``decoded``: computed in
+    float64, enlarged by 2^-20 of themselves (the float64 sums' own rounding is ~n 2^-53),
+    then rounded up to float32."""
+    n = values.shape[1]
+    unit = 2.0**-24
+    gamma = n * unit / (1 - n * unit)
+    exact, screened = values.double(), decoded.double()
+    gap = (exact - screened).norm(dim=1)
+    bound = (gap + gamma * (exact.norm(dim=1) + screened.norm(dim=1))) * (1 + 2.0**-20)
+    rounded = bound.float()
+    return torch.where(
+        rounded.double() < bound, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded
+    )
+
+
 def _loaded(values: torch.Tensor) -> tuple[int, int, int]:
     """A loaded float32 weight as ``pack_file_blocks`` reads it: (address, row stride,
     column stride), in elements (a model keeps its weights column by column: no copy)."""
@@ -1078,6 +1211,13 @@ def holds_quantization_blocks(device: str, environ: Mapping[str, str]) -> bool:
         and _c_linear_runs(native, device)
         and native.quantized_linear_available()
     )
+
+
+def screens_greedy_head(device: str, environ: Mapping[str, str]) -> bool:
+    """Whether :func:`layer_kernels`' kernels make a :class:`GreedyScreen` for an LM head they
+    hold blocked in float32 or bfloat16 (of finite values, inputs in whole groups of 32): the
+    C linear kernel runs on ``device`` (a kind), with its Q8_0 kernel."""
+    return holds_quantization_blocks(device, environ)
 
 
 def _c_linear_runs(native: ModuleType, device: str) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from shardline.config.schema import EngineConfig
 from shardline.errors import ConfigError
 from shardline.interfaces import ModelPlan, RankMemory
-from shardline.layers.kernels import held_weight_dtype, packs
+from shardline.layers.kernels import held_weight_dtype, packs, screens_greedy_head
 from shardline.layers.sharding import head_shard, vocab_shard
 from shardline.models.architecture import (
     LlamaArchitecture,
@@ -208,6 +208,10 @@ class LlamaPlan(ModelPlan):
     weight_dtype: str | None = None
     #: The GGUF block kinds they are held in instead, where they are (None: not).
     held_blocks: HeldBlocks | None = None
+    #: Whether the kernels make a greedy screen of a head they hold blocked in float32 or
+    #: bfloat16 (:func:`~shardline.layers.kernels.screens_greedy_head`): Q8_0 blocks and a
+    #: float32 bound an output, beside the head.
+    screens_head: bool = False
 
     @classmethod
     def of(
@@ -246,6 +250,7 @@ class LlamaPlan(ModelPlan):
                 parallel.device, config.model.dtype, config.model.weight_precision, environ
             ),
             held_blocks,
+            config.model.dtype == "float32" and screens_greedy_head(parallel.device, environ),
         )
 
     @property
@@ -283,8 +288,12 @@ class LlamaPlan(ModelPlan):
         head_table = last and not shares_table
         # A packed head is held as the linear weights are; the embedding table as loaded.
         head_bytes = (held if self.packed else size) * vocab_rows * hidden
-        if self.held_blocks is not None and self.packed:
+        head_in_blocks = self.held_blocks is not None and self.packed
+        if head_in_blocks:
             head_bytes = block_bytes(self.held_blocks.head, vocab_rows, hidden)
+            head_in_blocks = head_bytes != vocab_rows * hidden * _FLOAT32
+        if self.screens_head and self.packed and not head_in_blocks and hidden % _GROUP == 0:
+            head_bytes += block_bytes("Q8_0", vocab_rows, hidden) + _FLOAT32 * vocab_rows
         weight_bytes = (
             layers * (linear_bytes + others * size)
             + int(first) * size * vocab_rows * hidden

@@ -138,27 +138,30 @@ class Worker:
         return timer.report() if isinstance(timer, SpanTimer) else {}
 
     def weight_bytes_per_step(self) -> int:
-        """Bytes of weights a decode step reads on this rank: every parameter of the runner's
-        model once (a shared tensor once), but an embedding table that is not also the LM
-        head (a lookup reads a few rows of it)."""
+        """Bytes of weights a greedy decode step reads on this rank: every parameter of the
+        runner's model once (a shared tensor once), but an embedding table that is not also
+        the LM head (a lookup reads a few rows of it) and an LM head that has a screen (its
+        screen's parameters are read instead, and a few of its rows:
+        :class:`~shardline.layers.kernels.GreedyScreen`)."""
         model = getattr(self.model_runner, "model", None)
         if not isinstance(model, nn.Module):
             return 0
-        looked_up = {
-            id(module.weight)
-            for module in model.modules()
-            if getattr(type(module), "profile_part", "") == EMBEDDING_LOOKUP
-        }
-        read = {
-            id(module.weight)
-            for module in model.modules()
-            if getattr(type(module), "profile_part", "") == MATMUL
-        }
+        modules = list(model.modules())
+
+        def weights_of(modules: list[nn.Module]) -> set[int]:
+            return {id(module.weight) for module in modules}
+
+        def part(module: nn.Module) -> str:
+            return getattr(type(module), "profile_part", "")
+
+        screened = weights_of([m for m in modules if getattr(m, "screen", None) is not None])
+        looked_up = weights_of([m for m in modules if part(m) == EMBEDDING_LOOKUP])
+        read = weights_of([m for m in modules if part(m) == MATMUL]) - screened
         parameters = {id(p): p for p in model.parameters()}
         return sum(
             p.numel() * p.element_size()
             for key, p in parameters.items()
-            if key not in looked_up or key in read
+            if key not in screened and (key not in looked_up or key in read)
         )
 
     def read_bandwidth(self, repeats: int = 5) -> float:

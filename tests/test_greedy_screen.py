@@ -1,0 +1,134 @@
+"""An LM head's greedy screen (``GreedyScreen``): each row's largest logit and its first index
+found through the head's Q8_0 copy and exact bounds, always the choice of the head's own
+logits (the blocked kernel's), bit for bit; and where it cannot decide, it says so."""
+
+import numpy as np
+import pytest
+import torch
+
+from shardline.layers.kernels import (
+    SCREENED_ROWS_MAX,
+    TORCH_KERNELS,
+    GreedyScreen,
+    NativeKernels,
+)
+from support.gguf_values import file_weight, random_blocks
+
+native_module = pytest.importorskip(
+    "shardline.layers._kernels",
+    reason="the C extension was not built (pip install found no compiler); torch path only",
+)
+pytestmark = pytest.mark.skipif(
+    not native_module.quantized_linear_available(),
+    reason="the screen's Q8_0 kernel needs AVX-512, or AVX2 with FMA and F16C",
+)
+
+FLOAT32 = NativeKernels(native_module)
+BFLOAT16 = NativeKernels(native_module, weight_dtype=torch.bfloat16)
+
+
+def _screened(kernels: NativeKernels, table: torch.Tensor) -> tuple[torch.Tensor, GreedyScreen]:
+    held = kernels.pack_linear(table)
+    screen = kernels.greedy_screen(table, held)
+    assert isinstance(screen, GreedyScreen)
+    return held, screen
+
+
+def _head_choice(kernels, held, x, valid):
+    """What the head's own logits choose: the largest of the first ``valid`` and its index."""
+    return kernels.linear(x, held, None)[:, :valid].max(dim=-1)
+
+
+@pytest.mark.parametrize("kernels", [FLOAT32, BFLOAT16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("out_features", [130, 490, 4160])
+def test_the_screen_chooses_what_the_heads_logits_choose(kernels, out_features):
+    """Random heads (a partial last block; four blocks at a time and fewer), 1 to 8 rows, the
+    whole range and one whose last outputs are padding: the same largest logit, bit for bit,
+    and the same index."""
+    generator = torch.Generator().manual_seed(out_features)
+    table = torch.randn(out_features, 96, generator=generator) * 0.05
+    held, screen = _screened(kernels, table)
+    for rows in (1, 3, SCREENED_ROWS_MAX):
+        x = torch.randn(rows, 96, generator=generator) * 4
+        for valid in (out_features, out_features - 9):
+            best, index = screen.argmax(x, held, valid)
+            expected_best, expected_index = _head_choice(kernels, held, x, valid)
+            assert torch.equal(index, expected_index) and torch.equal(best, expected_best)
+
+
+def test_equal_rows_give_the_first_and_rows_the_codes_cannot_tell_apart_their_sums_decide():
+    """Rows 3 and 7 equal and the largest: the first (3). Rows 5 and 9 the largest, 9 a
+    little larger along x than 5 but below what the codes resolve (the same screen logit,
+    where its first would be 5): 9, by its exact sum."""
+    generator = torch.Generator().manual_seed(1)
+    table = torch.randn(64, 64, generator=generator) * 0.01
+    x = torch.randn(1, 64, generator=generator)
+    table[3] = table[7] = x[0] * 0.2
+    held, screen = _screened(FLOAT32, table)
+    assert screen.argmax(x, held, 64)[1].tolist() == [3]
+    table[5] = x[0] * 0.3
+    table[9] = table[5] + x[0].sign() * 1e-6
+    held, screen = _screened(FLOAT32, table)
+    approx = FLOAT32.linear(x, _as_q8_0(screen, 64, 64), None)[0]
+    assert approx[5] == approx[9]  # the same codes
+    assert screen.argmax(x, held, 64)[1].tolist() == [9]
+
+
+def test_an_order_the_codes_reverse_is_still_the_heads():
+    """Two rows whose codes reverse their order (row 0 is larger through the head's values,
+    row 1 through their Q8_0 codes: one value rounds down by 0.49 of a step, another up by
+    0.49): the screen's bounds keep row 0 in reach, and its exact sum wins."""
+    step = 2.0**-7  # each group's scale: its largest value, 127 steps, in every row
+    row = torch.zeros(32)
+    row[0] = 127 * step
+    larger, smaller = row.clone(), row.clone()
+    larger[1], smaller[1] = 10.49 * step, 10.45 * step  # both code 10: larger by 0.04 steps
+    larger[2], smaller[2] = 20.499 * step, 20.51 * step  # codes 20 and 21: smaller by 0.011
+    table = torch.stack([larger, smaller])
+    x = torch.tensor([[0.0, 1.0, 1.0] + [0.0] * 29])
+    exact = table @ x[0]
+    assert exact[0] > exact[1]  # the head's order
+    held, screen = _screened(FLOAT32, table)
+    approx = FLOAT32.linear(x, _as_q8_0(screen, 2, 32), None)
+    assert approx[0, 1] > approx[0, 0]  # the codes' order, reversed
+    assert screen.argmax(x, held, 2)[1].tolist() == [0]
+
+
+def _as_q8_0(screen: GreedyScreen, out_features: int, in_features: int) -> torch.Tensor:
+    """The screen's codes as a held Q8_0 weight the linear multiplies by."""
+    weight = screen.weight.detach()
+    weight.blocked_shape = (out_features, in_features)
+    weight.weight_kind = native_module.WEIGHT_Q8_0
+    return weight
+
+
+def test_rows_it_cannot_decide_are_left_to_the_logits():
+    """None (compute the logits) for more rows than it pays for, a row of infinite norm, and
+    more outputs in reach than a sixteenth (at least 64): all of 200 equal rows."""
+    table = torch.randn(200, 64) * 0.05
+    held, screen = _screened(FLOAT32, table)
+    assert screen.argmax(torch.randn(SCREENED_ROWS_MAX + 1, 64), held, 200) is None
+    infinite = torch.randn(2, 64)
+    infinite[1, 5] = float("inf")
+    assert screen.argmax(infinite, held, 200) is None
+    equal = table[:1].repeat(200, 1)
+    held, screen = _screened(FLOAT32, equal)
+    assert screen.argmax(torch.randn(1, 64), held, 200) is None
+    assert screen.argmax(torch.randn(1, 64), held, 60)[1].tolist() == [0]  # 60 in reach: few
+
+
+def test_no_screen_where_it_cannot_be_exact_or_the_head_is_not_blocked_floats():
+    """A head with an infinite value, one held in a file's blocks, one whose inputs are not
+    whole groups of 32, and the torch kernels: no screen (the head's logits decide)."""
+    table = torch.randn(100, 64)
+    table[7, 3] = float("inf")
+    assert FLOAT32.greedy_screen(table, FLOAT32.pack_linear(table)) is None
+    odd = torch.randn(100, 40)
+    assert FLOAT32.greedy_screen(odd, FLOAT32.pack_linear(odd)) is None
+    blocks = NativeKernels(native_module, quantized=True)
+    rng = np.random.default_rng(0)
+    weight = file_weight([("Q8_0", random_blocks("Q8_0", 100, 64, rng))], 100)
+    held = blocks.pack_linear(weight)
+    assert held.held_as == "Q8_0" and blocks.greedy_screen(weight, held) is None
+    plain = torch.randn(100, 64)
+    assert TORCH_KERNELS.greedy_screen(plain, TORCH_KERNELS.pack_linear(plain)) is None
