@@ -138,8 +138,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             if self.tp.world_size == 1:
                 return local.argmax(dim=-1)
             if valid == 0:  # only padding on this rank
-                best = torch.full((local.shape[0],), float("-inf"), dtype=local.dtype)
-                index = torch.zeros(local.shape[0], dtype=torch.long)
+                best = local.new_full((local.shape[0],), float("-inf"))
+                index = torch.zeros(local.shape[0], dtype=torch.long, device=local.device)
             else:
                 best, index = local.max(dim=-1)
         overall = self.tp.all_reduce(best, ReduceOp.MAX)

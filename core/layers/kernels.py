@@ -418,7 +418,7 @@ class NativeKernels(TorchKernels):
                      for first, kind, raw in parts]  # fmt: skip
         for name, kind in self._block_kinds:
             size = self.native.quantized_size(kind, out_features, in_features)
-            place = torch.empty(size, dtype=torch.uint8) if arena is None else arena.peek(size)
+            place = _host_bytes(size) if arena is None else arena.peek(size)
             if self.native.pack_file_blocks(
                 kind, place.data_ptr(), out_features, in_features, _loaded(values), described,
                 self.team,
@@ -454,7 +454,7 @@ class NativeKernels(TorchKernels):
                  for ((_, kind), first, _), end in zip(runs, ends, strict=True)]  # fmt: skip
         table_bytes = native.SEGMENT_TABLE_BYTES
         total = table_bytes + sum(sizes)
-        place = torch.empty(total, dtype=torch.uint8) if arena is None else arena.peek(total)
+        place = _host_bytes(total) if arena is None else arena.peek(total)
         offset = table_bytes
         for ((_, kind), first, run_parts), end, size in zip(runs, ends, sizes, strict=True):
             described = [(type_name, raw.ctypes.data, raw.strides[0], part_first - first,
@@ -465,7 +465,7 @@ class NativeKernels(TorchKernels):
             ):  # fmt: skip
                 return None
             offset += size
-        table = torch.zeros(table_bytes // 4, dtype=torch.int32)
+        table = torch.zeros(table_bytes // 4, dtype=torch.int32, device="cpu")
         table[0] = len(runs)
         for i, ((_, kind), end) in enumerate(zip((run[0] for run in runs), ends, strict=True)):
             table[2 + 2 * i] = kind
@@ -538,8 +538,8 @@ class NativeKernels(TorchKernels):
         out_features, in_features = held.blocked_shape
         kind = native.WEIGHT_Q8_0
         size = native.quantized_size(kind, out_features, in_features)
-        weight = torch.empty(size, dtype=torch.uint8)
-        bounds = torch.empty(out_features, dtype=torch.float32)
+        weight = _host_bytes(size)
+        bounds = torch.empty(out_features, dtype=torch.float32, device="cpu")
         block_bytes = native.quantized_size(kind, native.LINEAR_BLOCK, in_features)
         for first in range(0, out_features, _SCREEN_ROWS):
             values = table.detach()[first : first + _SCREEN_ROWS].to(held.dtype).float()
@@ -627,7 +627,7 @@ class NativeKernels(TorchKernels):
             and _fits(token_ids, torch.int64) and token_ids.dim() == 1
         ):  # fmt: skip
             return super().embedding_rows(token_ids, table, first)
-        out = torch.empty(token_ids.shape[0], table.shape[1], dtype=table.dtype)
+        out = table.new_empty(token_ids.shape[0], table.shape[1])
         self.native.embedding_rows(
             table.dtype is torch.bfloat16, table.data_ptr(), table.shape[0], table.shape[1],
             token_ids.data_ptr(), token_ids.shape[0], first, out.data_ptr(),
@@ -1024,7 +1024,7 @@ class GreedyScreen(nn.Module):
         x = x.contiguous()
         approx = x.new_empty(rows, out_features)
         best = x.new_empty(rows)
-        index = torch.empty(rows, dtype=torch.int64)
+        index = torch.empty(rows, dtype=torch.int64, device="cpu")
         settled = self.native.screened_argmax(
             head.data_ptr(), head.dtype is torch.bfloat16, self.weight.data_ptr(),
             self.bounds.data_ptr(), x.data_ptr(), rows, out_features, in_features, valid,
@@ -1047,7 +1047,7 @@ def _q8_0_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     wide = scale.float().unsqueeze(-1)
     codes = torch.where(wide > 0, groups / wide, torch.zeros_like(groups))
     codes = codes.round().clamp(-_Q8_0_LARGEST, _Q8_0_LARGEST).to(torch.int8)
-    raw = torch.empty(rows, groups.shape[1], 34, dtype=torch.uint8)
+    raw = torch.empty(rows, groups.shape[1], 34, dtype=torch.uint8, device="cpu")
     raw[..., :2] = scale.view(torch.uint8).view(rows, -1, 2)
     raw[..., 2:] = codes.view(torch.uint8)
     decoded = (wide * codes.float()).view(rows, in_features)
@@ -1065,9 +1065,13 @@ def _screen_bounds(values: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
     gap = (exact - screened).norm(dim=1)
     bound = (gap + gamma * (exact.norm(dim=1) + screened.norm(dim=1))) * (1 + 2.0**-20)
     rounded = bound.float()
-    return torch.where(
-        rounded.double() < bound, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded
-    )
+    up = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+    return torch.where(rounded.double() < bound, up, rounded)
+
+
+def _host_bytes(size: int) -> torch.Tensor:
+    """``size`` uninitialized bytes in host memory, whatever torch's default device."""
+    return torch.empty(size, dtype=torch.uint8, device="cpu")
 
 
 def _loaded(values: torch.Tensor) -> tuple[int, int, int]:
