@@ -131,17 +131,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             settled = self.screen.argmax(hidden, self.weight, valid)
         if settled is not None:
             best, index = settled
-            if self.tp.world_size == 1:
-                return index
-        else:
-            local = self.kernels.linear(hidden, self.weight, None)[:, :valid]
-            if self.tp.world_size == 1:
-                return local.argmax(dim=-1)
-            if valid == 0:  # only padding on this rank
-                best = local.new_full((local.shape[0],), float("-inf"))
-                index = torch.zeros(local.shape[0], dtype=torch.long, device=local.device)
-            else:
-                best, index = local.max(dim=-1)
+        elif valid > 0:
+            best, index = self.kernels.linear(hidden, self.weight, None)[:, :valid].max(dim=-1)
+        else:  # only padding on this rank (never so at TP=1)
+            best = hidden.new_full((hidden.shape[0],), float("-inf"))
+            index = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        if self.tp.world_size == 1:
+            return index
         overall = self.tp.all_reduce(best, ReduceOp.MAX)
         candidate = torch.where(best == overall, index + self.shard.start, self.vocab_size)
         return self.tp.all_reduce(candidate, ReduceOp.MIN)

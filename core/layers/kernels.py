@@ -26,6 +26,8 @@ from shardline.native import native_extension
 from shardline.profiling import ATTENTION, COMM_ALL_REDUCE, MATMUL, NO_TIMER, StepTimer
 
 if TYPE_CHECKING:
+    import numpy
+
     from shardline.distributed import GroupCoordinator
     from shardline.layers.attention import DecodeBatch, KVCache
 
@@ -551,7 +553,7 @@ class NativeKernels(TorchKernels):
             place = weight[first // native.LINEAR_BLOCK * block_bytes :]
             if not native.pack_file_blocks(
                 kind, place.data_ptr(), rows, in_features, _loaded(decoded),
-                [("Q8_0", raw.data_ptr(), raw.stride(0), 0, rows)], self.team,
+                [("Q8_0", raw.ctypes.data, raw.strides[0], 0, rows)], self.team,
             ):  # fmt: skip
                 return None
             bounds[first : first + rows] = _screen_bounds(values, decoded)
@@ -980,8 +982,6 @@ class WeightArena:
 #: Rows of a head a :class:`GreedyScreen` is made from at a time (a multiple of the blocked
 #: kernels' 64 outputs a block).
 _SCREEN_ROWS = 1024
-#: Q8_0's largest code: a group's values are scale x code, code in [-127, 127].
-_Q8_0_LARGEST = 127
 #: The most rows a :class:`GreedyScreen` takes: past them the Q8_0 kernel's arithmetic costs
 #: what the bytes save (a 24576 x 576 head from memory, one thread, head / screen: 3.7 / 2.0
 #: ms at 1 row, 4.5 / 3.1 at 4, 5.0 / 4.0 at 8, 5.8 / 5.6 at 16).
@@ -1034,24 +1034,18 @@ class GreedyScreen(nn.Module):
         return (best, index) if settled else None
 
 
-def _q8_0_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _q8_0_rows(values: torch.Tensor) -> tuple[numpy.ndarray, torch.Tensor] | None:
     """``values`` (``[rows, in]`` float32, ``in`` a multiple of 32) as GGUF Q8_0 rows (raw
-    bytes, ``[rows, in / 32 * 34]``: each 32's float16 scale, then its 32 int8 codes) and
-    the float32 values they decode to (scale x code: exact, an 11-bit scale times a 7-bit
-    code); None where a value or a scale is not finite."""
-    rows, in_features = values.shape
-    groups = values.view(rows, -1, 32)
-    scale = (groups.abs().amax(dim=-1) / _Q8_0_LARGEST).to(torch.float16)
-    if not (torch.isfinite(values).all() and torch.isfinite(scale).all()):
+    bytes, gguf's quantizer) and the float32 values they decode to (scale x code: exact, an
+    11-bit scale times a 7-bit code); None where a value or a decoded one is not finite (a
+    scale past float16's range)."""
+    import gguf  # as the checkpoint reader does: only where it is needed
+
+    if not torch.isfinite(values).all():
         return None
-    wide = scale.float().unsqueeze(-1)
-    codes = torch.where(wide > 0, groups / wide, torch.zeros_like(groups))
-    codes = codes.round().clamp(-_Q8_0_LARGEST, _Q8_0_LARGEST).to(torch.int8)
-    raw = torch.empty(rows, groups.shape[1], 34, dtype=torch.uint8, device="cpu")
-    raw[..., :2] = scale.view(torch.uint8).view(rows, -1, 2)
-    raw[..., 2:] = codes.view(torch.uint8)
-    decoded = (wide * codes.float()).view(rows, in_features)
-    return raw.view(rows, -1), decoded
+    raw = gguf.quants.quantize(values.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    decoded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0))
+    return (raw, decoded) if torch.isfinite(decoded).all() else None
 
 
 def _screen_bounds(values: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,17 @@ def _bytes_per_weight(kind: str) -> float:
     return _BLOCK_GROUP_BYTES[kind] / _GROUP if kind in _BLOCK_GROUP_BYTES else _FLOAT32
 
 
+def in_blocks(held: HeldKind, in_features: int, first_input: int = 0) -> bool:
+    """Whether a shard of ``in_features`` inputs (from ``first_input`` of the full row) is
+    held as ``held``'s block kind: it is one, and the shard's inputs fall in whole blocks (else
+    the kernel holds it in float32)."""
+    return (
+        held.kind in _BLOCK_GROUP_BYTES
+        and in_features % held.inputs == 0
+        and first_input % held.inputs == 0
+    )
+
+
 def block_bytes(
     held: HeldKind | str, out_features: int, in_features: int, first_input: int = 0
 ) -> int:
@@ -146,11 +157,7 @@ def block_bytes(
     ``first_input`` of the full row) do not fall in whole blocks, as the kernel then holds
     it."""
     held = HeldKind(held) if isinstance(held, str) else held
-    if (
-        held.kind not in _BLOCK_GROUP_BYTES
-        or in_features % held.inputs
-        or first_input % held.inputs
-    ):  # fmt: skip
+    if not in_blocks(held, in_features, first_input):
         return out_features * in_features * _FLOAT32
     outputs = -(-out_features // _BLOCK_OUTPUTS) * _BLOCK_OUTPUTS
     return outputs * in_features // _GROUP * _BLOCK_GROUP_BYTES[held.kind]
@@ -288,11 +295,12 @@ class LlamaPlan(ModelPlan):
         head_table = last and not shares_table
         # A packed head is held as the linear weights are; the embedding table as loaded.
         head_bytes = (held if self.packed else size) * vocab_rows * hidden
-        head_in_blocks = self.held_blocks is not None and self.packed
-        if head_in_blocks:
-            head_bytes = block_bytes(self.held_blocks.head, vocab_rows, hidden)
-            head_in_blocks = head_bytes != vocab_rows * hidden * _FLOAT32
-        if self.screens_head and self.packed and not head_in_blocks and hidden % _GROUP == 0:
+        head_kind = self.held_blocks.head if self.held_blocks is not None and self.packed else None
+        if head_kind is not None:
+            head_bytes = block_bytes(head_kind, vocab_rows, hidden)
+        # A head held blocked in floats has its greedy screen beside it.
+        floats = head_kind is None or not in_blocks(head_kind, hidden)
+        if self.screens_head and self.packed and floats and hidden % _GROUP == 0:
             head_bytes += block_bytes("Q8_0", vocab_rows, hidden) + _FLOAT32 * vocab_rows
         weight_bytes = (
             layers * (linear_bytes + others * size)
