@@ -20,6 +20,7 @@ Then a whole batch-1 step of one TP=2 rank's weights (30 layers' four, then the 
 step's order) with the C kernel, the weights placed two ways: each in its own allocation, made
 between other allocations as a model's loading makes them, and back to back in one buffer
 (``NativeKernels.weight_packer``, what a model now uses), and in one buffer held in bfloat16;
+on a CPU with AVX-512, both buffers also through the AVX2 kernels (what a CPU without it runs);
 each round also sums a 256 MiB
 tensor, the decode floor's bandwidth probe (``Worker.read_bandwidth``), so each placement's
 GB/s is also a fraction of the probe's.
@@ -140,12 +141,28 @@ def measure_step(native: NativeKernels) -> dict:
         for weight, (_, in_features) in zip(weights, STEP_WEIGHTS, strict=True):
             kernels.linear(rows[in_features], weight, None)
 
+    outputs = {size: torch.empty(1, size) for size, _ in STEP_WEIGHTS}
+
+    def avx2_step(weights: list[torch.Tensor], kind: int) -> None:
+        for weight, (out_features, in_features) in zip(weights, STEP_WEIGHTS, strict=True):
+            native.native.blocked_linear(
+                weight.data_ptr(), rows[in_features].data_ptr(), outputs[out_features].data_ptr(),
+                0, 1, out_features, in_features, None, kind, True,
+            )  # fmt: skip
+
     runs = {
         "own allocations": (lambda: step(apart), weight_bytes),
         "one buffer": (lambda: step(together), weight_bytes),
         "one buffer, bfloat16": (lambda: step(in_bfloat16, halves), weight_bytes // 2),
         "probe (torch.sum)": (probe.sum, BANDWIDTH_PROBE_BYTES),
     }
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # what a CPU without it runs
+        float32, bfloat16 = native.native.WEIGHT_FLOAT32, native.native.WEIGHT_BFLOAT16
+        runs["one buffer, AVX2 kernels"] = (lambda: avx2_step(together, float32), weight_bytes)
+        runs["one buffer, bfloat16, AVX2 kernels"] = (
+            lambda: avx2_step(in_bfloat16, bfloat16),
+            weight_bytes // 2,
+        )
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(STEP_ROUNDS):
         for name, (run, size) in runs.items():
