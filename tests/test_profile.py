@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardline.cli.bench_decode import QUESTION
+from shardline.cli.bench_decode import QUESTION, tokens_against
 from shardline.config import load_config
 from shardline.launch.comm_world import ParallelSetup
 from shardline.launch.local_world import LocalWorld
@@ -127,6 +127,28 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
         assert f"where a decode step goes: shardline tp2 gloo, {mode}" in done.stdout
     assert "step_profile" in rows["tp1"]
     assert "of floor" in done.stdout.splitlines()[0]
+
+    # Every case's greedy tokens against transformers' (one request at a time): the batch-1
+    # prompt's and each concurrent one's, float32 equal in every layout.
+    assert transformers["reference"] and len(transformers["token_ids"]) == 1 + 2
+    assert all(0 < len(ids) <= 8 for ids in transformers["token_ids"])
+    for row in rows.values():
+        assert [ids[: len(expected)] for ids, expected in
+                zip(row["token_ids"], transformers["token_ids"], strict=True)
+                ] == transformers["token_ids"]  # fmt: skip
+    header, _, *lines = done.stdout.splitlines()
+    assert header.split()[-3:] == ["tokens", "=", "HF"]
+    cells = [line.split()[-1] for line in lines[:3]]
+    assert cells == ["3/3", "3/3", "reference"]
+    assert "tokens = HF: of 3 prompts" in done.stdout
+
+
+def test_tokens_against_gives_where_each_prompt_first_differs():
+    reference = [[5, 6, 7], [5, 6, 2], [1, 2, 3], [9]]
+    # Equal; equal up to transformers' end of sequence (2) and on past it; differing at 1;
+    # stopped short of the reference.
+    found = [[5, 6, 7], [5, 6, 2, 8, 8], [1, 4, 3], []]
+    assert tokens_against(reference, found) == [None, None, 1, 0]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,12 @@ time, prefill included. transformers: ``generate`` with a streamer timing each t
 float32: ``model.weight_dtype``) and get the same prompt ids: a short chat question, or with
 ``--prompt-tokens N`` its ids repeated to N tokens (decode over a long context; the bench's
 engine then gets the cache blocks every concurrent request needs at once).
+
+Tokens: the transformers case with the most threads also decodes greedily, one request at a
+time, the batch-1 prompt and every concurrent one (up to ``--tokens`` tokens or its end of
+sequence); each Shardline case's tokens (its first batch-1 request's and its concurrent ones')
+are compared with those, prompt by prompt (:func:`tokens_against`): the table's "tokens = HF"
+column, and a line for each case whose tokens differ somewhere.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ class Case:
     #: Shardline's ``model.activation_dtype`` (int8: 4-bit and Q8_0 weights multiply int8
     #: inputs).
     activation_dtype: str | None = None
+    #: transformers: also decode greedily, one at a time, the batch-1 prompt and every
+    #: concurrent one: the tokens each Shardline case's are compared with.
+    reference: bool = False
 
 
 def plan(
@@ -152,6 +161,7 @@ def plan(
             timeout_s=timeout_s,
             dtype=dtype,
             prompt_tokens=prompt_tokens,
+            reference=t == max(hf_threads),
         )
         for t in hf_threads
     ]
@@ -224,6 +234,21 @@ def prompt_ids(tokenizer, prompt_tokens: int, variant: int | None = None) -> lis
     if prompt_tokens:
         ids = (ids * -(-prompt_tokens // len(ids)))[:prompt_tokens]
     return ids
+
+
+def concurrent_prompts(tokenizer, case: Case) -> list[list[int]]:
+    """The prompts of a case's concurrent requests (both engines')."""
+    return [prompt_ids(tokenizer, case.prompt_tokens, i) for i in range(case.concurrent)]
+
+
+def tokens_against(reference: list[list[int]], found: list[list[int]]) -> list[int | None]:
+    """Per prompt, where ``found`` (Shardline's tokens, end-of-sequence ignored) first differs
+    from ``reference`` (transformers' greedy tokens, which end at its end-of-sequence token),
+    or None where it holds every reference token."""
+    return [
+        next((k for k, e in enumerate(expected) if k >= len(got) or got[k] != e), None)
+        for expected, got in zip(reference, found, strict=True)
+    ]
 
 
 def available_communicators(
@@ -303,6 +328,8 @@ def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None
         print(f"prompts of {rows[0]['prompt_tokens']} tokens (no targets at this length)")
     for line in [] if long_prompts else _targets(rows):
         print(line)
+    for line in _token_lines(rows):
+        print(line)
     for row in rows:
         for mode, profile in row.get("step_profile", {}).items():
             print(f"\n{profile_table(row, mode, profile)}")
@@ -329,11 +356,13 @@ def _table(rows: list[dict]) -> str:
     headers = ["engine", "layout", "communicator", "executor", "batch-1 tok/s", "x HF"]
     headers += ["floor tok/s", "of floor"]
     headers += [f"{rows[0]['concurrent'] if rows else ''} concurrent tok/s", "x HF batch-1"]
+    headers += ["tokens = HF"]
+    greedy = _find(rows, engine="transformers", reference=True)
     table = []
     for row in rows:
         if "error" in row:
             table.append([_label(row), row["layout"], row["communicator"], "", "error", ""])
-            table[-1] += ["", "", "", row["error"][:60]]
+            table[-1] += ["", "", "", row["error"][:60], ""]
             continue
         batch1, many = row["batch1_tok_s"], row.get("concurrent_tok_s")
         floor = 1 / row["floor_s"] if row.get("floor_s") else None
@@ -349,9 +378,46 @@ def _table(rows: list[dict]) -> str:
                 f"{row['of_floor']:.2f}" if floor else "-",
                 f"{many:.1f}" if many else "-",
                 f"{many / reference:.2f}" if many and reference else "",
+                _tokens_cell(row, greedy),
             ]
         )
     return render(headers, table)
+
+
+def _tokens_cell(row: dict, greedy: dict | None) -> str:
+    """A Shardline row's prompts whose tokens are transformers' greedy ones, of all."""
+    if row["engine"] == "transformers":
+        return "reference" if row is greedy else "-"
+    if greedy is None or "token_ids" not in row:
+        return "-"
+    differs = tokens_against(greedy["token_ids"], row["token_ids"])
+    return f"{differs.count(None)}/{len(differs)}"
+
+
+def _token_lines(rows: list[dict]) -> list[str]:
+    """What the tokens column compares, and where each Shardline case's tokens first differ
+    from transformers' where they do."""
+    greedy = _find(rows, engine="transformers", reference=True)
+    if greedy is None:
+        return []
+    prompts = len(greedy["token_ids"])
+    lines = [
+        f"tokens = HF: of {prompts} prompts (the batch-1 request's and each concurrent one's), "
+        f"those whose tokens are transformers' greedy ones ({greedy['threads']} threads, one "
+        "request at a time), up to its end of sequence"
+    ]
+    for row in rows:
+        if row["engine"] != "shardline" or "token_ids" not in row:
+            continue
+        differs = tokens_against(greedy["token_ids"], row["token_ids"])
+        first = [(at, prompt) for prompt, at in enumerate(differs) if at is not None]
+        if first:
+            at, prompt = min(first)
+            lines.append(
+                f"{_label(row)}: {len(first)} of {prompts} prompts differ, the earliest at "
+                f"token {at} of prompt {prompt}"
+            )
+    return lines
 
 
 def _executor_cell(row: dict) -> str:
@@ -506,19 +572,21 @@ def _measure_shardline(case: Case) -> dict | None:
         llm.generate([prompt], SamplingParams(max_tokens=4))
         params = SamplingParams(max_tokens=case.tokens, ignore_eos=True)
         weights = llm.engine.executor.collective_rpc("weight_bytes_per_step")
-        batch1_runs, floors = [], []
+        batch1_runs, floors, batch1_ids = [], [], []
         for _ in range(BATCH1_RUNS):
             floors.append(decode_floor(llm.engine.executor, weights))
             stamps: list[float] = []
-            llm.generate(
+            (output,) = llm.generate(
                 [prompt], params, stream=lambda *_, s=stamps: s.append(time.perf_counter())
             )
             batch1_runs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-        many = [prompt_ids(llm.tokenizer, case.prompt_tokens, i) for i in range(case.concurrent)]
+            batch1_ids = batch1_ids or list(output.token_ids)
+        many = concurrent_prompts(llm.tokenizer, case)
         started = time.perf_counter()
         outputs = llm.generate(many, params)
         elapsed = time.perf_counter() - started
         result = {
+            "token_ids": [batch1_ids, *(list(o.token_ids) for o in outputs)],
             "batch1_tok_s": statistics.median(batch1_runs),
             "batch1_runs_tok_s": batch1_runs,
             "concurrent_tok_s": sum(len(o.token_ids) for o in outputs) / elapsed,
@@ -628,13 +696,20 @@ def _measure_transformers(case: Case) -> dict:
 
     torch.set_num_threads(case.threads)
     path = resolve_model_path(case.model)
-    prompt = prompt_ids(load_tokenizer(open_checkpoint(path)), case.prompt_tokens)
+    tokenizer = load_tokenizer(open_checkpoint(path))
+    prompt = prompt_ids(tokenizer, case.prompt_tokens)
     model = load_transformers(path, getattr(torch, case.dtype))
 
     ids = torch.tensor([prompt])
     model.generate(ids, max_new_tokens=4, do_sample=False)
     runs = transformers_batch1_runs(model, ids, case.tokens)
-    return {"batch1_tok_s": statistics.median(runs), "batch1_runs_tok_s": runs, "executor": "-"}
+    result = {"batch1_tok_s": statistics.median(runs), "batch1_runs_tok_s": runs, "executor": "-"}
+    if case.reference:
+        result["token_ids"] = []
+        for ids in [prompt, *concurrent_prompts(tokenizer, case)]:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=case.tokens, do_sample=False)
+            result["token_ids"].append(out[0, len(ids) :].tolist())
+    return result
 
 
 def transformers_batch1_runs(model, ids, tokens: int) -> list[float]:
