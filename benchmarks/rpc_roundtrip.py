@@ -1,12 +1,13 @@
 """Round trip of ``execute_model`` through the mp executor, against a multiprocessing Pipe.
 
-Starts the mp executor with 2 workers (TP=2) on the given model, then times ``execute_model``
-with a small scheduler output that schedules no tokens (so the time is the executor's: the
-broadcast, the workers' dispatch and the output rank's reply). In the same run it times a
-plain ``multiprocessing.Pipe`` echo to a child process (the baseline) and the shared-memory
-ring alone, 2 readers, one echoing (the transport's floor). The executor and the ring run
-twice in the same run: with the ring's C word operations (the default where the extension is
-built) and with the pure-Python fallback (``SHARDLINE_NATIVE=0``, inherited by the workers).
+Starts the mp executor with 2 workers (TP=2) on the given model (SmolLM2-135M by default),
+then times ``execute_model`` with a small scheduler output that schedules no tokens (so the
+time is the executor's: the broadcast, the workers' dispatch and the output rank's reply). In
+the same run it times a plain ``multiprocessing.Pipe`` echo to a child process (the baseline)
+and the shared-memory ring alone, 2 readers, one echoing (the transport's floor). The
+executor and the ring run twice in the same run: with the ring's C word operations (the
+default where the extension is built) and with the pure-Python fallback
+(``SHARDLINE_NATIVE=0``, inherited by the workers).
 With the C ring the executor is also timed pinned, in the two placements three processes
 have on two cores: the driver on one core with the output rank (the rank that replies) or
 with the other rank (every thread of each process pinned; a placement the scheduler may pick
@@ -16,8 +17,8 @@ p99 and mean in microseconds (the mean shows a reader that falls behind and catc
 bursts, which percentiles can hide) and, for the executor, the driver's CPU time per call
 (every thread's, its waits' spinning included), a table, and JSON with ``--json``.
 
-    python benchmarks/rpc_roundtrip.py --model PATH [--iterations 2000] [--repeats 3]
-        [--json out.json]
+    python benchmarks/rpc_roundtrip.py [--model smollm2-135m] [--iterations 2000]
+        [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import statistics
 import sys
 import time
 
+from shardline.catalog import resolve_model_path
 from shardline.config import load_config
 from shardline.interfaces.step import SchedulerOutput
 from shardline.registry import Registry
@@ -217,22 +219,25 @@ def time_executor(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="HF directory or GGUF file")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="catalog name, HF directory or GGUF file"
+    )
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument(
         "--repeats", type=int, default=1, help="run everything this many times (medians)"
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    model = str(resolve_model_path(args.model))
     step = SchedulerOutput(finished_req_ids={"r0"})
     message = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
         for native, path in ((True, "C"), (False, "Python")):
             with ring_path(native):
-                timed = time_executor(args.model, args.iterations, step, pinned=native)
+                timed = time_executor(model, args.iterations, step, pinned=native)
                 if native:
-                    timed |= time_executor(args.model, args.iterations, step, False, "auto")
+                    timed |= time_executor(model, args.iterations, step, False, "auto")
                 for suffix, summary in timed.items():
                     runs.setdefault(f"mp execute_model, 2 workers ({path}){suffix}", []).append(
                         summary
