@@ -1,7 +1,8 @@
 """``parallel.cpu_binding``: parsed with clear errors, split over a host's cores, and applied for
 real: mp workers each on their own cores with one torch thread per core, the driver beside the
 rank that does not reply and given its cores back at shutdown; launched ranks bind themselves.
-The tokens stay transformers'."""
+Unbound, a pipeline stage's C kernels take the cores of the stages that wait. The tokens stay
+transformers'."""
 
 import json
 import os
@@ -153,3 +154,69 @@ def test_bench_decode_runs_each_case_once_per_binding_and_refuses_a_bad_one():
     assert _executor_cell({"executor": "mp", "cpu_binding": "auto"}) == "mp, cores auto"
     with pytest.raises(ConfigError, match=r"--cpu-binding: cpu_binding = 'x': 'x' is not a core"):
         plan("m", 8, 2, ["tp2"], {"gloo": None}, [], 60, cpu_bindings=("x",))
+
+
+def _threads_of_torch_and_kernels(worker):
+    kernels = worker.model_runner.model.kernels
+    team = getattr(kernels, "team", None)  # the C path's, where the extension runs
+    native = getattr(kernels, "native", None)
+    return torch.get_num_threads(), None if native is None else native.team_threads(team)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "at_once"),
+    [
+        (["parallel.pipeline_parallel_size=2"], 1),  # one stage computes at a time
+        (["parallel.pipeline_parallel_size=2", "parallel.tensor_parallel_size=2"], 2),
+        (["parallel.tensor_parallel_size=2"], 2),
+        (["parallel.data_parallel_size=2", "parallel.data_parallel_rank=0",
+          "parallel.pipeline_parallel_size=2"], 2),  # two worlds side by side
+    ],
+)  # fmt: skip
+def test_a_stage_s_kernels_take_the_cores_of_the_stages_that_wait(overrides, at_once):
+    from shardline.launch.threads import stage_threads
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a rank's share of a host it shares with others
+    try:
+        parallel = load_config(overrides=overrides, environ={}).config.parallel
+        assert stage_threads(parallel, {}) == max(1, len(CORES) // at_once)
+        # Bound ranks, ranks on several hosts and a thread count the user chose keep torch's.
+        for kept, env in (
+            (["parallel.cpu_binding=auto"], {}),
+            (["parallel.nnodes=2"], {}),
+            ([], {"OMP_NUM_THREADS": "1"}),
+        ):
+            parallel = load_config(overrides=[*overrides, *kept], environ={}).config.parallel
+            assert stage_threads(parallel, env) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_two_cores
+@pytest.mark.skipif(
+    "OMP_NUM_THREADS" in os.environ, reason="OMP_NUM_THREADS set: ranks keep the threads it says"
+)
+@pytest.mark.timeout(120)
+def test_pp2_workers_share_every_core_in_their_kernels(tiny_llama_dir, tiny_llama_greedy):
+    config = load_config(
+        overrides=[
+            f"model.path={tiny_llama_dir}",
+            "cache.block_size=4",
+            "cache.num_blocks=40",
+            "parallel.pipeline_parallel_size=2",
+            "parallel.distributed_executor_backend=mp",
+        ],
+        environ={},
+    ).config
+    executor = Registry.load().get("executor", "mp").load_available()(config)
+    try:
+        placed = executor.collective_rpc(_threads_of_torch_and_kernels)
+        cores_each = max(1, len(CORES) // 2)
+        assert [torch_threads for torch_threads, _ in placed] == [cores_each] * 2
+        if placed[0][1] is not None:  # the C kernels: a team of every core of the host
+            assert [team for _, team in placed] == [len(CORES)] * 2
+        tokens = run_script(lambda step: executor.execute_model(step).result(60), GREEDY_TOKENS)
+        assert tokens == tiny_llama_greedy
+    finally:
+        executor.shutdown()

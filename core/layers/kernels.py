@@ -1174,17 +1174,20 @@ def layer_kernels(
     weight_dtype: torch.dtype | None = None,
     quantized: bool = False,
     codes: bool = False,
+    threads: int | None = None,
 ) -> TorchKernels:
     """The kernels of a model on ``device``: the C path on the CPU where its extension was
     built (and ``SHARDLINE_NATIVE`` in ``environ`` is not ``0``), else the torch path; linear
     weights keep the precision of ``weight_dtype`` (:class:`TorchKernels`), and with
     ``quantized`` the C path holds those it can in quantization blocks (:class:`NativeKernels`;
     elsewhere they stay float32: the same values), with ``codes`` those of 4-bit types and
-    Q8_0 as codes multiplied by int8 inputs."""
+    Q8_0 as codes multiplied by int8 inputs. The C path's calls share ``threads`` threads
+    (None: torch's)."""
     native = native_extension("shardline.layers._kernels", environ)
     if native is None or torch.device(device).type != "cpu":
         return TorchKernels(weight_dtype)
-    return NativeKernels(native, torch.get_num_threads(), weight_dtype, quantized, codes)
+    threads = torch.get_num_threads() if threads is None else threads
+    return NativeKernels(native, threads, weight_dtype, quantized, codes)
 
 
 def held_weight_dtype(

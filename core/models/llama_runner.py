@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from shardline.config.schema import GGUF_BLOCKS, EngineConfig
 from shardline.dtypes import torch_dtype
 from shardline.errors import ConfigError
+from shardline.launch.threads import stage_threads
 from shardline.layers.kernels import holds_quantization_blocks, layer_kernels
 from shardline.models.llama import LlamaForCausalLM
 from shardline.models.memory import HeldBlocks, LlamaPlan
@@ -43,6 +44,7 @@ class LlamaModelRunner(CausalLMRunner):
                 torch_dtype(self.config.model.weight_precision),
                 quantized=self.config.model.holds_gguf_blocks,
                 codes=self.config.model.holds_codes,
+                threads=stage_threads(self.config.parallel, os.environ),
             ),
         )
         model.load_weights(checkpoint.tensor, source=str(self.config.model.path))
