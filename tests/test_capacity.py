@@ -15,6 +15,7 @@ from shardline.config.capacity import (
     HostMemory,
     HostRanks,
     plan_device_capacity,
+    ranks_on_this_host,
 )
 from shardline.config.selection import check_config
 from shardline.errors import ConfigError
@@ -181,3 +182,32 @@ def loaded_with(tiny_llama_dir, *overrides):
         overrides=[f"model.path={tiny_llama_dir}", "parallel.tensor_parallel_size=2", *overrides],
         environ={},
     )
+
+
+@pytest.mark.parametrize(
+    ("world", "rank", "local_rank", "local_size", "expected"),
+    [
+        (4, 1, 2, 4, (0, 1, 2, 3)),  # mpiexec oversubscribing 2 cores numbered it so
+        (4, 3, 1, 2, (2, 3)),  # two hosts, each host's ranks in world order
+        (4, 2, 1, 2, (1, 2)),  # not in world order: as many ranks, this one among them
+        (4, 0, 1, 2, (0, 1)),
+    ],
+)
+def test_a_launched_rank_plans_its_hosts_ranks_whatever_their_local_order(
+    world, rank, local_rank, local_size, expected
+):
+    config = load_config(
+        overrides=["parallel.distributed_executor_backend=external_launcher",
+                   f"parallel.tensor_parallel_size={world}"],
+        environ={},
+    ).config  # fmt: skip
+    environ = {
+        "OMPI_COMM_WORLD_SIZE": str(world),
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+    }
+    executor = Registry.load().get("executor", "external_launcher").load_available()
+    placed = ranks_on_this_host(config, executor, environ)
+    assert placed.ranks == expected
+    assert placed.new_processes == frozenset(expected) - {rank}

@@ -126,16 +126,22 @@ class HostRanks:
 def ranks_on_this_host(
     config: EngineConfig, executor: type[Executor], environ: Mapping[str, str]
 ) -> HostRanks:
-    """Under a launcher, the launcher's ranks on this host (this process already exists);
-    otherwise ranks are spread evenly over ``parallel.nnodes`` hosts, this host taking the
-    first share, and an executor that owns processes starts one per rank."""
+    """Under a launcher, the launcher's ranks on this host (this process already exists):
+    every rank where its local ranks are the world's, else the run of as many ranks around
+    this one that its local rank gives (a launcher need not number a host's ranks in world
+    order: mpiexec oversubscribing two cores with four ranks gave world rank 1 local rank 2;
+    the run is then moved to fit the world, which keeps the count and this rank); otherwise
+    ranks are spread evenly over ``parallel.nnodes`` hosts, this host taking the first share,
+    and an executor that owns processes starts one per rank."""
     world = config.parallel.world_size
     if executor.launched:
         from shardline.launch.launcher_env import LaunchedRank
 
         launched = LaunchedRank.from_environ(environ)
-        first = launched.rank - launched.local_rank
-        ranks = tuple(range(first, first + launched.local_world_size))
+        size = min(launched.local_world_size, world)
+        lowest, highest = max(0, launched.rank - size + 1), min(launched.rank, world - size)
+        first = min(max(launched.rank - launched.local_rank, lowest), highest)
+        ranks = tuple(range(first, first + size))
         return HostRanks(
             ranks,
             frozenset(ranks) - {launched.rank},
