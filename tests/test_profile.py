@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardline.cli.bench_decode import QUESTION, tokens_against
+from shardline.cli.bench_decode import QUESTION, failure_line, tokens_against
 from shardline.config import load_config
 from shardline.launch.comm_world import ParallelSetup
 from shardline.launch.local_world import LocalWorld
@@ -305,3 +305,15 @@ def test_bench_decode_over_a_long_prompt_gives_both_engines_the_same_ids(tmp_pat
     assert all(row["batch1_tok_s"] > 0 for row in rows)
     assert "prompts of 60 tokens (no targets at this length)" in done.stdout
     assert "target" not in done.stdout.replace("no targets", "")
+
+
+def test_a_failed_case_is_reported_by_its_exception_not_the_launchers_banner():
+    stderr = (
+        'Traceback (most recent call last):\n  File "x.py", line 1\n'
+        "ValueError: rank -1 outside a world of 4\n" + "-" * 74 + "\n"
+        "prterun detected that one or more processes exited with non-zero status,\n"
+        "   Exit code:    1\n" + "-" * 74 + "\n"
+    )
+    assert failure_line(stderr) == "ValueError: rank -1 outside a world of 4"
+    assert failure_line("starting\nkilled by the deadline\n") == "killed by the deadline"
+    assert failure_line("") == "no output"

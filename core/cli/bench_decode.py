@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,13 @@ from shardline.errors import ConfigError
 from shardline.profiling import ATTENTION, EMBEDDING_LOOKUP, MATMUL, OTHER_LAYER_OPS
 
 #: Layout name -> (tensor, pipeline, data) parallel sizes.
-LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+LAYOUTS = {
+    "tp1": (1, 1, 1),
+    "tp2": (2, 1, 1),
+    "pp2": (1, 2, 1),
+    "dp2": (1, 1, 2),
+    "tp2pp2": (2, 2, 1),
+}
 #: The concurrent requests the 12x-transformers target is set for (--concurrent's default).
 TARGET_CONCURRENT = 16
 #: The weights' dtypes both engines run here.
@@ -298,8 +305,15 @@ def run_case(case: Case) -> dict:
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_MARK):
             return json.loads(line[len(RESULT_MARK) :])
-    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"exit code {done.returncode}: {last}"}
+    return {"error": f"exit code {done.returncode}: {failure_line(done.stderr)}"}
+
+
+def failure_line(stderr: str) -> str:
+    """The line of a failed case's stderr that says why: the last exception's (a launcher
+    such as mpiexec adds its own report after it), else the last line with words."""
+    lines = [line.strip() for line in stderr.splitlines() if any(c.isalnum() for c in line)]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+    return (raised or lines or ["no output"])[-1]
 
 
 def run(cases: list[Case], skipped: list[tuple[str, str]], json_path: str | None) -> int:

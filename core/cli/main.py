@@ -258,7 +258,7 @@ def _add_bench_decode(bench: argparse._SubParsersAction) -> None:
         "question)",
     )
     decode.add_argument(
-        "--layouts", default="tp1,tp2,pp2", help="of tp1, tp2, pp2, dp2 (2 replicas of tp1)"
+        "--layouts", default="tp1,tp2,pp2", help="of tp1, tp2, pp2, dp2 (2 replicas of tp1), tp2pp2"
     )
     decode.add_argument(
         "--communicators", default="gloo,mpi,custom_ar", help="for tp2/pp2 (gloo,mpi,custom_ar)"
