@@ -340,8 +340,8 @@ def test_another_quantizers_blocks_are_held_and_a_rank_holding_float32_is_refuse
         assert parameters == planned[0].memory.weights
     from shardline.models import llama_runner
 
-    def without_blocks(*args, quantized=False, codes=False):
-        return layer_kernels(*args, quantized=False, codes=False)
+    def without_blocks(*args, quantized=False, codes=False, **rest):
+        return layer_kernels(*args, quantized=False, codes=False, **rest)
 
     layer_kernels = llama_runner.layer_kernels
     monkeypatch.setattr(llama_runner, "layer_kernels", without_blocks)
