@@ -125,6 +125,8 @@ def test_bench_decode_profile_shows_each_part_of_a_step_against_the_floor(tmp_pa
         for part in ("schedule", "send step", "wait for ranks", "detokenize"):
             assert driver[part]["seconds"] > 0, (mode, part)
         assert f"where a decode step goes: shardline tp2 gloo, {mode}" in done.stdout
+    mebibytes = [f"rank {r} {b / 2**20:.1f}" for r, b in enumerate(rows["tp2"]["weight_bytes"])]
+    assert f"weights each rank reads a step (MiB): {', '.join(mebibytes)}" in done.stdout
     assert "step_profile" in rows["tp1"]
     assert "of floor" in done.stdout.splitlines()[0]
 

@@ -505,7 +505,12 @@ def profile_table(row: dict, mode: str, profile: dict) -> str:
         f"where a decode step goes: {_label(row)}, {mode} - ms per step (x floor); floor "
         f"{floor_ms:.2f} ms = {mebibytes:.1f} MiB of weights per rank / {bandwidth:.1f} GB/s"
     )
-    return title + "\n" + render(["part", *(f"{c} ms" for c in columns)], table)
+    # Uneven shards (9 heads over 2 ranks: 4 and 5) make one rank the others wait for.
+    each = ", ".join(
+        f"rank {rank} {size / 2**20:.1f}" for rank, size in enumerate(row["weight_bytes"])
+    )
+    read = f"weights each rank reads a step (MiB): {each}"
+    return title + "\n" + read + "\n" + render(["part", *(f"{c} ms" for c in columns)], table)
 
 
 #: Issue 18's batch-1 target: TP=2 custom_ar at this many times transformers with 2 threads.
