@@ -199,17 +199,9 @@ def test_a_stage_s_kernels_take_the_cores_of_the_stages_that_wait(overrides, at_
 )
 @pytest.mark.timeout(120)
 def test_pp2_workers_share_every_core_in_their_kernels(tiny_llama_dir, tiny_llama_greedy):
-    config = load_config(
-        overrides=[
-            f"model.path={tiny_llama_dir}",
-            "cache.block_size=4",
-            "cache.num_blocks=40",
-            "parallel.pipeline_parallel_size=2",
-            "parallel.distributed_executor_backend=mp",
-        ],
-        environ={},
-    ).config
-    executor = Registry.load().get("executor", "mp").load_available()(config)
+    executor = _mp_executor(
+        tiny_llama_dir, "parallel.tensor_parallel_size=1", "parallel.pipeline_parallel_size=2"
+    )
     try:
         placed = executor.collective_rpc(_threads_of_torch_and_kernels)
         cores_each = max(1, len(CORES) // 2)

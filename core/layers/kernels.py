@@ -532,7 +532,8 @@ class NativeKernels(TorchKernels):
         otherwise, or where a value is not finite (or a group's scale not a float16 one)."""
         native = self.native
         if (
-            held.dim() != 1 or hasattr(held, "weight_kind")
+            held.dim() != 1
+            or self._kind(held) not in (native.WEIGHT_FLOAT32, native.WEIGHT_BFLOAT16)
             or not native.quantized_linear_available()
             or held.blocked_shape[1] % native.QUANT_GROUP
         ):  # fmt: skip
