@@ -121,14 +121,14 @@ def test_max_model_len_is_checked_against_the_model_and_the_cache(tiny_llama_dir
 def test_planned_weights_are_the_model_parameters(tiny_llama_dir):
     """At TP=1 the plan's weights are transformers' parameter bytes plus the vocabulary
     padding of the embedding and LM head (100 rows padded to 128), and the head's greedy
-    screen where the C kernels make one (Q8_0 blocks: 34 bytes a 32 values; a float32 bound
+    screen where the C kernels make one (Q8_0 codes: 34 bytes a 32 values; two float32 bounds
     a row)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     parameters = sum(p.numel() for p in model.parameters())
     padding = 2 * (128 - 100) * 64
-    screen = 128 * 64 // 32 * 34 + 4 * 128 if screens_greedy_head("cpu", os.environ) else 0
+    screen = 128 * 64 // 32 * 34 + 8 * 128 if screens_greedy_head("cpu", os.environ) else 0
     (share,) = _check(tiny_llama_dir).capacity.shares
     assert share.memory.weights == 4 * (parameters + padding) + screen
 

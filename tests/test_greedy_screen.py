@@ -1,6 +1,8 @@
 """An LM head's greedy screen (``GreedyScreen``): each row's largest logit and its first index
 found through the head's Q8_0 copy and exact bounds, always the choice of the head's own
-logits (the blocked kernel's), bit for bit; and where it cannot decide, it says so."""
+logits (the blocked kernel's), bit for bit, whether the codes multiply rows in float32 (Q8_0
+blocks) or rows quantized twice to int8 in integers (Q8_CODES_F16, AVX-512 VNNI); and where it
+cannot decide, it says so."""
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from shardline.layers.kernels import (
     TORCH_KERNELS,
     GreedyScreen,
     NativeKernels,
+    _q8_0_rows,
 )
 from support.gguf_values import file_weight, random_blocks
 
@@ -23,8 +26,18 @@ pytestmark = pytest.mark.skipif(
     reason="the screen's Q8_0 kernel needs AVX-512, or AVX2 with FMA and F16C",
 )
 
-FLOAT32 = NativeKernels(native_module)
-BFLOAT16 = NativeKernels(native_module, weight_dtype=torch.bfloat16)
+FLOAT32 = NativeKernels(native_module, screen_kind="Q8_0")
+#: Both kinds of screen, the integer one where this CPU has AVX-512 VNNI.
+SCREEN_KINDS = [
+    "Q8_0",
+    pytest.param(
+        "Q8_CODES_F16",
+        marks=pytest.mark.skipif(
+            not native_module.int8_dot_available(),
+            reason="the screen's integer kind needs AVX-512 VNNI (this CPU has none)",
+        ),
+    ),
+]
 
 
 def _screened(kernels: NativeKernels, table: torch.Tensor) -> tuple[torch.Tensor, GreedyScreen]:
@@ -39,42 +52,50 @@ def _head_choice(kernels, held, x, valid):
     return kernels.linear(x, held, None)[:, :valid].max(dim=-1)
 
 
-@pytest.mark.parametrize("kernels", [FLOAT32, BFLOAT16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("screen_kind", SCREEN_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("out_features", [130, 490, 4160])
-def test_the_screen_chooses_what_the_heads_logits_choose(kernels, out_features):
-    """Random heads (a partial last block; four blocks at a time and fewer), 1 to 8 rows, the
-    whole range and one whose last outputs are padding: the same largest logit, bit for bit,
-    and the same index."""
+def test_the_screen_chooses_what_the_heads_logits_choose(screen_kind, dtype, out_features):
+    """Random heads (a partial last block; four blocks at a time and fewer), 1 to 8 rows (with
+    a few large inputs, as hidden states have), the whole range and one whose last outputs are
+    padding: the same largest logit, bit for bit, and the same index."""
+    kernels = NativeKernels(native_module, weight_dtype=dtype, screen_kind=screen_kind)
     generator = torch.Generator().manual_seed(out_features)
     table = torch.randn(out_features, 96, generator=generator) * 0.05
     held, screen = _screened(kernels, table)
     for rows in (1, 3, SCREENED_ROWS_MAX):
         x = torch.randn(rows, 96, generator=generator) * 4
+        x[:, 5] *= 30
         for valid in (out_features, out_features - 9):
             best, index = screen.argmax(x, held, valid)
             expected_best, expected_index = _head_choice(kernels, held, x, valid)
             assert torch.equal(index, expected_index) and torch.equal(best, expected_best)
 
 
-def test_equal_rows_give_the_first_and_rows_the_codes_cannot_tell_apart_their_sums_decide():
+@pytest.mark.parametrize("screen_kind", SCREEN_KINDS)
+def test_equal_rows_give_the_first_and_rows_the_codes_cannot_tell_apart_their_sums_decide(
+    screen_kind,
+):
     """Rows 3 and 7 equal and the largest: the first (3). Rows 5 and 9 the largest, 9 a
-    little larger along x than 5 but below what the codes resolve (the same screen logit,
-    where its first would be 5): 9, by its exact sum."""
+    little larger along x than 5 but below what the codes resolve (the same codes, so the
+    same screen logit, where its first would be 5): 9, by its exact sum."""
+    kernels = NativeKernels(native_module, screen_kind=screen_kind)
     generator = torch.Generator().manual_seed(1)
     table = torch.randn(64, 64, generator=generator) * 0.01
     x = torch.randn(1, 64, generator=generator)
     table[3] = table[7] = x[0] * 0.2
-    held, screen = _screened(FLOAT32, table)
+    held, screen = _screened(kernels, table)
     assert screen.argmax(x, held, 64)[1].tolist() == [3]
     table[5] = x[0] * 0.3
     table[9] = table[5] + x[0].sign() * 1e-6
-    held, screen = _screened(FLOAT32, table)
-    approx = FLOAT32.linear(x, _as_q8_0(screen, 64, 64), None)[0]
-    assert approx[5] == approx[9]  # the same codes
+    held, screen = _screened(kernels, table)
+    raw, _ = _q8_0_rows(table[[5, 9]])
+    assert (raw[0] == raw[1]).all()  # the same codes
     assert screen.argmax(x, held, 64)[1].tolist() == [9]
 
 
-def test_an_order_the_codes_reverse_is_still_the_heads():
+@pytest.mark.parametrize("screen_kind", SCREEN_KINDS)
+def test_an_order_the_codes_reverse_is_still_the_heads(screen_kind):
     """Two rows whose codes reverse their order (row 0 is larger through the head's values,
     row 1 through their Q8_0 codes: one value rounds down by 0.49 of a step, another up by
     0.49): the screen's bounds keep row 0 in reach, and its exact sum wins."""
@@ -88,31 +109,47 @@ def test_an_order_the_codes_reverse_is_still_the_heads():
     x = torch.tensor([[0.0, 1.0, 1.0] + [0.0] * 29])
     exact = table @ x[0]
     assert exact[0] > exact[1]  # the head's order
-    held, screen = _screened(FLOAT32, table)
-    approx = FLOAT32.linear(x, _as_q8_0(screen, 2, 32), None)
-    assert approx[0, 1] > approx[0, 0]  # the codes' order, reversed
+    kernels = NativeKernels(native_module, screen_kind=screen_kind)
+    held, screen = _screened(kernels, table)
+    _, decoded = _q8_0_rows(table)
+    approx = decoded @ x[0]
+    assert approx[1] > approx[0]  # the codes' order, reversed
     assert screen.argmax(x, held, 2)[1].tolist() == [0]
 
 
-def _as_q8_0(screen: GreedyScreen, out_features: int, in_features: int) -> torch.Tensor:
-    """The screen's codes as a held Q8_0 weight the linear multiplies by."""
-    weight = screen.weight.detach()
-    weight.blocked_shape = (out_features, in_features)
-    weight.weight_kind = native_module.WEIGHT_Q8_0
-    return weight
+@pytest.mark.parametrize("screen_kind", SCREEN_KINDS)
+def test_an_input_below_the_rows_quantization_still_counts(screen_kind):
+    """An input of 0.455 of the step a row is quantized in (its group's largest / 32512: the
+    integer screen reads it as 0) that decides the order: row 1's logit is 8128 x that input
+    (0.114), row 0's 0.062; through the quantized row, 0 against 0.062, further apart than the
+    sums' rounding reaches. What quantizing the row missed, times row 1's norm, keeps it in
+    reach (the bound's second term), and its exact sum wins; the float32 screen reads the
+    input as it is."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 1.4e-5, 1.0
+    table = torch.zeros(2, 32)
+    table[0, 1] = 127 * 2.0**-11  # 0.062: a float16 scale of 2^-11, code 127 (exact)
+    table[1, 0] = 127 * 64.0  # 8128: scale 64, code 127 (exact)
+    exact = table @ x[0]
+    assert exact[1] > exact[0] > 0.05 and exact[1] < 0.12
+    kernels = NativeKernels(native_module, screen_kind=screen_kind)
+    held, screen = _screened(kernels, table)
+    assert screen.argmax(x, held, 2)[1].tolist() == [1]
 
 
-def test_rows_it_cannot_decide_are_left_to_the_logits():
+@pytest.mark.parametrize("screen_kind", SCREEN_KINDS)
+def test_rows_it_cannot_decide_are_left_to_the_logits(screen_kind):
     """None (compute the logits) for more rows than it pays for, a row of infinite norm, and
     more outputs in reach than a sixteenth (at least 64): all of 200 equal rows."""
+    kernels = NativeKernels(native_module, screen_kind=screen_kind)
     table = torch.randn(200, 64) * 0.05
-    held, screen = _screened(FLOAT32, table)
+    held, screen = _screened(kernels, table)
     assert screen.argmax(torch.randn(SCREENED_ROWS_MAX + 1, 64), held, 200) is None
     infinite = torch.randn(2, 64)
     infinite[1, 5] = float("inf")
     assert screen.argmax(infinite, held, 200) is None
     equal = table[:1].repeat(200, 1)
-    held, screen = _screened(FLOAT32, equal)
+    held, screen = _screened(kernels, equal)
     assert screen.argmax(torch.randn(1, 64), held, 200) is None
     assert screen.argmax(torch.randn(1, 64), held, 60)[1].tolist() == [0]  # 60 in reach: few
 

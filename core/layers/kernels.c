@@ -974,27 +974,32 @@ static void linear_chunk(const void *context, long chunk, int worker) {
             job->out, job->in, first, end);
 }
 
+/* A job's outputs shared out by team (NULL: this thread alone) in chunks of blocks: four for
+ * one row (its pass's blocks), two up to LINEAR_PAIR_MAX_ROWS rows (a pair), one otherwise. */
+static void run_linear_job(Team *team, LinearJob *job) {
+    long blocks = (job->out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
+    long per_chunk = job->rows == 1 ? 4 : job->rows <= LINEAR_PAIR_MAX_ROWS ? 2 : 1;
+    while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
+    job->blocks_per_chunk = per_chunk;
+    team_run(team, (blocks + per_chunk - 1) / per_chunk, linear_chunk, job);
+}
+
 /* y = x W^T + b, W blocked (held as kind says: WEIGHT_*; quantized kinds need AVX-512, or
- * AVX2 with FMA and F16C), shared out by team (NULL: this thread alone) in chunks of blocks:
- * four for one row (its pass's blocks), two up to LINEAR_PAIR_MAX_ROWS rows (a pair), one
- * otherwise. A weight with code-kind blocks (has_codes) multiplies x quantized once here, into
- * activations: space of at least quantized_rows_floats(rows, in) floats (unused otherwise: may
- * be NULL). */
+ * AVX2 with FMA and F16C), shared out by team (run_linear_job). A weight with code-kind
+ * blocks (has_codes) multiplies x quantized once here, into activations: space of at least
+ * quantized_rows_floats(rows, in) floats (unused otherwise: may be NULL). */
 static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, int kind,
                                    const float *x, float *y, const float *bias, long rows,
                                    long out, long in, float *activations) {
-    long blocks = (out + LINEAR_BLOCK - 1) / LINEAR_BLOCK;
-    long per_chunk = rows == 1 ? 4 : rows <= LINEAR_PAIR_MAX_ROWS ? 2 : 1;
-    while ((blocks + per_chunk - 1) / per_chunk > TEAM_MAX_CHUNKS) per_chunk *= 2;
     LinearJob job = {.weight = weight, .kind = kind, .avx512 = avx512, .x = x, .bias = bias,
-                     .y = y, .rows = rows, .out = out, .in = in, .blocks_per_chunk = per_chunk};
+                     .y = y, .rows = rows, .out = out, .in = in};
     QuantizedRows xq;
     if (has_codes(weight, kind)) {
         xq = quantized_rows_in(activations, rows, in);
         quantize_rows(x, rows, in, &xq);
         job.xq = &xq;
     }
-    team_run(team, (blocks + per_chunk - 1) / per_chunk, linear_chunk, &job);
+    run_linear_job(team, &job);
 }
 
 /* blocked_linear_rows_on the widest kernels this CPU runs. */
@@ -2042,50 +2047,55 @@ static float blocked_output(const void *weight, int bf16, long out, long in, lon
 }
 
 /* How far the screen logits a may lie from their exact sums, at most: their bounds times the
- * row's norm, enlarged by 2^-20 of itself and of |a|, which covers the float32 rounding of
- * this and of a +- it (3 roundings of 2^-24 of those at most), and by 2^-120, far more than
- * the sums can lose where they underflow (2^-149 an operation). Four outputs at a time (SSE,
- * every x86-64 CPU has it). */
-static inline __m128 reach_of(__m128 a, __m128 bounds, __m128 norm) {
-    __m128 reach = _mm_mul_ps(norm, bounds);
-    __m128 size = _mm_add_ps(_mm_andnot_ps(_mm_set1_ps(-0.0f), a), reach);
-    reach = _mm_add_ps(reach, _mm_mul_ps(_mm_set1_ps(0x1p-20f), size));
+ * row's size plus the codes' norms times the row's spread (what quantizing it missed; 0 where
+ * the screen multiplies the row in floats), enlarged by 2^-20 of itself and of |a|, which
+ * covers the float32 rounding of this, of a +- it and of a itself (a sum of two passes; 7
+ * roundings of 2^-24 of those at most), and by 2^-120, far more than the sums can lose where
+ * they underflow (2^-149 an operation). Four outputs at a time (SSE, every x86-64 CPU has it). */
+static inline __m128 reach_of(__m128 a, __m128 bounds, __m128 norms, __m128 size,
+                              __m128 spread) {
+    __m128 reach = _mm_add_ps(_mm_mul_ps(size, bounds), _mm_mul_ps(spread, norms));
+    __m128 magnitude = _mm_add_ps(_mm_andnot_ps(_mm_set1_ps(-0.0f), a), reach);
+    reach = _mm_add_ps(reach, _mm_mul_ps(_mm_set1_ps(0x1p-20f), magnitude));
     return _mm_add_ps(reach, _mm_set1_ps(0x1p-120f));
 }
 
-/* Four outputs from v of a row's screen logits (approx) and their bounds; past valid (a
- * row's last outputs), a logit of -FLT_MAX and a bound of 0, which the caller passes over. */
-static inline void four_outputs(const float *approx, const float *bounds, long v, long valid,
-                                __m128 *a, __m128 *b) {
+/* Four outputs from v of a row's screen logits (approx), their bounds and their codes' norms;
+ * past valid (a row's last outputs), a logit of -FLT_MAX, a bound and a norm of 0, which the
+ * caller passes over. */
+static inline void four_outputs(const float *approx, const float *bounds, const float *norms,
+                                long v, long valid, __m128 *a, __m128 *b, __m128 *n) {
     if (v + 4 <= valid) {
         *a = _mm_loadu_ps(approx + v), *b = _mm_loadu_ps(bounds + v);
+        *n = _mm_loadu_ps(norms + v);
         return;
     }
-    float some[4] = {-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX}, zero[4] = {0};
+    float some[4] = {-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX}, zero[4] = {0}, none[4] = {0};
     memcpy(some, approx + v, sizeof(float) * (size_t)(valid - v));
     memcpy(zero, bounds + v, sizeof(float) * (size_t)(valid - v));
-    *a = _mm_loadu_ps(some), *b = _mm_loadu_ps(zero);
+    memcpy(none, norms + v, sizeof(float) * (size_t)(valid - v));
+    *a = _mm_loadu_ps(some), *b = _mm_loadu_ps(zero), *n = _mm_loadu_ps(none);
 }
 
 /* The first of the largest of outputs [0, valid) of row x through the blocked head (what the
- * blocked kernel would compute for each), from the screen's logits (approx) and bounds (how
- * far each may lie from its exact sum, per unit of x's norm): only the outputs whose reach
- * touches the highest floor (approx - reach) can be the largest, and only they are summed
- * exactly. Returns 0, deciding nothing, where x's norm or a screen logit is not finite, an
- * exact sum is NaN, or more than most outputs are in reach. */
-static int settle_row(const float *approx, const float *bounds, const float *x, long in,
-                      long valid, const void *head, int bf16, long out, long most, float *best,
+ * blocked kernel would compute for each), from the screen's logits (approx), their bounds (how
+ * far each may lie from its exact sum, per unit of the row's size: its norm, or more) and
+ * their codes' norms (per unit of the row's spread: how far the row the screen multiplied lies
+ * from x): only the outputs whose reach touches the highest floor (approx - reach) can be the
+ * largest, and only they are summed exactly. Returns 0, deciding nothing, where size, spread
+ * or a screen logit is not finite, an exact sum is NaN, or more than most outputs are in
+ * reach. */
+static int settle_row(const float *approx, const float *bounds, const float *norms,
+                      float row_size, float row_spread, const float *x, long in, long valid,
+                      const void *head, int bf16, long out, long most, float *best,
                       int64_t *index) {
-    double squares = 0.0;
-    for (long i = 0; i < in; i++) squares += (double)x[i] * x[i];
-    /* above the norm: float64's rounding of it is ~1e-16, float32's 6e-8 */
-    float scalar_norm = (float)(sqrt(squares) * (1.0 + 1e-6));
-    if (!isfinite(scalar_norm)) return 0;
-    __m128 norm = _mm_set1_ps(scalar_norm), floors = _mm_set1_ps(-INFINITY), a, b;
+    if (!isfinite(row_size) || !isfinite(row_spread)) return 0;
+    __m128 size = _mm_set1_ps(row_size), spread = _mm_set1_ps(row_spread);
+    __m128 floors = _mm_set1_ps(-INFINITY), a, b, n;
     __m128 finite = _mm_castsi128_ps(_mm_set1_epi32(-1)), largest = _mm_set1_ps(FLT_MAX);
     for (long v = 0; v < valid; v += 4) {
-        four_outputs(approx, bounds, v, valid, &a, &b);
-        floors = _mm_max_ps(floors, _mm_sub_ps(a, reach_of(a, b, norm)));
+        four_outputs(approx, bounds, norms, v, valid, &a, &b, &n);
+        floors = _mm_max_ps(floors, _mm_sub_ps(a, reach_of(a, b, n, size, spread)));
         /* NaN compares false */
         finite = _mm_and_ps(finite, _mm_cmple_ps(_mm_andnot_ps(_mm_set1_ps(-0.0f), a), largest));
     }
@@ -2094,8 +2104,9 @@ static int settle_row(const float *approx, const float *bounds, const float *x, 
     floors = _mm_max_ps(floors, _mm_shuffle_ps(floors, floors, _MM_SHUFFLE(2, 3, 0, 1)));
     long candidates = 0;
     for (long v = 0; v < valid; v += 4) {
-        four_outputs(approx, bounds, v, valid, &a, &b);
-        int reaching = _mm_movemask_ps(_mm_cmpge_ps(_mm_add_ps(a, reach_of(a, b, norm)), floors));
+        four_outputs(approx, bounds, norms, v, valid, &a, &b, &n);
+        __m128 upper = _mm_add_ps(a, reach_of(a, b, n, size, spread));
+        int reaching = _mm_movemask_ps(_mm_cmpge_ps(upper, floors));
         for (int lane = 0; lane < 4 && v + lane < valid; lane++) {
             if (!(reaching >> lane & 1)) continue;
             if (++candidates > most) return 0;
@@ -2106,27 +2117,62 @@ static int settle_row(const float *approx, const float *bounds, const float *x, 
     }
     return candidates > 0;
 }
+
+/* The L2 norm of x's in values, rounded up to float32 (infinite where a value is not
+ * finite). */
+static float norm_above(const float *x, long in) {
+    double squares = 0.0;
+    for (long i = 0; i < in; i++) squares += (double)x[i] * x[i];
+    /* 1e-6 above: float64's rounding of it is ~1e-16, float32's 6e-8 */
+    return (float)(sqrt(squares) * (1.0 + 1e-6));
+}
+
+/* A screen's logits of x's rows into approx (rows x out floats; 2 rows x out of room), with
+ * each row's size and spread for settle_row: held as WEIGHT_Q8_0, the rows in float32 (size
+ * their norm, spread 0); as WEIGHT_Q8_CODES_F16, the rows quantized twice (quantize_rows_twice,
+ * into activations: quantized_rows_floats(2 rows, in) floats) in integers, each row's two
+ * passes added. */
+static void screen_logits(Team *team, const void *screen, int kind, const float *x, long rows,
+                          long out, long in, float *approx, float *activations, float *size,
+                          float *spread) {
+    if (kind == WEIGHT_Q8_0) {
+        blocked_linear_rows(team, screen, kind, x, approx, NULL, rows, out, in, NULL);
+        for (long r = 0; r < rows; r++) size[r] = norm_above(x + r * in, in), spread[r] = 0.0f;
+        return;
+    }
+    QuantizedRows xq = quantized_rows_in(activations, 2 * rows, in);
+    quantize_rows_twice(x, rows, in, &xq, spread, size);
+    LinearJob job = {.weight = screen, .kind = kind, .avx512 = cpu_has_avx512(), .x = x,
+                     .y = approx, .rows = 2 * rows, .out = out, .in = in, .xq = &xq};
+    run_linear_job(team, &job);
+    for (long r = 0; r < rows; r++) /* row r from rows 2 r and 2 r + 1: those were read */
+        for (long v = 0; v < out; v++)
+            approx[r * out + v] = approx[2 * r * out + v] + approx[(2 * r + 1) * out + v];
+}
 #endif
 
-/* screened_argmax(head, bf16, screen, bounds, x, rows, out, in, valid, approx, best, index,
- * most, team): each row of x's largest output among [0, valid) through the blocked head
- * (float32 or bfloat16 elements: bf16) and its first index, into best and index, as the
- * blocked kernel's logits would give them: the screen (the head's values as WEIGHT_Q8_0 blocks)
- * multiplies every row into approx (rows x out floats), shared out by team; bounds (valid
- * floats) bound each output's |approx - exact| per unit of x's norm (Python's GreedyScreen
- * says how), and settle_row sums the few outputs in reach exactly. True where every row was
- * settled, else False (the caller then computes the head's logits). */
+/* screened_argmax(head, bf16, screen, kind, bounds, norms, x, rows, out, in, valid, approx,
+ * best, index, most, team): each row of x's largest output among [0, valid) through the
+ * blocked head (float32 or bfloat16 elements: bf16) and its first index, into best and index,
+ * as the blocked kernel's logits would give them. The screen holds the head's values as kind's
+ * blocks: WEIGHT_Q8_0 (multiplied by x's rows in float32) or WEIGHT_Q8_CODES_F16 (by x's rows
+ * quantized to about 16 bits, in integers: needs AVX-512 VNNI); it makes every row's logits
+ * into approx (2 rows x out floats of room), shared out by team. bounds and norms (valid floats
+ * each) bound each output's |approx - exact| per unit of a row's norm and of what quantizing it
+ * missed (Python's GreedyScreen says how), and settle_row sums the few outputs in reach
+ * exactly. True where every row was settled, else False (the caller then computes the head's
+ * logits). */
 static PyObject *screened_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (take_args(args, nargs, 14, "screened_argmax") < 0) return NULL;
+    if (take_args(args, nargs, 16, "screened_argmax") < 0) return NULL;
     const void *head = ADDRESS(0), *screen = ADDRESS(2);
-    int bf16 = SIZE(1) != 0, failed;
-    const float *bounds = ADDRESS(3), *x = ADDRESS(4);
-    long rows = SIZE(5), out = SIZE(6), in = SIZE(7), valid = SIZE(8), most = SIZE(12);
-    float *approx = ADDRESS(9), *best = ADDRESS(10);
-    int64_t *index = ADDRESS(11);
-    Team *team = team_of(args[13], &failed);
+    int bf16 = SIZE(1) != 0, kind = (int)SIZE(3), failed;
+    const float *bounds = ADDRESS(4), *norms = ADDRESS(5), *x = ADDRESS(6);
+    long rows = SIZE(7), out = SIZE(8), in = SIZE(9), valid = SIZE(10), most = SIZE(14);
+    float *approx = ADDRESS(11), *best = ADDRESS(12);
+    int64_t *index = ADDRESS(13);
+    Team *team = team_of(args[15], &failed);
     if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0 ||
-        check_kind(WEIGHT_Q8_0, in, "screened_argmax") < 0)
+        check_kind(kind, in, "screened_argmax") < 0)
         return NULL;
     if (valid < 1 || valid > out || rows < 1) {
         PyErr_Format(PyExc_ValueError, "screened_argmax: valid %ld of out %ld, rows %ld; "
@@ -2135,12 +2181,22 @@ static PyObject *screened_argmax(PyObject *self, PyObject *const *args, Py_ssize
     }
     int settled = 1;
 #ifdef HAVE_BLOCKED_LINEAR
+    if (kind != WEIGHT_Q8_0 && !(kind == WEIGHT_Q8_CODES_F16 && cpu_has_avx512_vnni())) {
+        PyErr_Format(PyExc_ValueError, "screened_argmax: screen kind %d; allowed: WEIGHT_Q8_0, "
+                     "or WEIGHT_Q8_CODES_F16 on a CPU with AVX-512 VNNI", kind);
+        return NULL;
+    }
+    float *space = malloc(sizeof(float) * (size_t)(quantized_rows_floats(2 * rows, in) +
+                                                   2 * rows));
+    if (space == NULL) return PyErr_NoMemory();
+    float *size = space, *spread = space + rows;
     Py_BEGIN_ALLOW_THREADS
-    blocked_linear_rows(team, screen, WEIGHT_Q8_0, x, approx, NULL, rows, out, in, NULL);
+    screen_logits(team, screen, kind, x, rows, out, in, approx, space + 2 * rows, size, spread);
     for (long r = 0; r < rows && settled; r++)
-        settled = settle_row(approx + r * out, bounds, x + r * in, in, valid, head, bf16, out,
-                             most, best + r, index + r);
+        settled = settle_row(approx + r * out, bounds, norms, size[r], spread[r], x + r * in,
+                             in, valid, head, bf16, out, most, best + r, index + r);
     Py_END_ALLOW_THREADS
+    free(space);
 #endif
     return PyBool_FromLong(settled);
 }
@@ -2345,6 +2401,14 @@ static PyObject *quantized_linear_available(PyObject *self, PyObject *unused) {
 #endif
 }
 
+static PyObject *int8_dot_available(PyObject *self, PyObject *unused) {
+#ifdef HAVE_BLOCKED_LINEAR
+    return PyBool_FromLong(cpu_has_avx512_vnni());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,
      "rms_norm(bf16, x, residual or 0, weight, out, residual_out or 0, rows, hidden, eps)"},
@@ -2361,9 +2425,10 @@ static PyMethodDef methods[] = {
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(bf16, gate_up, out, rows, size)"},
     {"screened_argmax", (PyCFunction)(void (*)(void))screened_argmax, METH_FASTCALL,
-     "screened_argmax(head, bf16, screen, bounds, x, rows, out, in, valid, approx, best, "
-     "index, most, team or None): each row's largest output of the blocked head and its first "
-     "index, found through the head's WEIGHT_Q8_0 screen; False where a row was not settled"},
+     "screened_argmax(head, bf16, screen, kind, bounds, norms, x, rows, out, in, valid, "
+     "approx, best, index, most, team or None): each row's largest output of the blocked head "
+     "and its first index, found through the head's screen (WEIGHT_Q8_0 or "
+     "WEIGHT_Q8_CODES_F16); False where a row was not settled"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
      "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, kind, avx2): "
      "float32 rows, the weight blocked by LINEAR_BLOCK outputs and held as kind says "
@@ -2411,6 +2476,9 @@ static PyMethodDef methods[] = {
     {"quantized_linear_available", quantized_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear on weights held in quantization blocks (AVX-512 "
      "F, BW and VL, or AVX2 with FMA and F16C)"},
+    {"int8_dot_available", int8_dot_available, METH_NOARGS,
+     "whether this CPU multiplies int8 codes in integers (AVX-512 VNNI): a greedy screen held "
+     "as WEIGHT_Q8_CODES_F16"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear (AVX-512 F, BW and VL, or AVX2 and FMA)"},
     {NULL, NULL, 0, NULL},

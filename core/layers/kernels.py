@@ -358,6 +358,7 @@ class NativeKernels(TorchKernels):
         weight_dtype: torch.dtype | None = None,
         quantized: bool = False,
         codes: bool = False,
+        screen_kind: str | None = None,
     ) -> None:
         """``threads``: how many threads share each C linear and a fused step's decode
         attention (the rank's torch threads); with more than one, a team of helper threads
@@ -372,9 +373,16 @@ class NativeKernels(TorchKernels):
         weight's, bit for bit); any other weight is held in float32. ``codes`` (with
         ``quantized``): weights of the file's 4-bit types and Q8_0 are held first as codes
         (:data:`CODE_KINDS`) that the C kernel multiplies by each input row quantized to
-        int8 per 16 inputs (no longer the float32 results)."""
+        int8 per 16 inputs (no longer the float32 results). ``screen_kind``: the blocks a
+        :class:`GreedyScreen` holds its codes in, "Q8_0" or "Q8_CODES_F16"; None: the
+        second where this CPU multiplies int8 codes in integers (AVX-512 VNNI), else the
+        first."""
         super().__init__(weight_dtype)
         self.native = native
+        if screen_kind is None:
+            screen_kind = "Q8_CODES_F16" if native.int8_dot_available() else "Q8_0"
+        #: The C calls' WEIGHT_* code of the blocks a greedy screen's codes are held in.
+        self.screen_kind = getattr(native, f"WEIGHT_{screen_kind}")
         #: (name, the C calls' WEIGHT_* code) of the block kinds weights are tried in; none
         #: where blocks are not held.
         tried = (CODE_KINDS if codes else ()) + QUANTIZED_KINDS
@@ -527,7 +535,8 @@ class NativeKernels(TorchKernels):
 
     def greedy_screen(self, table, held):
         """A :class:`GreedyScreen` for a head held blocked in float32 or bfloat16 (not in a
-        file's blocks) with inputs in whole groups, on a CPU that runs the Q8_0 kernel; made
+        file's blocks) with inputs in whole groups, on a CPU that runs the Q8_0 kernel, its
+        codes in ``screen_kind``'s blocks; made
         ``_SCREEN_ROWS`` rows at a time, so it needs little memory beyond its own. None
         otherwise, or where a value is not finite (or a group's scale not a float16 one)."""
         native = self.native
@@ -539,10 +548,10 @@ class NativeKernels(TorchKernels):
         ):  # fmt: skip
             return None
         out_features, in_features = held.blocked_shape
-        kind = native.WEIGHT_Q8_0
+        kind = self.screen_kind
         size = native.quantized_size(kind, out_features, in_features)
         weight = _host_bytes(size)
-        bounds = torch.empty(out_features, dtype=torch.float32, device="cpu")
+        bounds = torch.empty(2, out_features, dtype=torch.float32, device="cpu")
         block_bytes = native.quantized_size(kind, native.LINEAR_BLOCK, in_features)
         for first in range(0, out_features, _SCREEN_ROWS):
             values = table.detach()[first : first + _SCREEN_ROWS].to(held.dtype).float()
@@ -557,8 +566,8 @@ class NativeKernels(TorchKernels):
                 [("Q8_0", raw.ctypes.data, raw.strides[0], 0, rows)], self.team,
             ):  # fmt: skip
                 return None
-            bounds[first : first + rows] = _screen_bounds(values, decoded)
-        return GreedyScreen(native, weight, bounds, self.team)
+            bounds[:, first : first + rows] = _screen_bounds(values, decoded)
+        return GreedyScreen(native, weight, kind, bounds, self.team)
 
     def _most_bytes(self, weight: torch.Tensor) -> int:
         """The most bytes :meth:`_held` may take for ``weight``."""
@@ -993,20 +1002,30 @@ class GreedyScreen(nn.Module):
     """Finds each row's largest logit of an LM head held blocked in float32 or bfloat16 and
     its index, as the blocked kernel's logits would give them, reading about a quarter of the
     head's bytes (a decode step's largest weight). ``weight`` holds the head's values as GGUF
-    Q8_0 blocks (an int8 code per value, a float16 scale per 32: decoded exactly in float32);
-    ``bounds[v]``, per unit of an input row's L2 norm, bounds how far output v's logit
-    through them may lie from the head's own: the norm of the values' difference plus both
-    float32 sums' rounding (``gamma_n`` = n u / (1 - n u) times each row's norm, for n
-    inputs, u = 2^-24), a little enlarged. The outputs whose logit can reach the highest
+    Q8_0 codes (an int8 code per value, a float16 scale per 32: decoded exactly in float32) in
+    ``kind``'s blocks: WEIGHT_Q8_0, which the C kernel multiplies by each row in float32, or
+    WEIGHT_Q8_CODES_F16, by each row quantized to about 16 bits, two int8 passes, in integers
+    (AVX-512 VNNI; ``quantize_rows_twice`` in C). ``bounds[0, v]``, per unit of a row's L2
+    norm, bounds how far output v's logit through the codes may lie from the head's own: the
+    norm of the values' difference plus both float32 sums' rounding (``gamma_n`` = n u / (1 -
+    n u) times each row's norm, for n inputs, u = 2^-24); ``bounds[1, v]`` is the norm of its
+    codes' values, which times the norm of what quantizing a row missed bounds what that
+    changes (Cauchy-Schwarz; the C call takes the larger of the row's norm and its two passes'
+    for the first), both a little enlarged. The outputs whose logit can reach the highest
     lower bound are the only ones that may be the largest (its owner among them); they are
     few, and summed exactly, the kernel's way (``screened_argmax`` in C). Its tensors are
     parameters: weights the rank holds, which the memory plan counts."""
 
     def __init__(
-        self, native: ModuleType, weight: torch.Tensor, bounds: torch.Tensor, team: object
+        self,
+        native: ModuleType,
+        weight: torch.Tensor,
+        kind: int,
+        bounds: torch.Tensor,
+        team: object,
     ) -> None:
         super().__init__()
-        self.native, self.team = native, team
+        self.native, self.kind, self.team = native, kind, team
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bounds = nn.Parameter(bounds, requires_grad=False)
 
@@ -1023,14 +1042,15 @@ class GreedyScreen(nn.Module):
         if rows > SCREENED_ROWS_MAX:
             return None
         x = x.contiguous()
-        approx = x.new_empty(rows, out_features)
+        approx = x.new_empty(2 * rows, out_features)
         best = x.new_empty(rows)
         index = torch.empty(rows, dtype=torch.int64, device="cpu")
+        bounds = self.bounds
         settled = self.native.screened_argmax(
-            head.data_ptr(), head.dtype is torch.bfloat16, self.weight.data_ptr(),
-            self.bounds.data_ptr(), x.data_ptr(), rows, out_features, in_features, valid,
-            approx.data_ptr(), best.data_ptr(), index.data_ptr(), max(64, valid // 16),
-            self.team,
+            head.data_ptr(), head.dtype is torch.bfloat16, self.weight.data_ptr(), self.kind,
+            bounds[0].data_ptr(), bounds[1].data_ptr(), x.data_ptr(), rows, out_features,
+            in_features, valid, approx.data_ptr(), best.data_ptr(), index.data_ptr(),
+            max(64, valid // 16), self.team,
         )  # fmt: skip
         return (best, index) if settled else None
 
@@ -1050,18 +1070,23 @@ def _q8_0_rows(values: torch.Tensor) -> tuple[numpy.ndarray, torch.Tensor] | Non
 
 
 def _screen_bounds(values: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """:class:`GreedyScreen`'s bounds of rows ``values`` screened as ``decoded``: computed in
-    float64, enlarged by 2^-20 of themselves (the float64 sums' own rounding is ~n 2^-53),
-    then rounded up to float32."""
+    """:class:`GreedyScreen`'s bounds (``[2, rows]``) of rows ``values`` screened as
+    ``decoded``: computed in float64, enlarged by 2^-20 of themselves (the float64 sums' own
+    rounding is ~n 2^-53), then rounded up to float32."""
     n = values.shape[1]
     unit = 2.0**-24
     gamma = n * unit / (1 - n * unit)
     exact, screened = values.double(), decoded.double()
     gap = (exact - screened).norm(dim=1)
     bound = (gap + gamma * (exact.norm(dim=1) + screened.norm(dim=1))) * (1 + 2.0**-20)
-    rounded = bound.float()
+    return _rounded_up(torch.stack([bound, screened.norm(dim=1) * (1 + 2.0**-20)]))
+
+
+def _rounded_up(values: torch.Tensor) -> torch.Tensor:
+    """float64 ``values`` as the float32 values at or above each."""
+    rounded = values.float()
     up = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
-    return torch.where(rounded.double() < bound, up, rounded)
+    return torch.where(rounded.double() < values, up, rounded)
 
 
 def _host_bytes(size: int) -> torch.Tensor:

@@ -255,6 +255,61 @@ static void quantize_rows(const float *x, long rows, long in, QuantizedRows *out
         }
 }
 
+/* The most |code| of a row quantized twice (quantize_rows_twice): 127 steps of 256. */
+#define TWICE_STEPS 32512
+
+/* Rows of x quantized twice, to about 16 bits, for a greedy screen's integer dot products:
+ * per ACTIVATION_GROUP a step s (the group's largest |x| / TWICE_STEPS) and x / s rounded to
+ * nearest, c = 256 c1 + c2 (|c1| <= 127, -128 <= c2 <= 127), so that x~ = s c = 256 s c1 +
+ * s c2; out's row 2 r holds row r's c1 with scale 256 s (exact) and row 2 r + 1 its c2 with
+ * scale s (as quantize_rows lays rows out: out has 2 rows of x's each). Per row r, in float32
+ * rounded up, spread[r] >= ||x - x~|| and size[r] >= ||x||, ||256 s c1|| + ||s c2|| (L2 norms,
+ * computed in float64); both NaN where the row has a value that is not finite (its groups
+ * then have scale NaN and codes 0, as quantize_rows gives them). */
+static void quantize_rows_twice(const float *x, long rows, long in, QuantizedRows *out,
+                                float *spread, float *size) {
+    long groups = in / ACTIVATION_GROUP;
+    for (long r = 0; r < rows; r++) {
+        double misses = 0.0, squares = 0.0, first = 0.0, second = 0.0;
+        int finite_row = 1;
+        for (long g = 0; g < groups; g++) {
+            const float *xg = x + r * in + g * ACTIVATION_GROUP;
+            float largest = 0.0f;
+            int finite = 1;
+            for (int i = 0; i < ACTIVATION_GROUP; i++) {
+                largest = fmaxf(largest, fabsf(xg[i]));
+                finite &= isfinite(xg[i]) != 0;
+            }
+            finite_row &= finite;
+            float step = finite ? largest / (float)TWICE_STEPS : NAN;
+            int high_sum = 0, low_sum = 0;
+            for (int i = 0; i < ACTIVATION_GROUP; i++) {
+                long code = finite && step > 0.0f ? lrintf(xg[i] / step) : 0;
+                code = code > TWICE_STEPS ? TWICE_STEPS : code < -TWICE_STEPS ? -TWICE_STEPS : code;
+                long high = (code + 128 + 32768) / 256 - 128; /* floor((code + 128) / 256) */
+                long low = code - 256 * high;
+                out->codes[2 * r * in + g * ACTIVATION_GROUP + i] = (int8_t)high;
+                out->codes[(2 * r + 1) * in + g * ACTIVATION_GROUP + i] = (int8_t)low;
+                high_sum += (int)high, low_sum += (int)low;
+                double value = xg[i], held = (double)step * (double)code;
+                double high_part = 256.0 * (double)step * (double)high;
+                double low_part = (double)step * (double)low;
+                misses += (value - held) * (value - held), squares += value * value;
+                first += high_part * high_part, second += low_part * low_part;
+            }
+            long at = 2 * r * groups + g;
+            out->scales[at] = 256.0f * step, out->scales[at + groups] = step;
+            out->code_totals[at] = high_sum, out->code_totals[at + groups] = low_sum;
+            out->code_sums[at] = 256.0f * step * (float)high_sum;
+            out->code_sums[at + groups] = step * (float)low_sum;
+        }
+        double parts = sqrt(first) + sqrt(second), whole = sqrt(squares);
+        /* 1e-6 above: float64's rounding of these is ~1e-15 of them, float32's 6e-8 */
+        spread[r] = finite_row ? (float)(sqrt(misses) * (1.0 + 1e-6)) : NAN;
+        size[r] = finite_row ? (float)((parts > whole ? parts : whole) * (1.0 + 1e-6)) : NAN;
+    }
+}
+
 /* Whether blocks of type are held as kind: INT8_SCALED holds every type; Q8_0 those of one
  * float16 scale per 32 weights (at the block's start) and no offset (Q8_0, Q4_0, Q5_0,
  * IQ4_NL); Q6_K those and the ones of a scale per 16 and no offset (Q6_K, Q3_K); Q5_K those

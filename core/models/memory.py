@@ -216,8 +216,8 @@ class LlamaPlan(ModelPlan):
     #: The GGUF block kinds they are held in instead, where they are (None: not).
     held_blocks: HeldBlocks | None = None
     #: Whether the kernels make a greedy screen of a head they hold blocked in float32 or
-    #: bfloat16 (:func:`~shardline.layers.kernels.screens_greedy_head`): Q8_0 blocks and a
-    #: float32 bound an output, beside the head.
+    #: bfloat16 (:func:`~shardline.layers.kernels.screens_greedy_head`): Q8_0 codes (in Q8_0
+    #: or Q8_CODES_F16 blocks, of one size) and two float32 bounds an output, beside the head.
     screens_head: bool = False
 
     @classmethod
@@ -301,7 +301,7 @@ class LlamaPlan(ModelPlan):
         # A head held blocked in floats has its greedy screen beside it.
         floats = head_kind is None or not in_blocks(head_kind, hidden)
         if self.screens_head and self.packed and floats and hidden % _GROUP == 0:
-            head_bytes += block_bytes("Q8_0", vocab_rows, hidden) + _FLOAT32 * vocab_rows
+            head_bytes += block_bytes("Q8_0", vocab_rows, hidden) + 2 * _FLOAT32 * vocab_rows
         weight_bytes = (
             layers * (linear_bytes + others * size)
             + int(first) * size * vocab_rows * hidden
