@@ -169,3 +169,13 @@ def test_no_screen_where_it_cannot_be_exact_or_the_head_is_not_blocked_floats():
     assert held.held_as == "Q8_0" and blocks.greedy_screen(weight, held) is None
     plain = torch.randn(100, 64)
     assert TORCH_KERNELS.greedy_screen(plain, TORCH_KERNELS.pack_linear(plain)) is None
+
+
+def test_a_screen_kind_this_cpu_cannot_multiply_is_refused():
+    """Only the two kinds, and the integer one only where this CPU has AVX-512 VNNI: refused
+    when the kernels are made, not at the first greedy step."""
+    with pytest.raises(ValueError, match="screen_kind = 'Q4_0': allowed: 'Q8_0', or"):
+        NativeKernels(native_module, screen_kind="Q4_0")
+    if not native_module.int8_dot_available():
+        with pytest.raises(ValueError, match="'Q8_CODES_F16' on a CPU with AVX-512 VNNI"):
+            NativeKernels(native_module, screen_kind="Q8_CODES_F16")

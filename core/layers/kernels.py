@@ -381,6 +381,13 @@ class NativeKernels(TorchKernels):
         self.native = native
         if screen_kind is None:
             screen_kind = "Q8_CODES_F16" if native.int8_dot_available() else "Q8_0"
+        if screen_kind not in ("Q8_0", "Q8_CODES_F16") or (
+            screen_kind == "Q8_CODES_F16" and not native.int8_dot_available()
+        ):
+            raise ValueError(
+                f"screen_kind = {screen_kind!r}: allowed: 'Q8_0', or 'Q8_CODES_F16' on a CPU "
+                "with AVX-512 VNNI"
+            )
         #: The C calls' WEIGHT_* code of the blocks a greedy screen's codes are held in.
         self.screen_kind = getattr(native, f"WEIGHT_{screen_kind}")
         #: (name, the C calls' WEIGHT_* code) of the block kinds weights are tried in; none
