@@ -216,6 +216,15 @@ static int cpu_has_avx512_vnni(void) {
     return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
 }
 
+/* How far ahead of the group it multiplies a code tile prefetches into L2: the one stream
+ * of a weight's blocks (the next weight's, at its end: packed weights lie in step order) then
+ * reads faster. A greedy screen of 24576 x 576 (Q8_CODES_F16) from memory, one thread, 1 row:
+ * 1.69 -> 1.41 ms at 117 KB ahead (1.44 at 35 and 78, 1.41 at 196, 1.43 at 261; into L1
+ * instead, 1.63-1.67; 2-17 KB ahead, no faster); the 4-bit code kinds'
+ * (benchmarks/block_kernels.py, 3072 x 512) 108-111 -> 95-100 us at 1 row, 1.15-1.20x
+ * faster at 4, the same at 16. */
+#define CODE_BYTES_AHEAD (96 * 1024)
+
 /* A group of code kind KIND: the scales (which 0) or the offsets (1) of its outputs 16 k ..
  * 16 k + 15 (float16 ones widened: exact). */
 AVX512 static inline __m512 code_header(const int KIND, const uint8_t *group, int which, int k) {
@@ -253,6 +262,8 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
         prefetch_group_header(KIND, group);
+        for (long line = 0; line < group_bytes; line += 64)
+            _mm_prefetch((const char *)group + CODE_BYTES_AHEAD + line, _MM_HINT_T1);
         __m512i sums[4][4];
         for (int j = 0; j < QUANT_GROUP / 8; j++) {
             if (8 * j % ACTIVATION_GROUP == 0)
@@ -292,13 +303,6 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
     }
     store_code_sums(R, acc, y, y_stride, width, bias);
 }
-
-/* How far ahead of the group it multiplies code_bytes_tile prefetches into L2: the one
- * stream of a weight's blocks (the next weight's, at its end: packed weights lie in step
- * order) then reads faster. A greedy screen of 24576 x 576 from memory, one thread, 1 row:
- * 1.69 -> 1.41 ms at 117 KB ahead (1.44 at 35 and 78, 1.41 at 196, 1.43 at 261; into L1
- * instead, 1.63-1.67; 2-17 KB ahead, no faster). */
-#define CODE_BYTES_AHEAD (96 * 1024)
 
 /* R (<= 4) rows against one block of Q8_CODES_F16 (KIND): per 4 inputs, the block's 64
  * outputs' codes (q + 128) in 4 vectors, each vpdpbusd'd with a row's 4 int8 inputs; per
