@@ -14,7 +14,7 @@ A cell is the median over ``--rounds`` (the ways interleaved) of the mean time a
 call's token is checked against the logits' argmax.
 
     python benchmarks/greedy_screen.py [--model smollm2-135m] [--tp 2] [--rounds 5]
-        [--json F]
+        [--calls 20] [--megabytes 400] [--json F]
 """
 
 from __future__ import annotations
