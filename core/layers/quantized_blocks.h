@@ -229,18 +229,25 @@ static inline QuantizedRows quantized_rows_in(float *space, long rows, long in) 
     return xq;
 }
 
+/* The largest |x| of an ACTIVATION_GROUP of inputs; *finite: whether every one is finite. */
+static inline float group_largest(const float *xg, int *finite) {
+    float largest = 0.0f;
+    *finite = 1;
+    for (int i = 0; i < ACTIVATION_GROUP; i++) {
+        largest = fmaxf(largest, fabsf(xg[i]));
+        *finite &= isfinite(xg[i]) != 0;
+    }
+    return largest;
+}
+
 static void quantize_rows(const float *x, long rows, long in, QuantizedRows *out) {
     long groups = in / ACTIVATION_GROUP;
     for (long r = 0; r < rows; r++)
         for (long g = 0; g < groups; g++) {
             const float *xg = x + r * in + g * ACTIVATION_GROUP;
             int8_t *codes = out->codes + r * in + g * ACTIVATION_GROUP;
-            float largest = 0.0f;
-            int finite = 1;
-            for (int i = 0; i < ACTIVATION_GROUP; i++) {
-                largest = fmaxf(largest, fabsf(xg[i]));
-                finite &= isfinite(xg[i]) != 0;
-            }
+            int finite;
+            float largest = group_largest(xg, &finite);
             float scale = finite ? largest / 127.0f : NAN;
             int sum = 0;
             for (int i = 0; i < ACTIVATION_GROUP; i++) {
@@ -274,12 +281,8 @@ static void quantize_rows_twice(const float *x, long rows, long in, QuantizedRow
         int finite_row = 1;
         for (long g = 0; g < groups; g++) {
             const float *xg = x + r * in + g * ACTIVATION_GROUP;
-            float largest = 0.0f;
-            int finite = 1;
-            for (int i = 0; i < ACTIVATION_GROUP; i++) {
-                largest = fmaxf(largest, fabsf(xg[i]));
-                finite &= isfinite(xg[i]) != 0;
-            }
+            int finite;
+            float largest = group_largest(xg, &finite);
             finite_row &= finite;
             float step = finite ? largest / (float)TWICE_STEPS : NAN;
             int high_sum = 0, low_sum = 0;

@@ -225,6 +225,12 @@ static int cpu_has_avx512_vnni(void) {
  * faster at 4, the same at 16. */
 #define CODE_BYTES_AHEAD (96 * 1024)
 
+/* Prefetches the group_bytes that lie CODE_BYTES_AHEAD after group into L2. */
+static inline void prefetch_group_ahead(const uint8_t *group, long group_bytes) {
+    for (long line = 0; line < group_bytes; line += 64)
+        _mm_prefetch((const char *)group + CODE_BYTES_AHEAD + line, _MM_HINT_T1);
+}
+
 /* A group of code kind KIND: the scales (which 0) or the offsets (1) of its outputs 16 k ..
  * 16 k + 15 (float16 ones widened: exact). */
 AVX512 static inline __m512 code_header(const int KIND, const uint8_t *group, int which, int k) {
@@ -262,8 +268,7 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_tile(
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
         prefetch_group_header(KIND, group);
-        for (long line = 0; line < group_bytes; line += 64)
-            _mm_prefetch((const char *)group + CODE_BYTES_AHEAD + line, _MM_HINT_T1);
+        prefetch_group_ahead(group, group_bytes);
         __m512i sums[4][4];
         for (int j = 0; j < QUANT_GROUP / 8; j++) {
             if (8 * j % ACTIVATION_GROUP == 0)
@@ -320,8 +325,7 @@ AVX512_VNNI static inline __attribute__((always_inline)) void code_bytes_tile(
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
         prefetch_group_header(KIND, group);
-        for (long line = 0; line < group_bytes; line += 64)
-            _mm_prefetch((const char *)group + CODE_BYTES_AHEAD + line, _MM_HINT_T1);
+        prefetch_group_ahead(group, group_bytes);
         __m512 scale[4];
         for (int k = 0; k < 4; k++) scale[k] = code_header(KIND, group, 0, k);
         for (int a = 0; a < QUANT_GROUP / ACTIVATION_GROUP; a++) {
