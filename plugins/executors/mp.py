@@ -386,7 +386,10 @@ class MultiprocExecutor(Executor):
         while not future.done() and self._collect_lock.acquire(blocking=blocking):
             try:
                 if self._pending and not future.done():
-                    self._collect_one(self._pending[0])
+                    call = self._pending[0]
+                    self._collect_one(call)
+                    if call.future is future:  # resolved (a check of done() costs ~0.35 us)
+                        return
             finally:
                 self._collect_lock.release()
 
@@ -400,7 +403,8 @@ class MultiprocExecutor(Executor):
                         self._collect_one(self._pending[0])
 
     def _collect_one(self, call: _PendingCall) -> None:
-        """Resolve the oldest pending call (caller holds the collect lock).
+        """Resolve the oldest pending call (caller holds the collect lock): on return its
+        Future is done, with its replies or a failure (the executor's own, after ``_fail``).
 
         Each worker answers calls in order, so a message for a later call waits in that
         rank's inbox. A failure from any rank, for this call or an earlier one whose reply
@@ -408,8 +412,11 @@ class MultiprocExecutor(Executor):
         """
         try:
             self._gather_replies(call)
-            replies = [call.replies[r] for r in call.ranks]
-            _settle(call.future, value=replies[0] if call.single else replies)
+            replies = call.replies
+            _settle(
+                call.future,
+                value=replies[call.ranks[0]] if call.single else [replies[r] for r in call.ranks],
+            )
         except WorkerError as error:
             self._failed_calls.add(call.call_id)
             if isinstance(error.origin, CommunicationError):
@@ -476,7 +483,12 @@ class MultiprocExecutor(Executor):
         watched = [self._replies[r] for r in range(self.world_size) if not self._inboxes[r]]
 
         def ready() -> bool:
-            return self._failure is not None or any(ring.ready(0) for ring in watched)
+            if self._failure is not None:
+                return True
+            for ring in watched:  # noqa: SIM110 (any() over a generator: ~0.3 us a check more)
+                if ring.ready(0):
+                    return True
+            return False
 
         def block(seconds: float) -> None:
             for ring in watched:
@@ -608,8 +620,10 @@ def _call_id_of(reply: bytes) -> int | None:
 
 def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
     """Resolve ``future`` unless another thread already did (first outcome wins)."""
-    with contextlib.suppress(InvalidStateError):
+    try:  # not contextlib.suppress: this runs once a step, and the context costs ~0.3 us
         if error is not None:
             future.set_exception(error)
         else:
             future.set_result(value)
+    except InvalidStateError:
+        pass
