@@ -1,7 +1,8 @@
 """The mp executor's shared-memory ring between real processes, with its word operations in C
-and in Python (and a C writer with Python readers: one layout): messages in order, split
-over slots when larger than one, the writer held back by a slow reader, sleeping readers woken
-by their doorbells, and no segment left."""
+and in Python (and a C writer with Python readers: one layout), readers that spin before they
+yield and readers that yield at once: messages in order, split over slots when larger than
+one, the writer held back by a slow reader, sleeping readers woken by their doorbells, and no
+segment left."""
 
 import hashlib
 import multiprocessing
@@ -18,11 +19,17 @@ READERS = 2
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("writer_native", "readers_native"),
-    [(True, True), (False, False), (True, False)],
-    ids=["c", "python", "c-writer-python-readers"],
+    ("writer_native", "readers_native", "spin_checks"),
+    [
+        (True, True, 200),
+        (False, False, 200),
+        (True, False, 200),
+        (True, True, 0),
+        (False, False, 0),
+    ],
+    ids=["c", "python", "c-writer-python-readers", "c-yield-at-once", "python-yield-at-once"],
 )
-def test_messages_arrive_whole_and_in_order(writer_native, readers_native):
+def test_messages_arrive_whole_and_in_order(writer_native, readers_native, spin_checks):
     if writer_native or readers_native:
         pytest.importorskip("shardline_executors._ring_native", reason="extension not built")
     name = f"shardline-test-ring-{os.getpid()}"
@@ -35,7 +42,7 @@ def test_messages_arrive_whole_and_in_order(writer_native, readers_native):
     readers = [
         context.Process(
             target=ring_readers.echo_digests,
-            args=(r, calls.handle, replies.handle, readers_native, bells[r][0]),
+            args=(r, calls.handle, replies.handle, readers_native, bells[r][0], spin_checks),
         )
         for r in range(READERS)
     ]

@@ -20,7 +20,7 @@ import cloudpickle
 
 from shardline.errors import RemoteFailure
 from shardline.interfaces import Rendezvous
-from shardline.sdk import EngineConfig, WorkerSetup, pickled_reply, place_rank
+from shardline.sdk import EngineConfig, Polling, WorkerSetup, pickled_reply, place_rank
 from shardline_executors.heartbeat import start_beating
 from shardline_executors.mp_protocol import FIRST_CALL_ID, STEP, Failure, Phase, decode_step
 from shardline_executors.shm_ring import RingHandle, ShmRing
@@ -47,7 +47,13 @@ def worker_main(
     segments = [calls.name, replies.name, heartbeats]
     threading.Thread(target=_exit_with_parent, args=(parent_pid, segments), daemon=True).start()
     doorbell = multiprocessing.connection.Connection(doorbell_fd, writable=False)
-    inbox = ShmRing.attach(calls)
+    # The driver is a process too: where it and the ranks outnumber the cores, a rank waiting
+    # for the next call yields at once. Its spin would hold a core that the driver or the
+    # rank that replies needs (an empty call's round trip, pinned, 2 ranks and the driver on
+    # 2 cores: 28 -> 23 us with both ranks on one core, 71 -> 66 with the driver beside the
+    # replying rank, 13.4 -> 13.3 beside the other).
+    ranks_on_host = world_size * config.parallel.worlds_side_by_side
+    inbox = ShmRing.attach(calls, polling=Polling.for_ranks_on_host(ranks_on_host + 1))
     outbox = ShmRing.attach(replies)
     outbox.set_doorbells([multiprocessing.connection.Connection(reply_bell_fd, readable=False)])
     context = None

@@ -22,6 +22,8 @@ The word operations (write and publish a chunk, take the next one, read position
 flags) run in C (``_ring_native.RingCore``: release stores, acquire loads, a bounded spin
 before a reader falls back to :func:`wait_until`) when the extension is built and
 ``SHARDLINE_NATIVE`` is not ``0``; otherwise :class:`PythonRingCore` does the same in Python.
+A reader waits as its :class:`~shardline.comm.waiting.Polling` says (given when it attaches):
+its spin checks run in C where the word operations do, then it yields between checks.
 
 Segments are created mode 0600 (private to the user) under a name the owner chooses (the job's
 name in it), by the owner, which alone unlinks them: once every reader has attached
@@ -44,8 +46,8 @@ from typing import Any
 from shardline.sdk import Polling, native_extension, wait_until
 
 _WORDS_PER_SLOT = 3  # sequence, length, more-follows
-#: Checks a reader makes in C before it falls back to wait_until (which spins, yields, sleeps).
-_SPIN_CHECKS = Polling().spin_checks
+#: A reader's default wait: spin, then yield (for a reader with a core to itself).
+SPIN_FIRST = Polling()
 #: The C word operations (built by pip install where a compiler is), else PythonRingCore.
 NATIVE = "shardline_executors._ring_native"
 
@@ -128,21 +130,30 @@ class PythonRingCore:
 class ShmRing:
     """One side of a ring. Build the owner with :meth:`create` (the writer's side usually),
     then :meth:`attach` from other processes with their reader index (or ``None`` to write).
-    ``native`` is the C module of the word operations (None: :class:`PythonRingCore`)."""
+    ``native`` is the C module of the word operations (None: :class:`PythonRingCore`);
+    ``polling``, how this side waits for a message (:meth:`get`)."""
 
-    def __init__(self, shm: Any, handle: RingHandle, owner: bool, native: ModuleType | None):
+    def __init__(
+        self,
+        shm: Any,
+        handle: RingHandle,
+        owner: bool,
+        native: ModuleType | None,
+        polling: Polling = SPIN_FIRST,
+    ):
         self._shm = shm
         self.handle = handle
         self._owner = owner
         self._buf = shm.buf
+        self._spin_checks = polling.spin_checks
         if native is not None and handle.readers <= native.MAX_READERS:
             self._core = native.RingCore(self._buf, handle.slots, handle.readers, handle.slot_bytes)
             # take() has spun in C: a wait goes on by yielding (a longer spin only delays the
             # writer where the driver and the workers outnumber the cores).
-            self._reader_polling = Polling(spin_checks=0)
+            self._reader_polling = Polling(spin_checks=0, share_cpu=polling.share_cpu)
         else:
             self._core = PythonRingCore(self._buf, handle.slots, handle.readers, handle.slot_bytes)
-            self._reader_polling = Polling()
+            self._reader_polling = polling
         self._next_write = 0
         self._doorbells: list[Any] | None = None
 
@@ -168,9 +179,21 @@ class ShmRing:
         return cls(shm, handle, owner=True, native=native_extension(NATIVE, environ))
 
     @classmethod
-    def attach(cls, handle: RingHandle, environ: Mapping[str, str] = os.environ) -> ShmRing:
+    def attach(
+        cls,
+        handle: RingHandle,
+        environ: Mapping[str, str] = os.environ,
+        polling: Polling = SPIN_FIRST,
+    ) -> ShmRing:
+        """Another process's side of the ring ``handle`` names; ``polling``: how it waits for
+        a message (spinning first only where it has a core to itself:
+        :meth:`Polling.for_ranks_on_host`)."""
         return cls(
-            _Mapping(handle.name), handle, owner=False, native=native_extension(NATIVE, environ)
+            _Mapping(handle.name),
+            handle,
+            owner=False,
+            native=native_extension(NATIVE, environ),
+            polling=polling,
         )
 
     def set_doorbells(self, doorbells: list[Any]) -> None:
@@ -243,7 +266,7 @@ class ShmRing:
 
         parts = []
         while True:
-            taken = core.take(reader, _SPIN_CHECKS)
+            taken = core.take(reader, self._spin_checks)
             if taken is None:
                 wait_until(
                     lambda: core.ready(reader),
