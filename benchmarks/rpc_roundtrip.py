@@ -12,7 +12,10 @@ With the C ring the executor is also timed pinned, in the two placements three p
 have on two cores: the driver on one core with the output rank (the rank that replies) or
 with the other rank (every thread of each process pinned; a placement the scheduler may pick
 for the unpinned run), and bound by the executor itself (``parallel.cpu_binding=auto``: each
-worker on its own core, the driver beside the rank that does not reply). Prints median, p90,
+worker on its own core, the driver beside the rank that does not reply). As placed by the
+scheduler, the core each of the three processes last ran on is sampled every 50 calls (between
+calls, from ``/proc/PID/stat``), and the shares of the placements seen are printed below the
+table: the time of that row depends on which two processes share a core. Prints median, p90,
 p99 and mean in microseconds (the mean shows a reader that falls behind and catches up in
 bursts, which percentiles can hide) and, for the executor, the driver's CPU time per call
 (every thread's, its waits' spinning included), a table, and JSON with ``--json``.
@@ -149,6 +152,31 @@ def _pin_rank(worker, cores_by_rank: dict[int, set[int]]) -> None:
 
 #: Where a placement runs the driver, and each rank.
 Placement = tuple[set[int], dict[int, set[int]]]
+#: Calls between two samples of where the processes run (as placed).
+SAMPLE_EVERY = 50
+
+
+def _process_id(worker) -> int:
+    """In a worker (through ``collective_rpc``): its process id."""
+    return os.getpid()
+
+
+def _last_core(pid: int) -> int:
+    """The core process ``pid``'s main thread last ran on (field 39 of ``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        after_name = stat.read().rsplit(")", 1)[1].split()  # fields 3 onwards
+    return int(after_name[36])
+
+
+def _shared_core(driver: int, output_rank: int, other_rank: int) -> str:
+    """Which processes share a core, from the cores they last ran on."""
+    if driver == output_rank:
+        return "driver beside the output rank"
+    if driver == other_rank:
+        return "driver beside the other rank"
+    if output_rank == other_rank:
+        return "the two ranks on one core"
+    return "each on its own core"
 
 
 def placements(output_rank: int, pinned: bool) -> dict[str, Placement | None]:
@@ -191,6 +219,8 @@ def time_executor(
     executor = Registry.load().get("executor", "mp").load_available()(config)
     own_cores = os.sched_getaffinity(0)
     results = {}
+    pids = executor.collective_rpc(_process_id)
+    output_pid, other_pid = pids[executor.output_rank], pids[1 - executor.output_rank]
     bound = binding != "none"
     chosen = (
         {f", cpu_binding={binding}": None} if bound else placements(executor.output_rank, pinned)
@@ -203,14 +233,22 @@ def time_executor(
                 executor.collective_rpc(_pin_rank, (ranks,))
             for _ in range(100):  # warm-up
                 executor.execute_model(step).result()
-            samples = []
+            samples, seen = [], {}
+            as_placed = placement is None and not bound
             cpu_start = time.process_time()
-            for _ in range(iterations):
+            for index in range(iterations):
+                if as_placed and index % SAMPLE_EVERY == 0:
+                    cores = [_last_core(pid) for pid in (os.getpid(), output_pid, other_pid)]
+                    shared = _shared_core(*cores)
+                    seen[shared] = seen.get(shared, 0) + 1
                 start = time.perf_counter()
                 executor.execute_model(step).result()
                 samples.append(time.perf_counter() - start)
             cpu_us = (time.process_time() - cpu_start) / iterations * 1e6
             results[suffix] = _summary(samples) | {"driver_cpu_us": cpu_us}
+            if seen:
+                total = sum(seen.values())
+                results[suffix]["placements"] = {k: n / total for k, n in seen.items()}
     finally:
         _pin_process(own_cores)
         executor.shutdown()
@@ -268,6 +306,16 @@ def main() -> int:
             f"{name:<{width}} {row['median_us']:>10.1f} {row['p90_us']:>10.1f} {ratio:>11.2f}"
             f" {row['p99_us']:>10.1f} {row['mean_us']:>10.1f} {cpu:>19}"
         )
+    for name, row in results.items():
+        for index, repeat in enumerate(row["repeats"]):
+            if "placements" in repeat:
+                shares = ", ".join(
+                    f"{where} {share:.0%}" for where, share in sorted(repeat["placements"].items())
+                )
+                print(
+                    f"{name}, repeat {index + 1}: median {repeat['median_us']:.1f} us; where the"
+                    f" processes last ran, sampled every {SAMPLE_EVERY} calls: {shares}"
+                )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
