@@ -43,7 +43,8 @@ def worker_main(
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_beating(heartbeats, rank)
-    place_rank(cores, world_size * config.parallel.worlds_side_by_side)
+    ranks_on_host = world_size * config.parallel.worlds_side_by_side
+    place_rank(cores, ranks_on_host)
     segments = [calls.name, replies.name, heartbeats]
     threading.Thread(target=_exit_with_parent, args=(parent_pid, segments), daemon=True).start()
     doorbell = multiprocessing.connection.Connection(doorbell_fd, writable=False)
@@ -52,7 +53,6 @@ def worker_main(
     # rank that replies needs (an empty call's round trip, pinned, 2 ranks and the driver on
     # 2 cores: 28 -> 23 us with both ranks on one core, 71 -> 66 with the driver beside the
     # replying rank, 13.4 -> 13.3 beside the other).
-    ranks_on_host = world_size * config.parallel.worlds_side_by_side
     inbox = ShmRing.attach(calls, polling=Polling.for_ranks_on_host(ranks_on_host + 1))
     outbox = ShmRing.attach(replies)
     outbox.set_doorbells([multiprocessing.connection.Connection(reply_bell_fd, readable=False)])

@@ -47,7 +47,7 @@ from shardline.sdk import Polling, native_extension, wait_until
 
 _WORDS_PER_SLOT = 3  # sequence, length, more-follows
 #: A reader's default wait: spin, then yield (for a reader with a core to itself).
-SPIN_FIRST = Polling()
+_SPIN_FIRST = Polling()
 #: The C word operations (built by pip install where a compiler is), else PythonRingCore.
 NATIVE = "shardline_executors._ring_native"
 
@@ -139,7 +139,7 @@ class ShmRing:
         handle: RingHandle,
         owner: bool,
         native: ModuleType | None,
-        polling: Polling = SPIN_FIRST,
+        polling: Polling = _SPIN_FIRST,
     ):
         self._shm = shm
         self.handle = handle
@@ -183,7 +183,7 @@ class ShmRing:
         cls,
         handle: RingHandle,
         environ: Mapping[str, str] = os.environ,
-        polling: Polling = SPIN_FIRST,
+        polling: Polling = _SPIN_FIRST,
     ) -> ShmRing:
         """Another process's side of the ring ``handle`` names; ``polling``: how it waits for
         a message (spinning first only where it has a core to itself:
