@@ -127,6 +127,33 @@ def test_8_bit_codes_at_their_extremes_give_exact_sums_on_both_kernels():
         assert torch.equal(_blocked(held, x, None, avx2=True), y)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@needs_code_kernels
+def test_4_bit_codes_at_their_extreme_give_exact_sums(rows):
+    """Q4_1 codes all 15 against inputs that all round to codes of 127 (or -127, alternate
+    rows): the AVX2 kernel's int16 sums over an activation group's 16 inputs (16 x 15 x 127 in
+    two lanes, 15240 each) stay exact, one or two rows (every group read once) and four
+    (each half of a block's outputs in turn), and give the AVX-512 kernel's bits."""
+    rng = np.random.default_rng(17)
+    blocks = random_blocks("Q4_1", 64, 128, rng)
+    for block in range(4):  # each row's four blocks: d 0.5, m 0.25, every nibble 15
+        at = 20 * block
+        blocks[:, at : at + 2] = np.frombuffer(np.float16(0.5).tobytes(), dtype=np.uint8)
+        blocks[:, at + 2 : at + 4] = np.frombuffer(np.float16(0.25).tobytes(), dtype=np.uint8)
+        blocks[:, at + 4 : at + 20] = 0xFF
+    weight = file_weight([("Q4_1", blocks)], 64)
+    assert set(weight.unique().tolist()) == {7.75}
+    held = CODES.pack_linear(weight)
+    assert held.held_as == "Q4_CODES_F16"
+    x = torch.ones(rows, 128)
+    x[1::2] = -1.0
+    y = CODES.linear(x, held, None)
+    exact = x.double() @ weight.double().T  # +-7.75 x 128
+    assert ((y.double() - exact).abs() <= 1e-6 * exact.abs()).all()
+    if _has_avx2_f16c():
+        assert torch.equal(_blocked(held, x, None, avx2=True), y)
+
+
 @needs_code_kernels
 def test_a_q4_0_offset_float16_cannot_hold_takes_q4_0s_exact_kind():
     """Q4_0's -8 is held as an offset of -8 scales: a scale of 10000 makes one float16

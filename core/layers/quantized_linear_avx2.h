@@ -182,131 +182,152 @@ AVX2_F16C static inline __attribute__((always_inline)) void store_code_sums_avx2
 
 /* The code kinds on AVX2 (code_tile's arithmetic, 8 outputs a vector): each 64 bytes of codes
  * are 16 outputs' 4 inputs, a 256-bit half 8 of them; vpmaddubsw multiplies codes by int8
- * inputs and adds pairs (at most 2 x 15 x 127: never saturates), vpmaddwd adds the pairs'
- * pairs into the lane's int32 sum. */
-AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
-    const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
-    long first, long in, float *y, long y_stride, long width, const float *bias) {
-    const long group_bytes = quantized_group_bytes(KIND);
-    const long header = quantized_header_bytes(KIND);
+ * inputs and adds pairs; an int16 lane sums half an activation group's products (at most 8 x
+ * 15 x 127 = 15240 for 16 inputs: never saturating), and vpmaddwd adds the lanes' pairs into
+ * int32. code_group_avx2 adds activation group a of group g to acc (R rows of outputs
+ * 32h..32h+31). */
+_Static_assert(ACTIVATION_GROUP % 8 == 0 && ACTIVATION_GROUP / 2 * 15 * 127 <= 32767,
+               "code_group_avx2's int16 lanes hold half an activation group's products");
+AVX2_F16C static inline __attribute__((always_inline)) void code_group_avx2(
+    const int KIND, const int R, const uint8_t *block, long g, int a, int h,
+    const QuantizedRows *xq, long first, long in, __m256 acc[][4]) {
+    const uint8_t *group = block + g * quantized_group_bytes(KIND);
+    const uint8_t *values = group + quantized_header_bytes(KIND);
     const __m256i nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) { /* outputs 32h..32h+31: 4 vectors of 8 */
-        __m256 acc[4][4];
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
-        for (long g = 0; g < groups; g++) {
-            const uint8_t *group = block + g * group_bytes, *values = group + header;
-            if (h == 0) prefetch_group_header(KIND, group);
-            __m256i sums[4][4];
-            for (int j = 0; j < QUANT_GROUP / 8; j++) {
-                if (8 * j % ACTIVATION_GROUP == 0)
-                    for (int r = 0; r < R; r++)
-                        for (int k = 0; k < 4; k++) sums[r][k] = _mm256_setzero_si256();
-                __m256i low[4], high[4];
-                for (int k = 0; k < 4; k++) { /* vector k: outputs 32h + 8k .. + 7 */
-                    int sixteen = 2 * h + k / 2, half = k % 2;
-                    __m256i packed = _mm256_loadu_si256(
-                        (const __m256i *)(values + (j * 4 + sixteen) * 64 + 32 * half));
-                    low[k] = _mm256_and_si256(packed, nibbles);
-                    high[k] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibbles);
-                }
-                for (int r = 0; r < R; r++) {
-                    const int8_t *codes = xq->codes + (first + r) * in + g * QUANT_GROUP + 8 * j;
-                    int32_t low_quad, high_quad;
-                    memcpy(&low_quad, codes, sizeof low_quad);
-                    memcpy(&high_quad, codes + 4, sizeof high_quad);
-                    __m256i low_x = _mm256_set1_epi32(low_quad);
-                    __m256i high_x = _mm256_set1_epi32(high_quad);
-                    for (int k = 0; k < 4; k++) {
-                        __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low[k], low_x),
-                                                        _mm256_maddubs_epi16(high[k], high_x));
-                        sums[r][k] = _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(both, ones));
-                    }
-                }
-                if (8 * (j + 1) % ACTIVATION_GROUP != 0) continue;
-                for (int r = 0; r < R; r++) {
-                    long at =
-                        ((first + r) * in + g * QUANT_GROUP + 8 * j) / ACTIVATION_GROUP;
-                    __m256 s = _mm256_set1_ps(xq->scales[at]);
-                    __m256 code_sum = _mm256_set1_ps(xq->code_sums[at]);
-                    for (int k = 0; k < 4; k++) {
-                        int lane = 32 * h + 8 * k;
-                        __m256 scale = _mm256_mul_ps(code_header_avx2(KIND, group, 0, lane), s);
-                        __m256 products = _mm256_cvtepi32_ps(sums[r][k]);
-                        __m256 offset = code_header_avx2(KIND, group, 1, lane);
-                        acc[r][k] = _mm256_fmadd_ps(scale, products, acc[r][k]);
-                        acc[r][k] = _mm256_fmadd_ps(offset, code_sum, acc[r][k]);
-                    }
-                }
-            }
+    const int eights = ACTIVATION_GROUP / 8;
+    __m256i sums[4][4];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) sums[r][k] = _mm256_setzero_si256();
+    for (int j = a * eights; j < (a + 1) * eights; j++) {
+        __m256i low[4], high[4];
+        for (int k = 0; k < 4; k++) { /* vector k: outputs 32h + 8k .. + 7 */
+            int sixteen = 2 * h + k / 2, half = k % 2;
+            __m256i packed = _mm256_loadu_si256(
+                (const __m256i *)(values + (j * 4 + sixteen) * 64 + 32 * half));
+            low[k] = _mm256_and_si256(packed, nibbles);
+            high[k] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibbles);
         }
-        store_code_sums_avx2(R, acc, h, y, y_stride, width, bias);
+        for (int r = 0; r < R; r++) {
+            const int8_t *codes = xq->codes + (first + r) * in + g * QUANT_GROUP + 8 * j;
+            int32_t low_quad, high_quad;
+            memcpy(&low_quad, codes, sizeof low_quad);
+            memcpy(&high_quad, codes + 4, sizeof high_quad);
+            __m256i low_x = _mm256_set1_epi32(low_quad);
+            __m256i high_x = _mm256_set1_epi32(high_quad);
+            for (int k = 0; k < 4; k++)
+                sums[r][k] = _mm256_add_epi16(
+                    sums[r][k], _mm256_add_epi16(_mm256_maddubs_epi16(low[k], low_x),
+                                                 _mm256_maddubs_epi16(high[k], high_x)));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        long at = ((first + r) * in + g * QUANT_GROUP) / ACTIVATION_GROUP + a;
+        __m256 s = _mm256_set1_ps(xq->scales[at]);
+        __m256 code_sum = _mm256_set1_ps(xq->code_sums[at]);
+        for (int k = 0; k < 4; k++) {
+            int lane = 32 * h + 8 * k;
+            __m256 scale = _mm256_mul_ps(code_header_avx2(KIND, group, 0, lane), s);
+            __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][k], ones));
+            __m256 offset = code_header_avx2(KIND, group, 1, lane);
+            acc[r][k] = _mm256_fmadd_ps(scale, products, acc[r][k]);
+            acc[r][k] = _mm256_fmadd_ps(offset, code_sum, acc[r][k]);
+        }
     }
 }
 
-/* code_bytes_tile on AVX2, 8 outputs a vector: each code's q (the byte less 128) splits into
- * |q| (0..128, unsigned) and its sign, moved onto the input (vpsignb), so that vpmaddubsw's
- * pairs stay within int16 (at most 2 x 128 x 127); vpmaddwd adds the pairs' pairs: the int32
- * sums of q * code that code_bytes_tile reaches through the codes' totals, the same bits. */
-AVX2_F16C static inline __attribute__((always_inline)) void code_bytes_tile_avx2(
-    const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
-    long first, long in, float *y, long y_stride, long width, const float *bias) {
-    const long group_bytes = quantized_group_bytes(KIND);
-    const long header = quantized_header_bytes(KIND);
+/* code_bytes_tile's step on AVX2 (as code_group_avx2), 8 outputs a vector: each code's q (the
+ * byte less 128) splits into |q| (0..128, unsigned) and its sign, moved onto the input
+ * (vpsignb), so that vpmaddubsw's pairs stay within int16 (at most 2 x 128 x 127); vpmaddwd
+ * adds the pairs' pairs: the int32 sums of q * code that code_bytes_tile reaches through the
+ * codes' totals, the same bits. */
+AVX2_F16C static inline __attribute__((always_inline)) void code_bytes_group_avx2(
+    const int KIND, const int R, const uint8_t *block, long g, int a, int h,
+    const QuantizedRows *xq, long first, long in, __m256 acc[][4]) {
+    const uint8_t *group = block + g * quantized_group_bytes(KIND);
+    const uint8_t *values = group + quantized_header_bytes(KIND);
     const __m256i lift = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const int quads = ACTIVATION_GROUP / 4;
-    for (int h = 0; h < 2; h++) { /* outputs 32h..32h+31: 4 vectors of 8 */
-        __m256 acc[4][4];
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
-        for (long g = 0; g < groups; g++) {
-            const uint8_t *group = block + g * group_bytes, *values = group + header;
-            if (h == 0) prefetch_group_header(KIND, group);
-            __m256 scale[4];
-            for (int k = 0; k < 4; k++) scale[k] = code_header_avx2(KIND, group, 0, 32 * h + 8 * k);
-            for (int a = 0; a < QUANT_GROUP / ACTIVATION_GROUP; a++) {
-                __m256i sums[4][4];
-                for (int r = 0; r < R; r++)
-                    for (int k = 0; k < 4; k++) sums[r][k] = _mm256_setzero_si256();
-                for (int j = a * quads; j < (a + 1) * quads; j++) {
-                    __m256i q[4], magnitude[4];
-                    for (int k = 0; k < 4; k++) { /* vector k: outputs 32h + 8k .. + 7 */
-                        int sixteen = 2 * h + k / 2, half = k % 2;
-                        q[k] = _mm256_xor_si256(
-                            _mm256_loadu_si256(
-                                (const __m256i *)(values + (j * 4 + sixteen) * 64 + 32 * half)),
-                            lift);
-                        magnitude[k] = _mm256_abs_epi8(q[k]);
-                    }
-                    for (int r = 0; r < R; r++) {
-                        int32_t quad;
-                        memcpy(&quad, xq->codes + (first + r) * in + g * QUANT_GROUP + 4 * j,
-                               sizeof quad);
-                        __m256i x = _mm256_set1_epi32(quad);
-                        for (int k = 0; k < 4; k++) {
-                            __m256i pairs =
-                                _mm256_maddubs_epi16(magnitude[k], _mm256_sign_epi8(x, q[k]));
-                            sums[r][k] =
-                                _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(pairs, ones));
-                        }
-                    }
-                }
-                for (int r = 0; r < R; r++) {
-                    long at = ((first + r) * in + g * QUANT_GROUP) / ACTIVATION_GROUP + a;
-                    __m256 s = _mm256_set1_ps(xq->scales[at]);
-                    for (int k = 0; k < 4; k++) {
-                        __m256 products = _mm256_cvtepi32_ps(sums[r][k]);
-                        acc[r][k] =
-                            _mm256_fmadd_ps(_mm256_mul_ps(scale[k], s), products, acc[r][k]);
-                    }
-                }
+    __m256i sums[4][4];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) sums[r][k] = _mm256_setzero_si256();
+    for (int j = a * quads; j < (a + 1) * quads; j++) {
+        __m256i q[4], magnitude[4];
+        for (int k = 0; k < 4; k++) { /* vector k: outputs 32h + 8k .. + 7 */
+            int sixteen = 2 * h + k / 2, half = k % 2;
+            q[k] = _mm256_xor_si256(
+                _mm256_loadu_si256((const __m256i *)(values + (j * 4 + sixteen) * 64 + 32 * half)),
+                lift);
+            magnitude[k] = _mm256_abs_epi8(q[k]);
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, xq->codes + (first + r) * in + g * QUANT_GROUP + 4 * j, sizeof quad);
+            __m256i x = _mm256_set1_epi32(quad);
+            for (int k = 0; k < 4; k++) {
+                __m256i pairs = _mm256_maddubs_epi16(magnitude[k], _mm256_sign_epi8(x, q[k]));
+                sums[r][k] = _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(pairs, ones));
             }
         }
-        store_code_sums_avx2(R, acc, h, y, y_stride, width, bias);
     }
+    for (int r = 0; r < R; r++) {
+        long at = ((first + r) * in + g * QUANT_GROUP) / ACTIVATION_GROUP + a;
+        __m256 s = _mm256_set1_ps(xq->scales[at]);
+        for (int k = 0; k < 4; k++) {
+            __m256 scale = code_header_avx2(KIND, group, 0, 32 * h + 8 * k);
+            __m256 products = _mm256_cvtepi32_ps(sums[r][k]);
+            acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(scale, s), products, acc[r][k]);
+        }
+    }
+}
+
+/* Activation group a of group g of one block, for outputs 32h..32h+31 (acc: R rows), by
+ * code_bytes_group_avx2 for WEIGHT_Q8_CODES_F16, else code_group_avx2. */
+AVX2_F16C static inline __attribute__((always_inline)) void code_step_avx2(
+    const int KIND, const int R, const uint8_t *block, long g, int a, int h,
+    const QuantizedRows *xq, long first, long in, __m256 acc[][4]) {
+    if (a == 0 && h == 0) prefetch_group_header(KIND, block + g * quantized_group_bytes(KIND));
+    if (KIND == WEIGHT_Q8_CODES_F16)
+        code_bytes_group_avx2(KIND, R, block, g, a, h, xq, first, in, acc);
+    else
+        code_group_avx2(KIND, R, block, g, a, h, xq, first, in, acc);
+}
+
+/* code_tile and code_bytes_tile on AVX2 (the same bits): R rows of xq against one block. 1 or
+ * 2 rows read each group once, both halves of the block's outputs (h) per activation group,
+ * where reading one half over every group and then the other (two strided passes) left a row
+ * from memory 1.1-1.2x slower; more rows keep that order (one pass, its sums spilling, was
+ * 1.1x slower at 4 rows). Each output's sum takes the same steps in the same order. */
+AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
+    const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
+    long first, long in, float *y, long y_stride, long width, const float *bias) {
+    const int activation_groups = QUANT_GROUP / ACTIVATION_GROUP;
+    if (R > 2) {
+        for (int h = 0; h < 2; h++) {
+            __m256 acc[4][4]; /* row r's outputs 32h + 8k .. + 7 */
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
+            for (long g = 0; g < groups; g++)
+#pragma GCC unroll 4
+                for (int a = 0; a < activation_groups; a++)
+                    code_step_avx2(KIND, R, block, g, a, h, xq, first, in, acc);
+            store_code_sums_avx2(R, acc, h, y, y_stride, width, bias);
+        }
+        return;
+    }
+    __m256 acc[2][4][4]; /* [h][r][k] */
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < 4; k++) acc[h][r][k] = _mm256_setzero_ps();
+    for (long g = 0; g < groups; g++)
+#pragma GCC unroll 4
+        for (int a = 0; a < activation_groups; a++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                code_step_avx2(KIND, R, block, g, a, h, xq, first, in, acc[h]);
+    for (int h = 0; h < 2; h++) store_code_sums_avx2(R, acc[h], h, y, y_stride, width, bias);
 }
 
 /* code_blocks, code_blocks_f16 and code_bytes_blocks on AVX2. */
 DEFINE_CODE_BLOCKS(AVX2_F16C, code_blocks_avx2, code_tile_avx2, WEIGHT_Q4_CODES)
 DEFINE_CODE_BLOCKS(AVX2_F16C, code_blocks_f16_avx2, code_tile_avx2, WEIGHT_Q4_CODES_F16)
-DEFINE_CODE_BLOCKS(AVX2_F16C, code_bytes_blocks_avx2, code_bytes_tile_avx2, WEIGHT_Q8_CODES_F16)
+DEFINE_CODE_BLOCKS(AVX2_F16C, code_bytes_blocks_avx2, code_tile_avx2, WEIGHT_Q8_CODES_F16)
