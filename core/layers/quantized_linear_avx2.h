@@ -15,10 +15,18 @@ static int cpu_has_avx2_f16c(void) {
 
 /* Bit j of bits as 16 in byte j of a word (0 where it is clear): the byte copied to each of
  * the word's bytes, bit j kept in byte j, then bytes not 0 carried to their top bit. */
-static inline uint64_t fifth_bits_64(uint8_t bits) {
-    uint64_t kept = (bits * 0x0101010101010101ULL) & 0x8040201008040201ULL;
-    return ((kept + 0x7F7F7F7F7F7F7F7FULL) & 0x8080808080808080ULL) >> 3;
-}
+#define FIFTH_BITS_64(bits)                                                                    \
+    (((((uint64_t)(bits) * 0x0101010101010101ULL) & 0x8040201008040201ULL) +                   \
+      0x7F7F7F7F7F7F7F7FULL) & 0x8080808080808080ULL) >> 3
+#define FIFTH_BITS_4(n)                                                                        \
+    FIFTH_BITS_64(n), FIFTH_BITS_64(n + 1), FIFTH_BITS_64(n + 2), FIFTH_BITS_64(n + 3)
+#define FIFTH_BITS_16(n) FIFTH_BITS_4(n), FIFTH_BITS_4(n + 4), FIFTH_BITS_4(n + 8), FIFTH_BITS_4(n + 12)
+#define FIFTH_BITS_64_WORDS(n)                                                                 \
+    FIFTH_BITS_16(n), FIFTH_BITS_16(n + 16), FIFTH_BITS_16(n + 32), FIFTH_BITS_16(n + 48)
+/* FIFTH_BITS_64 of every byte (2 KiB): one load a byte where the arithmetic took five. */
+static const uint64_t fifth_bits_words[256] = {
+    FIFTH_BITS_64_WORDS(0), FIFTH_BITS_64_WORDS(64), FIFTH_BITS_64_WORDS(128),
+    FIFTH_BITS_64_WORDS(192)};
 
 /* The weights of inputs 2p and 2p + 1 (the nibble kinds, Q5_K's with their fifth bits), or
  * of input p (the byte kinds: first only), for outputs 8k..8k+7 of a group (group: its
@@ -48,8 +56,8 @@ AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
         const uint8_t *fifth = group_fifth_bits(values) + 2 * p * (LINEAR_BLOCK / 8) + k;
         uint64_t both;
         memcpy(&both, values + p * LINEAR_BLOCK + 8 * k, sizeof both);
-        uint64_t first_q = (both & NIBBLES_64) | fifth_bits_64(fifth[0]);
-        uint64_t second_q = ((both >> 4) & NIBBLES_64) | fifth_bits_64(fifth[LINEAR_BLOCK / 8]);
+        uint64_t first_q = (both & NIBBLES_64) | fifth_bits_words[fifth[0]];
+        uint64_t second_q = ((both >> 4) & NIBBLES_64) | fifth_bits_words[fifth[LINEAR_BLOCK / 8]];
         low = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)first_q));
         high = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)second_q));
     } else {
