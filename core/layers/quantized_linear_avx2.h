@@ -28,24 +28,34 @@ static const uint64_t fifth_bits_words[256] = {
     FIFTH_BITS_64_WORDS(0), FIFTH_BITS_64_WORDS(64), FIFTH_BITS_64_WORDS(128),
     FIFTH_BITS_64_WORDS(192)};
 
-/* The weights of inputs 2p and 2p + 1 (the nibble kinds, Q5_K's with their fifth bits), or
- * of input p (the byte kinds: first only), for outputs 8k..8k+7 of a group (group: its
- * start; values: its values). */
-AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
-    const int kind, const uint8_t *group, const uint8_t *values, long p, int k, __m256 *first,
-    __m256 *second) {
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + p * LINEAR_BLOCK + 8 * k));
-    __m256 scale, minimum = _mm256_setzero_ps();
+/* A group's scales and offsets (offsets NULL: none) as float32, for the inputs of `half`
+ * where the kind has a scale per half: a float32-scaled kind's own, else its float16 ones
+ * widened (exact) into wide (2 x LINEAR_BLOCK), once a group rather than at every input. */
+AVX2_F16C static inline __attribute__((always_inline)) void group_scales_avx2(
+    const int kind, const uint8_t *group, int half, float *wide, const float **scales,
+    const float **offsets) {
     if (float_scales(kind)) {
-        int half = holds_bytes(kind) ? (int)(p / QUANT_HALF) : 0;
-        const float *offsets = group_float_offsets(kind, group, half);
-        scale = _mm256_loadu_ps(group_float_scales(kind, group, half) + 8 * k);
-        if (offsets) minimum = _mm256_loadu_ps(offsets + 8 * k);
-    } else {
-        scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 16 * k)));
-        if (kind == WEIGHT_Q4_1)
-            minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 128 + 16 * k)));
+        *scales = group_float_scales(kind, group, half);
+        *offsets = group_float_offsets(kind, group, half);
+        return;
     }
+    int parts = adds_offset(kind) ? 2 : 1;
+    for (int i = 0; i < parts * LINEAR_BLOCK; i += 8)
+        _mm256_storeu_ps(wide + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                       (const __m128i *)((const uint16_t *)group + i))));
+    *scales = wide;
+    *offsets = adds_offset(kind) ? wide + LINEAR_BLOCK : NULL;
+}
+
+/* The weights of inputs 2p and 2p + 1 (the nibble kinds, Q5_K's with their fifth bits), or
+ * of input p (the byte kinds: first only), for outputs 8k..8k+7 of a group (values: its
+ * values; scales, offsets: its group_scales_avx2). */
+AVX2_F16C static inline __attribute__((always_inline)) void widen_8(
+    const int kind, const float *scales, const float *offsets, const uint8_t *values, long p,
+    int k, __m256 *first, __m256 *second) {
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + p * LINEAR_BLOCK + 8 * k));
+    __m256 scale = _mm256_loadu_ps(scales + 8 * k);
+    __m256 minimum = offsets ? _mm256_loadu_ps(offsets + 8 * k) : _mm256_setzero_ps();
     if (holds_bytes(kind)) {
         __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
         *first = adds_offset(kind) ? _mm256_fmadd_ps(scale, q, minimum) : _mm256_mul_ps(scale, q);
@@ -85,19 +95,23 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_block_row_
     const float *bias) {
     __m256 acc[8];
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+    float wide_scales[2 * LINEAR_BLOCK];
     long group_bytes = quantized_group_bytes(kind), header = quantized_header_bytes(kind);
     long steps = holds_bytes(kind) ? QUANT_GROUP : QUANT_GROUP / 2;
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
-        const float *xg = x + g * QUANT_GROUP;
+        const float *xg = x + g * QUANT_GROUP, *scales, *offsets;
         prefetch_group_header(kind, group);
+        group_scales_avx2(kind, group, 0, wide_scales, &scales, &offsets);
         for (long p = 0; p < steps; p++) {
+            if (scales_halves(kind) && p == QUANT_HALF)
+                group_scales_avx2(kind, group, 1, wide_scales, &scales, &offsets);
             long input = holds_bytes(kind) ? p : 2 * p;
             __m256 first_value = _mm256_set1_ps(xg[input]);
             __m256 second_value = _mm256_set1_ps(holds_bytes(kind) ? 0.0f : xg[input + 1]);
             for (int k = 0; k < 8; k++) {
                 __m256 first, second;
-                widen_8(kind, group, values, p, k, &first, &second);
+                widen_8(kind, scales, offsets, values, p, k, &first, &second);
                 acc[k] = _mm256_fmadd_ps(first, first_value, acc[k]);
                 if (!holds_bytes(kind)) acc[k] = _mm256_fmadd_ps(second, second_value, acc[k]);
             }
@@ -124,20 +138,26 @@ AVX2_F16C static inline __attribute__((always_inline)) void quantized_row_avx2(
 AVX2_F16C static inline __attribute__((always_inline)) void quantized_rows_avx2(
     const int kind, const uint8_t *block, long groups, const float *x, long in, float *y,
     long y_stride, long rows, long width, const float *bias, float *wide, float *sums) {
+    float wide_scales[2 * LINEAR_BLOCK];
     long group_bytes = quantized_group_bytes(kind), header = quantized_header_bytes(kind);
     long steps = holds_bytes(kind) ? QUANT_GROUP : QUANT_GROUP / 2;
     for (long g = 0; g < groups; g++) {
         const uint8_t *group = block + g * group_bytes, *values = group + header;
+        const float *scales, *offsets;
         prefetch_group_header(kind, group);
-        for (long p = 0; p < steps; p++)
+        group_scales_avx2(kind, group, 0, wide_scales, &scales, &offsets);
+        for (long p = 0; p < steps; p++) {
+            if (scales_halves(kind) && p == QUANT_HALF)
+                group_scales_avx2(kind, group, 1, wide_scales, &scales, &offsets);
             for (int k = 0; k < 8; k++) {
                 __m256 first, second;
-                widen_8(kind, group, values, p, k, &first, &second);
+                widen_8(kind, scales, offsets, values, p, k, &first, &second);
                 long input = holds_bytes(kind) ? p : 2 * p;
                 _mm256_storeu_ps(wide + input * LINEAR_BLOCK + 8 * k, first);
                 if (!holds_bytes(kind))
                     _mm256_storeu_ps(wide + (input + 1) * LINEAR_BLOCK + 8 * k, second);
             }
+        }
         for (long r = 0; r < rows; r++) {
             const float *xr = x + r * in + g * QUANT_GROUP;
             float *sr = sums + r * LINEAR_BLOCK;
