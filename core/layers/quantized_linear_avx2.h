@@ -208,12 +208,20 @@ AVX2_F16C static inline __attribute__((always_inline)) void store_code_sums_avx2
         }
 }
 
+/* Whether a code tile of R rows of kind KIND reads each group of a block once, both halves of
+ * its outputs (h) per activation group (else one half over every group, then the other: two
+ * strided passes). 3072 x 512 from memory, one thread, against two passes: the float16-scaled
+ * 4-bit codes 1.06-1.18x a row; Q4_CODES (float32 scale and offset, twice the header) no
+ * faster (0.85x in one build), and 3 or 4 rows' sums spill in one pass (0.9x). */
+static inline int code_one_pass(int KIND, int R) { return R <= 2 && KIND != WEIGHT_Q4_CODES; }
+
 /* The code kinds on AVX2 (code_tile's arithmetic, 8 outputs a vector): each 64 bytes of codes
  * are 16 outputs' 4 inputs, a 256-bit half 8 of them; vpmaddubsw multiplies codes by int8
- * inputs and adds pairs; an int16 lane sums half an activation group's products (at most 8 x
- * 15 x 127 = 15240 for 16 inputs: never saturating), and vpmaddwd adds the lanes' pairs into
- * int32. code_group_avx2 adds activation group a of group g to acc (R rows of outputs
- * 32h..32h+31). */
+ * inputs and adds pairs, and vpmaddwd adds the pairs' pairs into int32 lanes: per 8 inputs, or
+ * in one pass once per activation group, an int16 lane first summing half the group's products
+ * (at most 8 x 15 x 127 = 15240 for 16 inputs: never saturating; in two passes the int16 sums
+ * were 0.83-0.92x at 4 rows). code_group_avx2 adds activation group a of group g to acc (R
+ * rows of outputs 32h..32h+31). */
 _Static_assert(ACTIVATION_GROUP % 8 == 0 && ACTIVATION_GROUP / 2 * 15 * 127 <= 32767,
                "code_group_avx2's int16 lanes hold half an activation group's products");
 AVX2_F16C static inline __attribute__((always_inline)) void code_group_avx2(
@@ -242,10 +250,12 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_group_avx2(
             memcpy(&high_quad, codes + 4, sizeof high_quad);
             __m256i low_x = _mm256_set1_epi32(low_quad);
             __m256i high_x = _mm256_set1_epi32(high_quad);
-            for (int k = 0; k < 4; k++)
-                sums[r][k] = _mm256_add_epi16(
-                    sums[r][k], _mm256_add_epi16(_mm256_maddubs_epi16(low[k], low_x),
-                                                 _mm256_maddubs_epi16(high[k], high_x)));
+            for (int k = 0; k < 4; k++) {
+                __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low[k], low_x),
+                                                _mm256_maddubs_epi16(high[k], high_x));
+                sums[r][k] = code_one_pass(KIND, R) ? _mm256_add_epi16(sums[r][k], both)
+                                    : _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(both, ones));
+            }
         }
     }
     for (int r = 0; r < R; r++) {
@@ -255,7 +265,9 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_group_avx2(
         for (int k = 0; k < 4; k++) {
             int lane = 32 * h + 8 * k;
             __m256 scale = _mm256_mul_ps(code_header_avx2(KIND, group, 0, lane), s);
-            __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][k], ones));
+            __m256 products = _mm256_cvtepi32_ps(code_one_pass(KIND, R)
+                                                     ? _mm256_madd_epi16(sums[r][k], ones)
+                                                        : sums[r][k]);
             __m256 offset = code_header_avx2(KIND, group, 1, lane);
             acc[r][k] = _mm256_fmadd_ps(scale, products, acc[r][k]);
             acc[r][k] = _mm256_fmadd_ps(offset, code_sum, acc[r][k]);
@@ -320,16 +332,13 @@ AVX2_F16C static inline __attribute__((always_inline)) void code_step_avx2(
         code_group_avx2(KIND, R, block, g, a, h, xq, first, in, acc);
 }
 
-/* code_tile and code_bytes_tile on AVX2 (the same bits): R rows of xq against one block. 1 or
- * 2 rows read each group once, both halves of the block's outputs (h) per activation group,
- * where reading one half over every group and then the other (two strided passes) left a row
- * from memory 1.1-1.2x slower; more rows keep that order (one pass, its sums spilling, was
- * 1.1x slower at 4 rows). Each output's sum takes the same steps in the same order. */
+/* code_tile and code_bytes_tile on AVX2 (the same bits): R rows of xq against one block, in
+ * one pass or two (code_one_pass); each output's sum takes the same steps in the same order. */
 AVX2_F16C static inline __attribute__((always_inline)) void code_tile_avx2(
     const int KIND, const int R, const uint8_t *block, long groups, const QuantizedRows *xq,
     long first, long in, float *y, long y_stride, long width, const float *bias) {
     const int activation_groups = QUANT_GROUP / ACTIVATION_GROUP;
-    if (R > 2) {
+    if (!code_one_pass(KIND, R)) {
         for (int h = 0; h < 2; h++) {
             __m256 acc[4][4]; /* row r's outputs 32h + 8k .. + 7 */
             for (int r = 0; r < R; r++)
