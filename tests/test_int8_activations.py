@@ -131,9 +131,9 @@ def test_8_bit_codes_at_their_extremes_give_exact_sums_on_both_kernels():
 @needs_code_kernels
 def test_4_bit_codes_at_their_extreme_give_exact_sums(rows):
     """Q4_1 codes all 15 against inputs that all round to codes of 127 (or -127, alternate
-    rows): the AVX2 kernel's int16 sums over an activation group's 16 inputs (16 x 15 x 127 in
-    two lanes, 15240 each) stay exact, one or two rows (every group read once) and four
-    (each half of a block's outputs in turn), and give the AVX-512 kernel's bits."""
+    rows): one or two rows (every group read once, the AVX2 kernel's int16 sums over an
+    activation group's 16 inputs: 16 x 15 x 127 in two lanes, 15240 each) and four (each half
+    of a block's outputs in turn, int32 sums) give exact sums and the AVX-512 kernel's bits."""
     rng = np.random.default_rng(17)
     blocks = random_blocks("Q4_1", 64, 128, rng)
     for block in range(4):  # each row's four blocks: d 0.5, m 0.25, every nibble 15
