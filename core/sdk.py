@@ -30,7 +30,8 @@ Executors
     pickled, or the error to raise when it cannot be), ``pickled_reply`` (a rank's
     reply pickled, or the error to send instead when it cannot be), ``loaded_reply`` (a
     reply loaded where it arrives, or the error to fail its call with); ``Spawner``,
-    ``ChildProcess`` (single processes that end with their parent); ``share_cores`` (a
+    ``ChildProcess``, ``ForkedChild`` (single processes that end with their parent, started
+    with exec or forked from a Spawner's fork server); ``share_cores`` (a
     rank's share of torch threads), ``place_rank`` (a rank bound to its cores of
     ``parallel.cpu_binding``, then its threads), ``bind_process`` (a driver bound beside a
     rank);
@@ -85,6 +86,7 @@ _WHERE = {
     "Worker": "shardline.worker.worker",
     "Spawner": "shardline.launch.tether",
     "ChildProcess": "shardline.launch.tether",
+    "ForkedChild": "shardline.launch.tether",
     "RankProcesses": "shardline.launch.runtime",
     "missed_phase": "shardline.launch.runtime",
     "failed_in_phase": "shardline.launch.runtime",

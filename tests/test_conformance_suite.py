@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from support.cli import ROOT, SHARDLINE, shardline
-from support.processes import child_commands
+from support.processes import descendant_commands
 
 SUITE_TIMEOUT = 900
 
@@ -70,7 +70,7 @@ def test_sigterm_stops_the_suite_ends_its_ranks_and_leaves_a_report_marked_parti
         # Mid-run: a case has passed, so a world of rank processes is up.
         while (progress := suite.stdout.read(1)) != ".":
             assert progress, "the suite ended before its first case"
-        ranks = [pid for pid, command in child_commands(suite.pid).items() if "rank" in command]
+        ranks = [pid for pid, cmd in descendant_commands(suite.pid).items() if "rank" in cmd]
         assert ranks
         suite.send_signal(signal.SIGTERM)
         output = progress + suite.communicate(timeout=60)[0]

@@ -22,7 +22,7 @@ from shardline.conformance.executors.checks import (
 )
 from support.cli import SHARDLINE
 from support.fake_plugins import install_plugin
-from support.processes import child_commands
+from support.processes import descendant_commands
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,22 +41,23 @@ def shardline_rank_starting(rank, world_size):
 """
 
 
-# A rank that starts slowly, as under load (100 ranks importing torch on 2 cores took
-# minutes): with STALL_STARTUP=1, Python stalls while it starts a rank process (after the
-# tether, in the rank's own interpreter).
-SLOW_START = """
+# Ranks that start slowly, as under load (100 ranks importing torch on 2 cores took
+# minutes): with STALL_STARTUP=1, Python stalls while it starts the fork server the ranks
+# are forked from (after the tether, in the server's own interpreter), so no rank exists yet.
+FORK_SERVER = "shardline.launch.fork_server"
+SLOW_START = f"""
 import os, time
 if os.environ.get("STALL_STARTUP") == "1":
     with open("/proc/self/cmdline", "rb") as command:
         line = command.read()
-    if b"child_main" in line or b"spawn_main" in line:
+    if b"{FORK_SERVER}" in line:
         time.sleep(60)
 """
 
 
 def _children(pid: int, name: str) -> list[int]:
-    """Live children of ``pid`` whose command line mentions ``name``."""
-    return [child for child, command in child_commands(pid).items() if name in command]
+    """Live descendants of ``pid`` whose command line mentions ``name``."""
+    return [child for child, command in descendant_commands(pid).items() if name in command]
 
 
 def _wait_for(condition, seconds: float, what: str):
@@ -105,12 +106,14 @@ def test_ranks_end_with_a_killed_driver_in_every_phase(tmp_path, kind, phase):
             env=environ,
         )
     ranks: list[int] = []
+    servers: list[int] = []
     try:
         assert json.loads(driver.stdout.readline())["phase"] == "starting"
         if phase == "spawn":
-            # Both ranks exist and are still starting (slowly, see SLOW_START).
-            _wait_for(lambda: len(_children(driver.pid, rank_name)) == 2, 60, "two ranks")
+            # The ranks' fork server exists and is still starting (slowly, see SLOW_START).
+            _wait_for(lambda: len(_children(driver.pid, FORK_SERVER)) == 1, 60, "a fork server")
             time.sleep(0.5)
+            assert _children(driver.pid, rank_name) == []
         else:
             if phase in ("idle", "step"):
                 line = driver.stdout.readline()
@@ -121,22 +124,25 @@ def test_ranks_end_with_a_killed_driver_in_every_phase(tmp_path, kind, phase):
                 "step": ["stepping-0", "stepping-1"],
             }.get(phase, [])
             _wait_for(lambda: all((markers / m).exists() for m in wanted), 60, str(wanted))
-        ranks = _children(driver.pid, rank_name)
-        assert len(ranks) == 2
+        ranks = _children(driver.pid, FORK_SERVER if phase == "spawn" else rank_name)
+        assert len(ranks) == (1 if phase == "spawn" else 2)
         if kind == "mp" and phase != "spawn":
             # Once every worker has mapped the rings (and said so), their names go.
             _wait_for(lambda: not mapped_segments([driver.pid, *ranks]), 10, "names gone")
             assert unlinked_segments(ranks)
         segments = mapped_segments([driver.pid, *ranks])
+        servers = _children(driver.pid, FORK_SERVER)
+        assert len(servers) == 1
         driver.kill()
         driver.wait(10)
         assert wait_gone(ranks, 2.0) == [], "ranks alive 2 s after the driver was killed"
+        assert wait_gone(servers, 1.0) == [], "the ranks' fork server outlived the driver"
         _wait_for(lambda: not any(path.exists() for path in segments), 5, f"{segments} removed")
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait(10)
-        for pid in alive(ranks):
+        for pid in alive(ranks + servers):
             os.kill(pid, signal.SIGKILL)
 
 

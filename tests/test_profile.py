@@ -42,14 +42,17 @@ def test_parts_are_exclusive_and_add_up_to_the_outermost_span():
     # fixed tolerance failed on a loaded host: the process lost the core between a clock and
     # the span's edge).
     outside_began = time.perf_counter()
+    inner_walls = 0.0  # each inner span measured from outside it: an upper bound
     with timer("step"):
         inside_began = time.perf_counter()
         time.sleep(0.01)
         for _ in range(3):
+            inner_began = time.perf_counter()
             with timer("inner"):
                 time.sleep(0.005)
                 with timer("innermost"):
                     time.sleep(0.002)
+            inner_walls += time.perf_counter() - inner_began
         inside = time.perf_counter() - inside_began
     outside = time.perf_counter() - outside_began
     report = timer.report()
@@ -60,7 +63,9 @@ def test_parts_are_exclusive_and_add_up_to_the_outermost_span():
     }
     assert report["innermost"]["seconds"] >= 3 * 0.002
     assert report["inner"]["seconds"] >= 3 * 0.005
-    assert report["inner"]["seconds"] < 3 * 0.005 + 3 * 0.002  # its nested part is not in it
+    # Its nested part is not in it (bounds from clocks read around it, not from the sleeps
+    # asked for: a loaded host oversleeps).
+    assert report["inner"]["seconds"] + report["innermost"]["seconds"] <= inner_walls
     assert inside <= sum(v["seconds"] for v in report.values()) <= outside
 
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from support.cli import SHARDLINE, shardline
-from support.processes import child_commands
+from support.processes import descendant_commands
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.timeout(300)
@@ -144,7 +144,7 @@ def test_a_worker_lost_while_the_chat_waits_ends_it_at_once(model_cache):
     )  # fmt: skip
     try:
         assert chat.stdout.read(5) == b"you> "  # the workers are up; nothing asked yet
-        workers = [p for p, c in child_commands(chat.pid).items() if "shardline-worker" in c]
+        workers = [p for p, c in descendant_commands(chat.pid).items() if "shardline-worker" in c]
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
         chat.wait(10)  # stdin stays open: no end of input

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure, WorkerError
-from shardline.launch.tether import ChildProcess, Spawner
+from shardline.launch.tether import ChildProcess, ForkedChild, Spawner
 
 #: How often the watch thread looks whether it was stopped, between deaths.
 _WATCH_POLL_S = 0.5
@@ -35,9 +35,11 @@ class RankProcesses:
         messages (``"worker "``: "worker rank 1 (pid ...) died ...")."""
         self.name = name
         self.role = role
-        self.processes: list[ChildProcess] = []
+        self.processes: list[ChildProcess | ForkedChild] = []
         self.launcher: subprocess.Popen | None = None
-        self._spawner = Spawner(f"{name}-spawner")
+        # Ranks forked from one server: one interpreter start and one import of the ranks'
+        # module (torch) for the world, not one per rank.
+        self._spawner = Spawner(f"{name}-spawner", fork_server=True)
         self._stopped = threading.Event()
 
     def start(
@@ -46,8 +48,9 @@ class RankProcesses:
         args: Sequence[Any],
         pass_fds: Sequence[int] = (),
         env: Mapping[str, str] | None = None,
-    ) -> ChildProcess:
-        """Start the next rank's process: ``target(*args)`` (see :meth:`Spawner.start`)."""
+    ) -> ChildProcess | ForkedChild:
+        """Start the next rank's process: ``target(*args)`` (see :meth:`Spawner.start`),
+        forked from the world's fork server (its pid known once forked)."""
         rank = len(self.processes)
         process = self._spawner.start(target, args, f"{self.name}-{rank}", pass_fds, env)
         self.processes.append(process)

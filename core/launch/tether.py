@@ -13,7 +13,9 @@ children start all the same; the ranks Shardline starts also watch their parent 
 Python children (:meth:`Spawner.start`) read their target and arguments from a pipe (pickled
 with cloudpickle, after ``sys.path`` and the multiprocessing authkey are set to the parent's,
 as multiprocessing's own children have them); file descriptors they need are passed by
-number.
+number. A Spawner made with ``fork_server=True`` forks them from a fork server of its own
+(:mod:`shardline.launch.fork_server`), which imports the target's module once for all of
+them, instead of starting an interpreter for each.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -96,17 +99,85 @@ class ChildProcess:
             self.sentinel = -1
 
 
+class ForkedChild:
+    """A Python child forked by a Spawner's fork server: :class:`ChildProcess`'s waiting
+    surface. ``pid`` is None until the server has forked it (the server may still be
+    importing); its end and exit code come from the server. A child the server never forked
+    (killed before, or the server gone) ends with -SIGKILL, as does one whose server died
+    before saying how it ended (its children get SIGKILL then)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pid: int | None = None
+        #: Readable once the process has ended (an eventfd).
+        self.sentinel = os.eventfd(0, os.EFD_CLOEXEC)
+        self._pidfd: int | None = None
+        self._exitcode: int | None = None
+        self._ended = threading.Event()
+        self._killed = False
+        self._lock = threading.Lock()
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while running; the exit status, or minus the signal that ended it."""
+        return self._exitcode if self._ended.is_set() else None
+
+    def is_alive(self) -> bool:
+        return not self._ended.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._ended.wait(timeout)
+
+    def kill(self) -> None:
+        with self._lock:
+            self._killed = True
+            self._signal_kill()
+
+    def close(self) -> None:
+        """Release the sentinel and the pidfd (after the process has ended)."""
+        with self._lock:
+            for fd in (self.sentinel, self._pidfd):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
+            self.sentinel, self._pidfd = -1, None
+
+    def forked(self, pid: int, pidfd: int) -> None:
+        """The server forked this child as ``pid`` (``pidfd`` names it, kept here)."""
+        with self._lock:
+            self.pid, self._pidfd = pid, pidfd
+            if self._killed:
+                self._signal_kill()
+
+    def ended(self, exitcode: int) -> None:
+        """The child ended with ``exitcode`` (the first report counts)."""
+        with self._lock:
+            if self._ended.is_set():
+                return
+            self._exitcode = exitcode
+            self._ended.set()
+            if self.sentinel >= 0:
+                os.eventfd_write(self.sentinel, 1)
+
+    def _signal_kill(self) -> None:
+        if self._pidfd is not None and not self._ended.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+
 class Spawner:
     """Starts tethered children from one thread of its own (see the module docstring).
 
     Closing it ends the thread, and with it every child still running: close it after the
-    children have been stopped.
+    children have been stopped. With ``fork_server``, :meth:`start` forks Python children
+    from a fork server the first call starts (see :class:`_ForkServer`).
     """
 
-    def __init__(self, name: str = "shardline-spawner") -> None:
+    def __init__(self, name: str = "shardline-spawner", fork_server: bool = False) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        self._use_fork_server = fork_server
+        self._fork_server: _ForkServer | None = None
 
     def popen(
         self, command: Sequence[str], death_signal: int = signal.SIGKILL, **popen_args: Any
@@ -123,11 +194,11 @@ class Spawner:
         name: str,
         pass_fds: Sequence[int] = (),
         env: Mapping[str, str] | None = None,
-    ) -> ChildProcess:
+    ) -> ChildProcess | ForkedChild:
         """Run ``target(*args)`` in a new Python process, with ``env`` as its environment
-        (default: this process's); ``pass_fds`` stay open there under the same numbers. Its
-        exit code is 0 when ``target`` returns, 1 when it raises (the traceback goes to
-        stderr)."""
+        (default: this process's); ``pass_fds`` stay open there under the same numbers (the
+        caller may close its own once this returns). Its exit code is 0 when ``target``
+        returns, 1 when it raises (the traceback goes to stderr)."""
         # sys.path first (the target may live anywhere the parent can import from), and the
         # parent's multiprocessing authkey, which tensors passed through connections need.
         setting = (list(sys.path), bytes(multiprocessing.current_process().authkey))
@@ -136,19 +207,25 @@ class Spawner:
         )
         read_end, write_end = os.pipe()
         try:
-            program = "from shardline.launch.tether import child_main; child_main()"
-            popen = self.popen(
-                [sys.executable, "-c", program, str(read_end), name],
-                stdin=subprocess.DEVNULL,
-                pass_fds=(read_end, *pass_fds),
-                env=None if env is None else dict(env),
-            )
+            if self._use_fork_server:
+                child: ChildProcess | ForkedChild = self._fork(
+                    target, name, read_end, pass_fds, env
+                )
+            else:
+                program = "import sys; from shardline.launch.tether import child_main; "
+                program += "child_main(int(sys.argv[1]))"
+                popen = self.popen(
+                    [sys.executable, "-c", program, str(read_end), name],
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(read_end, *pass_fds),
+                    env=None if env is None else dict(env),
+                )
+                child = ChildProcess(popen, name)
         except BaseException:
             os.close(write_end)
             raise
         finally:
             os.close(read_end)
-        child = ChildProcess(popen, name)
         # Written from a thread: a payload larger than the pipe must not block the caller
         # while the child is still starting.
         threading.Thread(
@@ -156,11 +233,44 @@ class Spawner:
         ).start()
         return child
 
+    def _fork(
+        self,
+        target: Callable[..., Any],
+        name: str,
+        payload: int,
+        pass_fds: Sequence[int],
+        env: Mapping[str, str] | None,
+    ) -> ForkedChild:
+        """Ask the fork server (started here the first time, importing ``target``'s module)
+        for the child; returns at once, the request going out from the spawner's thread."""
+        environ = dict(os.environ if env is None else env)
+        if self._fork_server is None:
+            self._fork_server = _ForkServer(self.popen, environ, [target.__module__])
+        server = self._fork_server
+        child = ForkedChild(name)
+        numbers = [payload, 0, 1, 2, *pass_fds]
+        fds: list[int] = []
+        try:
+            fds.append(os.dup(payload))
+            fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            fds += [os.dup(number) for number in numbers[2:]]
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self._requests.put((lambda: server.fork(child, environ, numbers, fds), None))
+        return child
+
     def close(self) -> None:
         """End the spawner's thread (and so every child still running). Idempotent."""
+        if self._fork_server is not None:
+            # Its children get SIGKILL as it ends; a request waiting on it returns.
+            self._fork_server.kill()
         if self._thread.is_alive():
             self._requests.put(None)
             self._thread.join()
+        if self._fork_server is not None:
+            self._fork_server.close()
 
     def _call(self, action: Callable[[], Any]) -> Any:
         if not self._thread.is_alive():
@@ -173,9 +283,105 @@ class Spawner:
         while (request := self._requests.get()) is not None:
             action, future = request
             try:
-                future.set_result(action())
+                result = action()
             except BaseException as error:
-                future.set_exception(error)
+                if future is not None:
+                    future.set_exception(error)
+            else:
+                if future is not None:
+                    future.set_result(result)
+
+
+class _ForkServer:
+    """This end of a fork server (:mod:`shardline.launch.fork_server`): its process, the
+    socket requests go through, and a thread that reads how each child ended."""
+
+    def __init__(
+        self,
+        popen: Callable[..., subprocess.Popen],
+        environ: dict[str, str],
+        preload: list[str],
+    ) -> None:
+        """Start the server with ``popen`` (a Spawner's, so tethered) and ``environ``; it
+        imports ``preload`` before it forks anything."""
+        self._requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ends, ends_write = os.pipe()
+        try:
+            program = "from shardline.launch.fork_server import main; main()"
+            self.process = popen(
+                [sys.executable, "-c", program, str(theirs.fileno()), str(ends_write)],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(), ends_write),
+                env=environ,
+            )
+        except BaseException:
+            self._requests.close()
+            os.close(ends)
+            raise
+        finally:
+            theirs.close()
+            os.close(ends_write)
+        authkey = bytes(multiprocessing.current_process().authkey)
+        with contextlib.suppress(OSError):  # a server already gone is seen as the ends close
+            self._requests.send(pickle.dumps((list(sys.path), authkey, preload)))
+        self._lock = threading.Lock()
+        self._children: dict[int, ForkedChild] = {}  # by pid, until they end
+        self._early_ends: dict[int, int] = {}  # pid -> exit code, read before the fork reply
+        self._gone = False
+        self._reader = threading.Thread(
+            target=self._read_ends, args=(ends,), name="shardline-fork-server-ends", daemon=True
+        )
+        self._reader.start()
+
+    def fork(self, child: ForkedChild, env: dict[str, str], numbers: list[int], fds: list[int]):
+        """Have the server fork ``child`` with ``fds`` placed at ``numbers`` (closed here)
+        and ``env``; blocks while the server is still importing."""
+        try:
+            socket.send_fds(self._requests, [pickle.dumps((child.name, env, numbers))], fds)
+            data, got, _, _ = socket.recv_fds(self._requests, 4096, 1)
+        except OSError:
+            data, got = b"", []
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if not data or not got:
+            child.ended(-signal.SIGKILL)  # the server is gone: it never forked the child
+            return
+        pid = pickle.loads(data)
+        child.forked(pid, got[0])
+        with self._lock:
+            code = self._early_ends.pop(pid, None)
+            if code is None and not self._gone:
+                self._children[pid] = child
+        if code is not None or self._gone:
+            child.ended(-signal.SIGKILL if code is None else code)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+
+    def close(self) -> None:
+        """Reap the server (killed first) and release everything."""
+        self.kill()
+        self.process.wait()
+        self._reader.join()
+        self._requests.close()
+
+    def _read_ends(self, ends: int) -> None:
+        with os.fdopen(ends, "rb") as lines:
+            for line in lines:
+                pid, code = (int(word) for word in line.split())
+                with self._lock:
+                    child = self._children.pop(pid, None)
+                    if child is None:
+                        self._early_ends[pid] = code
+                if child is not None:
+                    child.ended(code)
+        with self._lock:
+            self._gone = True
+            orphans, self._children = list(self._children.values()), {}
+        for child in orphans:
+            child.ended(-signal.SIGKILL)
 
 
 def _frame(data: bytes) -> bytes:
@@ -201,10 +407,10 @@ def _cloudpickle():
     return cloudpickle
 
 
-def child_main() -> None:
-    """The body of a child of :meth:`Spawner.start` (argv: PAYLOAD_FD NAME)."""
+def child_main(payload: int) -> None:
+    """The body of a child of :meth:`Spawner.start`: run what the ``payload`` pipe holds."""
     try:
-        with os.fdopen(int(sys.argv[1]), "rb") as source:
+        with os.fdopen(payload, "rb") as source:
             sys.path[:], authkey = pickle.loads(_read_frame(source))
             call = _read_frame(source)
     except EOFError:  # the parent died before it sent the payload

@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing
-import os
 import pickle
 import pickletools
 import threading
@@ -204,7 +203,6 @@ class MultiprocExecutor(Executor):
                         self._heartbeats.name,
                         doorbell.fileno(),
                         self._ring_reply_bell.fileno(),
-                        os.getpid(),
                     ),
                     pass_fds=(doorbell.fileno(), self._ring_reply_bell.fileno()),
                 )

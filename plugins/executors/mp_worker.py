@@ -39,8 +39,9 @@ def worker_main(
     heartbeats: str,
     doorbell_fd: int,
     reply_bell_fd: int,
-    parent_pid: int,
 ) -> None:
+    # The parent: the driver, or the fork server that ends with it (checked alive at start).
+    parent_pid = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_beating(heartbeats, rank)
     ranks_on_host = world_size * config.parallel.worlds_side_by_side
@@ -120,7 +121,8 @@ def _serve(rank: int, worker: Any, inbox: ShmRing, doorbell: Any, outbox: ShmRin
 
 
 def _exit_with_parent(parent_pid: int, segments: list[str]) -> None:
-    """Watch the driver; when it is gone, remove its segments and end this process."""
+    """Watch the parent (the driver, or the fork server that ends with it); when it is gone,
+    remove the driver's segments and end this process."""
     while os.getppid() == parent_pid:
         time.sleep(_PARENT_CHECK_S)
     _leave(segments)

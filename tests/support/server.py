@@ -14,7 +14,7 @@ import httpx
 
 from shardline.conformance.executors.checks import alive, wait_gone
 from support.cli import ROOT, SHARDLINE
-from support.processes import child_commands
+from support.processes import descendant_commands
 
 #: Seconds a server may take to print its banner.
 START_S = 90.0
@@ -64,7 +64,7 @@ class Server:
     def workers(self) -> list[int]:
         """Live rank processes of this server (rank order)."""
         found = {}
-        for child, command in child_commands(self.process.pid).items():
+        for child, command in descendant_commands(self.process.pid).items():
             rank = re.search(r"shardline-worker-(\d+)", command)
             if rank:
                 found[int(rank.group(1))] = child
