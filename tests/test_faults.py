@@ -16,7 +16,8 @@ from shardline.conformance.faults.scenarios import SCENARIOS
 from support.cli import ROOT, shardline
 from support.segments import job_segments
 
-pytestmark = pytest.mark.alone  # faults must end within the deadline + 1 s
+# The tests that run fault scenarios are marked ``alone``: faults must end within the
+# deadline + 1 s, judged while no other test runs. The refusals run beside other tests.
 
 MATRIX_TIMEOUT = 1200
 SUPPORT = ROOT / "tests" / "support"
@@ -31,6 +32,7 @@ EXPECTED_RUN = {
 }
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(MATRIX_TIMEOUT + 60)
 def test_every_fault_ends_typed_in_time_with_nothing_left(tmp_path, tiny_llama_dir):
     """... beside another job: an idle mp engine and segments named as other software names
@@ -103,6 +105,7 @@ def _run_matrix(tmp_path):
             assert "all_reduce [8, 16] float32" in messages, messages
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(600)
 def test_pipeline_stage_faults_end_typed_in_time(tmp_path):
     """The pp layout (two pipeline stages; the victim is the last, the output rank): killed
@@ -140,6 +143,7 @@ def test_pipeline_stage_faults_end_typed_in_time(tmp_path):
             assert "recv" in first["message"] and "all_reduce" not in first["message"], first
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(300)
 def test_a_backend_that_would_unpickle_anything_never_gets_the_chance(tmp_path):
     """Objects are the control plane's, over any backend's tensor operations: a backend whose
@@ -161,6 +165,7 @@ def test_a_backend_that_would_unpickle_anything_never_gets_the_chance(tmp_path):
     assert outcomes["ill-formed tensor dict"]["outcome"] == "passed"
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(300)
 def test_the_suite_catches_a_backend_that_leaves_a_segment(tmp_path):
     report_path = tmp_path / "faults.json"
