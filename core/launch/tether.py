@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from shardline.launch.fork_server import MAX_FDS
+
 #: Runs before anything else in a child: argv is PARENT_PID SIGNAL PROGRAM [ARGS...].
 _TETHER = """\
 import ctypes, os, sys
@@ -247,8 +249,10 @@ class Spawner:
         if self._fork_server is None:
             self._fork_server = _ForkServer(self.popen, environ, [target.__module__])
         server = self._fork_server
-        child = ForkedChild(name)
         numbers = [payload, 0, 1, 2, *pass_fds]
+        if len(numbers) > MAX_FDS:
+            raise ValueError(f"pass_fds: {len(pass_fds)} given; allowed: at most {MAX_FDS - 4}")
+        child = ForkedChild(name)
         fds: list[int] = []
         try:
             fds.append(os.dup(payload))
