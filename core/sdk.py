@@ -31,7 +31,8 @@ Executors
     reply pickled, or the error to send instead when it cannot be), ``loaded_reply`` (a
     reply loaded where it arrives, or the error to fail its call with); ``Spawner``,
     ``ChildProcess``, ``ForkedChild`` (single processes that end with their parent, started
-    with exec or forked from a Spawner's fork server); ``share_cores`` (a
+    with exec or forked from a fork server), ``ForkServers`` (fork servers a process's worlds
+    share; ``ForkServers.process_wide()``); ``share_cores`` (a
     rank's share of torch threads), ``place_rank`` (a rank bound to its cores of
     ``parallel.cpu_binding``, then its threads), ``bind_process`` (a driver bound beside a
     rank);
@@ -87,6 +88,7 @@ _WHERE = {
     "Spawner": "shardline.launch.tether",
     "ChildProcess": "shardline.launch.tether",
     "ForkedChild": "shardline.launch.tether",
+    "ForkServers": "shardline.launch.fork_servers",
     "RankProcesses": "shardline.launch.runtime",
     "missed_phase": "shardline.launch.runtime",
     "failed_in_phase": "shardline.launch.runtime",

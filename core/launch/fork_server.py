@@ -1,23 +1,26 @@
-"""A fork server: one Python process that imports what a world's ranks need (torch,
-Shardline, the ranks' own module) once, then forks each rank from itself. A rank started with
-``exec`` pays an interpreter start and ``import torch`` (about 2 s of CPU on a 2-core host);
-N ranks forked from one server pay it once.
+"""A fork server: one Python process that imports what ranks need (torch, Shardline, the
+ranks' own modules) once, then forks each rank from itself. A rank started with ``exec`` pays
+an interpreter start and ``import torch`` (about 2 s of CPU on a 2-core host); ranks forked
+from one server pay it once, whichever world they belong to (see
+:class:`~shardline.launch.fork_servers.ForkServers`).
 
 The server is a tethered child of a :class:`~shardline.launch.tether.Spawner` (it ends when
-the Spawner's thread ends, or when the Spawner kills it). It ignores SIGINT (Ctrl-C is the
-driver's to handle) and is single-threaded, so each child it forks asks for SIGKILL when the
-server ends (``PR_SET_PDEATHSIG`` follows the forking thread) and checks that the server is
-still its parent: the chain keeps the tether's promise. A child gets what an exec'd child of
-the Spawner would have: SIGINT's default back, the caller's standard input, output and error
-and its passed descriptors at their numbers and no other descriptor, the environment it was
-given, and its name as its command line (``ps``, ``/proc/PID/cmdline``; as long as the
-server's own command line).
+the Spawner's thread ends, or when it is killed). It ignores SIGINT (Ctrl-C is the driver's to
+handle) and is single-threaded, so each child it forks asks for SIGKILL when the server ends
+(``PR_SET_PDEATHSIG`` follows the forking thread) and checks that the server is still its
+parent: the chain keeps the tether's promise. A child gets what an exec'd child of the Spawner
+would have: SIGINT's default back, the caller's standard input, output and error and its
+passed descriptors at their numbers and no other descriptor, the environment it was given,
+and its name as its command line (``ps``, ``/proc/PID/cmdline``; cut to the server's own
+command line's length).
 
 Protocol, over a SOCK_SEQPACKET socket pair: the first packet is the pickled
-``(sys.path, authkey, preload)``; then each request is one packet, the pickled
-``(name, env, numbers)`` carrying the descriptors to place at ``numbers``, whose first is the
-payload pipe :func:`~shardline.launch.tether.child_main` reads; its reply, the pickled child
-pid carrying a pidfd of the child. Each child's end goes out on a pipe as a line ``PID CODE``
+``(sys.path, authkey)``; then each request is one packet, the pickled
+``(name, env, numbers, module, cpus)`` carrying the descriptors to place at ``numbers``,
+whose first is the payload pipe :func:`~shardline.launch.tether.child_main` reads; the server
+imports ``module`` (the target's) first if it has not yet, and the child runs on ``cpus``
+(the asking thread's, as an exec'd child would inherit them). Its reply, the pickled child pid
+carrying a pidfd of the child. Each child's end goes out on a pipe as a line ``PID CODE``
 (CODE as :attr:`subprocess.Popen.returncode`: minus the signal that ended it).
 """
 
@@ -52,6 +55,7 @@ class _Child:
     env: dict[str, str]
     fds: dict[int, int]
     server: int
+    cpus: list[int]
 
     @property
     def payload(self) -> int:
@@ -64,16 +68,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     requests = socket.socket(fileno=int(sys.argv[1]))
     statuses = int(sys.argv[2])
-    sys.path[:], authkey, preload = pickle.loads(requests.recv(MAX_PACKET))
+    sys.path[:], authkey = pickle.loads(requests.recv(MAX_PACKET))
     multiprocessing.current_process().authkey = authkey
-    for module in preload:
-        # A module that fails here fails again in the child, which reports why.
-        with contextlib.suppress(Exception):
-            importlib.import_module(module)
-    # What the server holds lives as long as each child: out of the cyclic collector's
-    # sight, and no child's collection touches (and so copies) those pages.
-    gc.collect()
-    gc.freeze()
     child = _serve(requests, statuses)
     if child is not None:
         _become(child)
@@ -103,7 +99,9 @@ def _serve(requests: socket.socket, statuses: int) -> _Child | None:
                 data, fds, _, _ = socket.recv_fds(requests, MAX_PACKET, MAX_FDS)
                 if not data:
                     return None
-                name, env, numbers = pickle.loads(data)
+                name, env, numbers, module, cpus = pickle.loads(data)
+                if module not in sys.modules:
+                    _preload(module)
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
@@ -111,13 +109,24 @@ def _serve(requests: socket.socket, statuses: int) -> _Child | None:
                     os.close(statuses)
                     for other in children:
                         os.close(other)
-                    return _Child(name, env, dict(zip(numbers, fds, strict=True)), server)
+                    return _Child(name, env, dict(zip(numbers, fds, strict=True)), server, cpus)
                 for fd in fds:
                     os.close(fd)
                 pidfd = os.pidfd_open(pid)
                 socket.send_fds(requests, [pickle.dumps(pid)], [pidfd])
                 children[pidfd] = pid
                 selector.register(pidfd, selectors.EVENT_READ)
+
+
+def _preload(module: str) -> None:
+    """Import ``module`` here, once for every child that runs a target of it."""
+    # A module that fails here fails again in the child, which reports why.
+    with contextlib.suppress(Exception):
+        importlib.import_module(module)
+    # What the server holds lives as long as each child: out of the cyclic collector's
+    # sight, and no child's collection touches (and so copies) those pages.
+    gc.collect()
+    gc.freeze()
 
 
 def _become(child: _Child) -> None:
@@ -127,6 +136,8 @@ def _become(child: _Child) -> None:
     if os.getppid() != child.server:  # the server died before the signal was asked for
         os._exit(128 + signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    with contextlib.suppress(OSError):  # a core gone offline since: the server's stay
+        os.sched_setaffinity(0, child.cpus)
     # Out of the way of the numbers first, then placed; every other descriptor closed.
     above = max(*child.fds, *child.fds.values()) + 1
     moved = {number: os.dup2(fd, above + i) for i, (number, fd) in enumerate(child.fds.items())}

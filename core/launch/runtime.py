@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardline.errors import CommTimeoutError, PeerLostError, RemoteFailure, WorkerError
-from shardline.launch.tether import ChildProcess, ForkedChild, Spawner
+from shardline.launch.fork_servers import ForkServers
+from shardline.launch.tether import SpawnedChild, Spawner
 
 #: How often the watch thread looks whether it was stopped, between deaths.
 _WATCH_POLL_S = 0.5
@@ -35,11 +36,11 @@ class RankProcesses:
         messages (``"worker "``: "worker rank 1 (pid ...) died ...")."""
         self.name = name
         self.role = role
-        self.processes: list[ChildProcess | ForkedChild] = []
+        self.processes: list[SpawnedChild] = []
         self.launcher: subprocess.Popen | None = None
-        # Ranks forked from one server: one interpreter start and one import of the ranks'
-        # module (torch) for the world, not one per rank.
-        self._spawner = Spawner(f"{name}-spawner", fork_server=True)
+        # Ranks forked from a server this process's worlds share: one interpreter start and
+        # one import of the ranks' module (torch), not one per rank or per world.
+        self._spawner = Spawner(f"{name}-spawner", fork_servers=ForkServers.process_wide())
         self._stopped = threading.Event()
 
     def start(
@@ -48,9 +49,9 @@ class RankProcesses:
         args: Sequence[Any],
         pass_fds: Sequence[int] = (),
         env: Mapping[str, str] | None = None,
-    ) -> ChildProcess | ForkedChild:
+    ) -> SpawnedChild:
         """Start the next rank's process: ``target(*args)`` (see :meth:`Spawner.start`),
-        forked from the world's fork server (its pid known once forked)."""
+        forked from this process's fork server for ``env`` (its pid known once forked)."""
         rank = len(self.processes)
         process = self._spawner.start(target, args, f"{self.name}-{rank}", pass_fds, env)
         self.processes.append(process)

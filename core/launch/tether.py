@@ -13,9 +13,9 @@ children start all the same; the ranks Shardline starts also watch their parent 
 Python children (:meth:`Spawner.start`) read their target and arguments from a pipe (pickled
 with cloudpickle, after ``sys.path`` and the multiprocessing authkey are set to the parent's,
 as multiprocessing's own children have them); file descriptors they need are passed by
-number. A Spawner made with ``fork_server=True`` forks them from a fork server of its own
-(:mod:`shardline.launch.fork_server`), which imports the target's module once for all of
-them, instead of starting an interpreter for each.
+number. A Spawner given :class:`~shardline.launch.fork_servers.ForkServers` forks them from
+a fork server there (:mod:`shardline.launch.fork_server`), which imports the target's module
+once for all of them, instead of starting an interpreter for each.
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shardline.launch.fork_server import MAX_FDS
+
+if TYPE_CHECKING:
+    from shardline.launch.fork_servers import ForkServer, ForkServers
 
 #: Runs before anything else in a child: argv is PARENT_PID SIGNAL PROGRAM [ARGS...].
 _TETHER = """\
@@ -66,9 +68,31 @@ def tethered(command: Sequence[str], death_signal: int = signal.SIGKILL) -> list
     ]
 
 
+class SpawnedChild(Protocol):
+    """What :meth:`Spawner.start` returns, exec'd (:class:`ChildProcess`) or forked
+    (:class:`ForkedChild`): ``multiprocessing.Process``'s waiting surface."""
+
+    name: str
+    #: Readable once the process has ended.
+    sentinel: int
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class ChildProcess:
-    """A Python child started by :meth:`Spawner.start`: ``multiprocessing.Process``'s
-    waiting surface (``pid``, ``sentinel``, ``exitcode``, ``join``, ``kill``)."""
+    """A Python child exec'd by :meth:`Spawner.start` (a :class:`SpawnedChild`)."""
 
     def __init__(self, popen: subprocess.Popen, name: str) -> None:
         self._popen = popen
@@ -102,11 +126,11 @@ class ChildProcess:
 
 
 class ForkedChild:
-    """A Python child forked by a Spawner's fork server: :class:`ChildProcess`'s waiting
-    surface. ``pid`` is None until the server has forked it (the server may still be
-    importing); its end and exit code come from the server. A child the server never forked
-    (killed before, or the server gone) ends with -SIGKILL, as does one whose server died
-    before saying how it ended (its children get SIGKILL then)."""
+    """A Python child forked by a fork server (a :class:`SpawnedChild`). ``pid`` is None
+    until the server has forked it (the server may still be importing); its end and exit
+    code come from the server. A child the server never forked (killed before, or the server
+    gone) ends with -SIGKILL, as does one whose server died before saying how it ended (its
+    children get SIGKILL then)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -134,6 +158,11 @@ class ForkedChild:
         with self._lock:
             self._killed = True
             self._signal_kill()
+
+    @property
+    def killed(self) -> bool:
+        """Whether :meth:`kill` was called (a child not yet forked then never is)."""
+        return self._killed
 
     def close(self) -> None:
         """Release the sentinel and the pidfd (after the process has ended)."""
@@ -170,16 +199,19 @@ class Spawner:
     """Starts tethered children from one thread of its own (see the module docstring).
 
     Closing it ends the thread, and with it every child still running: close it after the
-    children have been stopped. With ``fork_server``, :meth:`start` forks Python children
-    from a fork server the first call starts (see :class:`_ForkServer`).
+    children have been stopped. With ``fork_servers``, :meth:`start` forks Python children
+    from a server there (held until :meth:`close`).
     """
 
-    def __init__(self, name: str = "shardline-spawner", fork_server: bool = False) -> None:
+    def __init__(
+        self, name: str = "shardline-spawner", fork_servers: ForkServers | None = None
+    ) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
-        self._use_fork_server = fork_server
-        self._fork_server: _ForkServer | None = None
+        self._fork_servers = fork_servers
+        self._held: list[ForkServer] = []
+        self._forked: list[ForkedChild] = []
 
     def popen(
         self, command: Sequence[str], death_signal: int = signal.SIGKILL, **popen_args: Any
@@ -196,7 +228,7 @@ class Spawner:
         name: str,
         pass_fds: Sequence[int] = (),
         env: Mapping[str, str] | None = None,
-    ) -> ChildProcess | ForkedChild:
+    ) -> SpawnedChild:
         """Run ``target(*args)`` in a new Python process, with ``env`` as its environment
         (default: this process's); ``pass_fds`` stay open there under the same numbers (the
         caller may close its own once this returns). Its exit code is 0 when ``target``
@@ -209,9 +241,9 @@ class Spawner:
         )
         read_end, write_end = os.pipe()
         try:
-            if self._use_fork_server:
-                child: ChildProcess | ForkedChild = self._fork(
-                    target, name, read_end, pass_fds, env
+            if self._fork_servers is not None:
+                child: SpawnedChild = self._fork(
+                    self._fork_servers, target, name, read_end, pass_fds, env
                 )
             else:
                 program = "import sys; from shardline.launch.tether import child_main; "
@@ -237,21 +269,24 @@ class Spawner:
 
     def _fork(
         self,
+        fork_servers: ForkServers,
         target: Callable[..., Any],
         name: str,
         payload: int,
         pass_fds: Sequence[int],
         env: Mapping[str, str] | None,
     ) -> ForkedChild:
-        """Ask the fork server (started here the first time, importing ``target``'s module)
-        for the child; returns at once, the request going out from the spawner's thread."""
-        environ = dict(os.environ if env is None else env)
-        if self._fork_server is None:
-            self._fork_server = _ForkServer(self.popen, environ, [target.__module__])
-        server = self._fork_server
+        """Ask a fork server for ranks with ``env`` for the child; returns at once (the
+        server may still be importing ``target``'s module)."""
         numbers = [payload, 0, 1, 2, *pass_fds]
         if len(numbers) > MAX_FDS:
             raise ValueError(f"pass_fds: {len(pass_fds)} given; allowed: at most {MAX_FDS - 4}")
+        environ = dict(os.environ if env is None else env)
+        server = fork_servers.acquire(environ)
+        if server in self._held:
+            fork_servers.release(server)  # held once per spawner
+        else:
+            self._held.append(server)
         child = ForkedChild(name)
         fds: list[int] = []
         try:
@@ -262,19 +297,23 @@ class Spawner:
             for fd in fds:
                 os.close(fd)
             raise
-        self._requests.put((lambda: server.fork(child, environ, numbers, fds), None))
+        # The calling thread's cores, as an exec'd child inherits them (not the server's).
+        cpus = sorted(os.sched_getaffinity(0))
+        server.fork(child, environ, numbers, fds, target.__module__, cpus)
+        self._forked.append(child)
         return child
 
     def close(self) -> None:
-        """End the spawner's thread (and so every child still running). Idempotent."""
-        if self._fork_server is not None:
-            # Its children get SIGKILL as it ends; a request waiting on it returns.
-            self._fork_server.kill()
+        """End the spawner's thread and every child still running (forked ones are killed;
+        one not forked yet never is). Idempotent."""
+        for child in self._forked:
+            child.kill()
         if self._thread.is_alive():
             self._requests.put(None)
             self._thread.join()
-        if self._fork_server is not None:
-            self._fork_server.close()
+        if self._fork_servers is not None:
+            while self._held:
+                self._fork_servers.release(self._held.pop())
 
     def _call(self, action: Callable[[], Any]) -> Any:
         if not self._thread.is_alive():
@@ -294,98 +333,6 @@ class Spawner:
             else:
                 if future is not None:
                     future.set_result(result)
-
-
-class _ForkServer:
-    """This end of a fork server (:mod:`shardline.launch.fork_server`): its process, the
-    socket requests go through, and a thread that reads how each child ended."""
-
-    def __init__(
-        self,
-        popen: Callable[..., subprocess.Popen],
-        environ: dict[str, str],
-        preload: list[str],
-    ) -> None:
-        """Start the server with ``popen`` (a Spawner's, so tethered) and ``environ``; it
-        imports ``preload`` before it forks anything."""
-        self._requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        ends, ends_write = os.pipe()
-        try:
-            program = "from shardline.launch.fork_server import main; main()"
-            self.process = popen(
-                [sys.executable, "-c", program, str(theirs.fileno()), str(ends_write)],
-                stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(), ends_write),
-                env=environ,
-            )
-        except BaseException:
-            self._requests.close()
-            os.close(ends)
-            raise
-        finally:
-            theirs.close()
-            os.close(ends_write)
-        authkey = bytes(multiprocessing.current_process().authkey)
-        with contextlib.suppress(OSError):  # a server already gone is seen as the ends close
-            self._requests.send(pickle.dumps((list(sys.path), authkey, preload)))
-        self._lock = threading.Lock()
-        self._children: dict[int, ForkedChild] = {}  # by pid, until they end
-        self._early_ends: dict[int, int] = {}  # pid -> exit code, read before the fork reply
-        self._gone = False
-        self._reader = threading.Thread(
-            target=self._read_ends, args=(ends,), name="shardline-fork-server-ends", daemon=True
-        )
-        self._reader.start()
-
-    def fork(self, child: ForkedChild, env: dict[str, str], numbers: list[int], fds: list[int]):
-        """Have the server fork ``child`` with ``fds`` placed at ``numbers`` (closed here)
-        and ``env``; blocks while the server is still importing."""
-        try:
-            socket.send_fds(self._requests, [pickle.dumps((child.name, env, numbers))], fds)
-            data, got, _, _ = socket.recv_fds(self._requests, 4096, 1)
-        except OSError:
-            data, got = b"", []
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if not data or not got:
-            child.ended(-signal.SIGKILL)  # the server is gone: it never forked the child
-            return
-        pid = pickle.loads(data)
-        child.forked(pid, got[0])
-        with self._lock:
-            code = self._early_ends.pop(pid, None)
-            if code is None and not self._gone:
-                self._children[pid] = child
-        if code is not None or self._gone:
-            child.ended(-signal.SIGKILL if code is None else code)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
-
-    def close(self) -> None:
-        """Reap the server (killed first) and release everything."""
-        self.kill()
-        self.process.wait()
-        self._reader.join()
-        self._requests.close()
-
-    def _read_ends(self, ends: int) -> None:
-        with os.fdopen(ends, "rb") as lines:
-            for line in lines:
-                pid, code = (int(word) for word in line.split())
-                with self._lock:
-                    child = self._children.pop(pid, None)
-                    if child is None:
-                        self._early_ends[pid] = code
-                if child is not None:
-                    child.ended(code)
-        with self._lock:
-            self._gone = True
-            orphans, self._children = list(self._children.values()), {}
-        for child in orphans:
-            child.ended(-signal.SIGKILL)
 
 
 def _frame(data: bytes) -> bytes:

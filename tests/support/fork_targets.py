@@ -21,6 +21,8 @@ def describe(report: str, fd: int) -> None:
         "stdin": os.readlink("/proc/self/fd/0"),
         "open_fds": open_fds,
         "marker": os.environ.get("FORK_TEST_MARKER"),
+        "test": os.environ.get("PYTEST_CURRENT_TEST"),
+        "cpus": sorted(os.sched_getaffinity(0)),
         "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
     }
     Path(report).write_text(json.dumps(facts))
