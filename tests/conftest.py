@@ -25,9 +25,13 @@ def pytest_configure_node(node):
     alone.hand_to_worker(node)
 
 
+def pytest_collection_modifyitems(items):
+    alone.first(items)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with alone.turn(item):
+    with alone.turn(item, nextitem):
         return (yield)
 
 

@@ -7,12 +7,17 @@ the controller makes when it configures its first worker: every test passes a tu
 holds the lock shared (most tests) or exclusive (``alone``); a test waiting for the exclusive
 lock keeps the turnstile, so the other worker starts nothing new meanwhile. The kernel drops a
 dead worker's locks.
+
+The ``alone`` tests come first in the run (:func:`first`), and a worker keeps the exclusive
+lock from one ``alone`` test to the next: the other worker waits for one run of them, not once
+per test behind whatever it started in between.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -24,6 +29,17 @@ MARKER = "alone: runs while no other test runs (it judges time with a tight slac
 #: The key of the lock folder in a worker's ``workerinput``.
 FOLDER_KEY = "shardline_alone_folder"
 _FOLDER = pytest.StashKey[str]()
+#: The descriptor of the lock a worker holds exclusively from one ``alone`` test to the next.
+_HELD = pytest.StashKey[int]()
+
+
+def first(items: list[pytest.Item]) -> None:
+    """Put the ``alone`` tests first (in their order), the others after (in theirs)."""
+    items.sort(key=lambda item: not _is_alone(item))
+
+
+def _is_alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
 
 
 def hand_to_worker(node) -> None:
@@ -41,21 +57,26 @@ def remove_folder(config: pytest.Config) -> None:
 
 
 @contextlib.contextmanager
-def turn(item: pytest.Item) -> Iterator[None]:
-    """Hold the lock for ``item``'s whole run (setup, call, teardown); nothing to hold when
-    this process is not an xdist worker."""
+def turn(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Hold the lock for ``item``'s whole run (setup, call, teardown), and on to ``nextitem``
+    when both are ``alone``; nothing to hold when this process is not an xdist worker."""
     folder = getattr(item.config, "workerinput", {}).get(FOLDER_KEY)
     if folder is None:
         yield
         return
-    exclusive = item.get_closest_marker("alone") is not None
-    with (
-        open(Path(folder, "turnstile"), "a") as turnstile,
-        open(Path(folder, "running"), "a") as running,
-    ):
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
+    exclusive = _is_alone(item)
+    running = item.config.stash.get(_HELD, None)
+    if running is None:
+        running = os.open(Path(folder, "running"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+        with open(Path(folder, "turnstile"), "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
             fcntl.flock(running, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield  # closing the file releases the lock
+    try:
+        yield
+    finally:
+        if exclusive and _is_alone(nextitem):
+            item.config.stash[_HELD] = running
+        else:
+            if _HELD in item.config.stash:
+                del item.config.stash[_HELD]
+            os.close(running)  # closing the descriptor releases the lock
