@@ -31,16 +31,18 @@ class RankProcesses:
     each rank, then :meth:`watch`), or by a launcher this object starts (:meth:`launch`).
     :meth:`stop` ends them (idempotent)."""
 
-    def __init__(self, name: str, role: str = "") -> None:
+    def __init__(self, name: str, role: str = "", fork_servers: ForkServers | None = None) -> None:
         """``name`` names the processes (``name-RANK``); ``role`` starts each rank's name in
-        messages (``"worker "``: "worker rank 1 (pid ...) died ...")."""
+        messages (``"worker "``: "worker rank 1 (pid ...) died ..."); ranks are forked from
+        ``fork_servers`` (default: this process's, :meth:`ForkServers.process_wide`)."""
         self.name = name
         self.role = role
         self.processes: list[SpawnedChild] = []
         self.launcher: subprocess.Popen | None = None
         # Ranks forked from a server this process's worlds share: one interpreter start and
         # one import of the ranks' module (torch), not one per rank or per world.
-        self._spawner = Spawner(f"{name}-spawner", fork_servers=ForkServers.process_wide())
+        servers = ForkServers.process_wide() if fork_servers is None else fork_servers
+        self._spawner = Spawner(f"{name}-spawner", fork_servers=servers)
         self._stopped = threading.Event()
 
     def start(
