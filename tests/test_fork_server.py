@@ -72,7 +72,8 @@ def test_children_forked_from_one_server_see_what_an_execd_child_would(tmp_path,
             os.close(read_end)
             facts = json.loads(report.read_text())
             index = children.index(child)
-            assert facts["cmdline"] == f"shardline-test-child-{index}"
+            # Its name alone, as one argument (no NULs padding the server's longer one).
+            assert facts["cmdline"] == f"shardline-test-child-{index}\0"
             assert facts["marker"] == "given" and facts["test"] == str(index)
             assert facts["stdin"] == "/dev/null"
             assert facts["sigint_default"]

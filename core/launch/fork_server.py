@@ -158,14 +158,18 @@ def _become(child: _Child) -> None:
 
 def _set_command_line(libc: ctypes.CDLL, title: str) -> None:
     """Write ``title`` over this process's argument area (what /proc/PID/cmdline and ``ps``
-    show; cut to the area's length) and set its short name (``comm``)."""
+    show; cut to the area's length) and set its short name (``comm``).
+
+    The area ends in a space, not a NUL: Linux then reads the command line as a string (up
+    to its first NUL, as for setproctitle), so it is ``title`` alone, not padded with NULs.
+    """
     libc.prctl(_PR_SET_NAME, title.encode()[:15])
     with open("/proc/self/stat", "rb") as stat:
         fields = stat.read().rsplit(b")", 1)[1].split()
     # Fields 48 and 49 of stat (arg_start, arg_end); ``fields`` begins at field 3.
     start, end = int(fields[45]), int(fields[46])
-    if end <= start:
+    if end - start < 2:
         return
-    text = title.encode()[: end - start - 1]
-    ctypes.memset(start, 0, end - start)
+    text = title.encode()[: end - start - 2] + b"\0"
+    ctypes.memset(start, ord(" "), end - start)
     ctypes.memmove(start, text, len(text))

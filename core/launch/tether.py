@@ -300,6 +300,8 @@ class Spawner:
         # The calling thread's cores, as an exec'd child inherits them (not the server's).
         cpus = sorted(os.sched_getaffinity(0))
         server.fork(child, environ, numbers, fds, target.__module__, cpus)
+        # Children that ended need no kill at close: a long-lived spawner keeps only the rest.
+        self._forked = [known for known in self._forked if known.is_alive()]
         self._forked.append(child)
         return child
 

@@ -12,7 +12,7 @@ from pathlib import Path
 def describe(report: str, fd: int) -> None:
     """Write what this child sees to ``report`` (JSON), then write its pid to ``fd``."""
     with open("/proc/self/cmdline", "rb") as command:
-        cmdline = command.read().replace(b"\0", b" ").decode().strip()
+        cmdline = command.read().decode()
     open_fds = sorted(int(n) for n in os.listdir("/proc/self/fd"))
     facts = {
         "pid": os.getpid(),
