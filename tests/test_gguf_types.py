@@ -9,6 +9,7 @@ from shardline.engine import LLM, SamplingParams
 from shardline.tokenizer import Tokenizer
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from support.memory_probe import bytes_held
+from support.quick_gguf import quick_gguf_reading
 from support.requantized import requantized_copy
 from support.smollm2 import smollm2_gguf
 
@@ -44,9 +45,10 @@ def test_a_k_quant_mix_answers_as_transformers_does_with_the_same_file(tmp_path)
 
     # Shardline's tokenizer: test_smollm2 shows its chat prompts are transformers' ids.
     tokenizer = Tokenizer.from_gguf(GGUFCheckpoint(path))
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    with quick_gguf_reading():
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
     expected = []
     for question in QUESTIONS:
         prompt = tokenizer.encode(

@@ -16,6 +16,7 @@ from shardline.tokenizer import Tokenizer
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from shardline.weights.gguf_layout import GGUFLayout
 from support.memory_probe import bytes_held
+from support.quick_gguf import quick_gguf_reading
 from support.run_once import computed_once
 from support.smollm2 import smollm2_gguf
 
@@ -61,7 +62,8 @@ def test_a_gguf_file_cut_short_is_a_clear_error(gguf_path, tmp_path):
 def reference_tokenizer(gguf_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with quick_gguf_reading():
+        return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +135,10 @@ def reference(gguf_path, prompts, tokenizer, tmp_path_factory):
     def compute():
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
+        with quick_gguf_reading():
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
         tokens, logprobs, prompt_logprobs = [], [], []
         for prompt in prompts:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from support.quick_gguf import quick_gguf_reading
+
 SUPER_BLOCK = 256
 
 
@@ -119,7 +121,8 @@ def requantized_copy(source: Path, target: Path, kind_of: Callable[[str, tuple],
     quantized again to ``kind_of(gguf_name, [rows, in])`` (``F32``: kept as float32)."""
     import gguf
 
-    reader = gguf.GGUFReader(source)
+    with quick_gguf_reading():
+        reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(target, arch=reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
