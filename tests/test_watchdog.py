@@ -2,6 +2,7 @@
 planted mismatch and a missing rank end in an error that says which rank is where; the debug
 mode stops a mismatch before it runs; wrapped communicators behave as the bare ones."""
 
+import gc
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from shardline.comm.delegating import DelegatingCommunicator
 from shardline.comm.store import serve_store
-from shardline.comm.watchdog import SideChannel, WatchedCommunicator
+from shardline.comm.watchdog import DIAGNOSIS_CONNECT_S, SideChannel, WatchedCommunicator
 from shardline.distributed.control_plane import ControlPlane
 from shardline.errors import (
     CollectiveMismatchError,
@@ -148,3 +149,33 @@ def test_a_native_run_is_one_fingerprint_and_its_failure_is_diagnosed():
     results = _run_ranks(lambda comm: comm.native_all_reduce(torch.zeros(2), 4), check_every=1,
                          native=True)  # fmt: skip
     assert results == {0: None, 1: None}
+
+
+def test_a_rank_whose_store_is_gone_raises_without_waiting_long_for_it():
+    """The diagnosis reaches the store on first use; with the store's host gone (here: the
+    store ended once the world had formed) it gives up within DIAGNOSIS_CONNECT_S, not the
+    channel's 10 s, and the error says the side channel failed."""
+    holder = list(serve_store())
+    rendezvous = holder[1]
+
+    def open_rank(rank):
+        comm = GlooBackend().init_world(rank, 2, rendezvous.with_prefix("data"), 2.0)
+        return WatchedCommunicator(comm, SideChannel(rendezvous.with_prefix("watchdog")))
+
+    def body(comm):
+        if comm.rank == 1:
+            holder.clear()  # the last reference to the store: it stops serving
+            gc.collect()
+            time.sleep(8)
+            return "slept"
+        time.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(CommTimeoutError) as raised:
+            comm.all_reduce(torch.zeros(4))
+        return time.monotonic() - started, str(raised.value)
+
+    elapsed, message = run_thread_ranks(2, open_rank, body)[0]
+    assert "the side channel failed" in message and "frame #" not in message, message
+    # torch's TCPStore tries to connect twice, each up to its timeout (3.6-4.7 s here for
+    # 2 s); with the channel's own 10 s this would take over 20 s.
+    assert elapsed < 2.0 + 2 * DIAGNOSIS_CONNECT_S + 1.5, elapsed

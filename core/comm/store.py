@@ -89,9 +89,10 @@ def connect_store(rendezvous: Rendezvous, timeout_s: float) -> dist.Store:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     except (RuntimeError, dist.DistError) as error:
+        reason = str(error).strip().splitlines()[0]  # not the C++ frames that follow it
         raise CommTimeoutError(
             f"cannot reach the rendezvous store at {rendezvous.host}:{rendezvous.port} "
-            f"within {timeout_s:g} s: {error}",
+            f"within {timeout_s:g} s: {reason}",
             op="rendezvous",
         ) from error
     if rendezvous.prefix:

@@ -34,6 +34,9 @@ from shardline.interfaces.communicator_backend import Rendezvous
 #: How long a rank that timed out waits for the others' fingerprints (inside the "deadline
 #: + 1 s" every fault must end by; a rank whose own deadline comes later is "did not report").
 REPORT_GRACE_S = 0.5
+#: How long a rank that failed may take to reach the store for that diagnosis when it has not
+#: reached it before (the store's host may be the one lost: the error is not held up long).
+DIAGNOSIS_CONNECT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,16 @@ class SideChannel:
     def for_group(self, label: str) -> SideChannel:
         return SideChannel(self.rendezvous.with_prefix(label), self.connect_timeout_s)
 
-    def publish(self, key: str, fingerprint: Fingerprint) -> None:
-        self._connected().set(key, json.dumps(asdict(fingerprint)))
+    def publish(
+        self, key: str, fingerprint: Fingerprint, connect_within_s: float | None = None
+    ) -> None:
+        """Set ``key``; the first use connects within ``connect_within_s`` (default: the
+        channel's ``connect_timeout_s``)."""
+        self._connected(connect_within_s).set(key, json.dumps(asdict(fingerprint)))
 
     def collect(self, keys: list[str], wait_s: float) -> dict[str, Fingerprint | None]:
         """Each key's fingerprint, or None for a key nobody set within ``wait_s``."""
-        store = self._connected()
+        store = self._connected(None)
         found: dict[str, Fingerprint | None] = dict.fromkeys(keys)
         deadline = time.monotonic() + wait_s
         while True:
@@ -89,9 +96,10 @@ class SideChannel:
                 return found
             time.sleep(0.01)
 
-    def _connected(self) -> Any:
+    def _connected(self, within_s: float | None) -> Any:
         if self._store is None:
-            self._store = connect_store(self.rendezvous, self.connect_timeout_s)
+            timeout_s = self.connect_timeout_s if within_s is None else within_s
+            self._store = connect_store(self.rendezvous, timeout_s)
         return self._store
 
 
@@ -206,7 +214,7 @@ class WatchedCommunicator(DelegatingCommunicator):
         itself (the first failure of a group; later ones may see the earlier reports). A dead
         rank is among those that did not report."""
         try:
-            where = self._exchange("stuck", mine, REPORT_GRACE_S)
+            where = self._exchange("stuck", mine, REPORT_GRACE_S, DIAGNOSIS_CONNECT_S)
         except Exception as failure:  # the side channel is a diagnosis aid, never the error
             return type(error)(
                 f"{error} [watchdog on {self.label}: this rank is at {mine.describe()}; the "
@@ -229,10 +237,12 @@ class WatchedCommunicator(DelegatingCommunicator):
                 op=mine.op,
             )
 
-    def _exchange(self, topic: str, mine: Fingerprint, wait_s: float) -> dict:
+    def _exchange(
+        self, topic: str, mine: Fingerprint, wait_s: float, connect_within_s: float | None = None
+    ) -> dict:
         """Publish ``mine`` under ``topic`` and read every rank's: global rank -> its
         fingerprint, or None for a rank that did not publish within ``wait_s``."""
-        self._channel.publish(f"{topic}/{self.rank}", mine)
+        self._channel.publish(f"{topic}/{self.rank}", mine, connect_within_s)
         found = self._channel.collect([f"{topic}/{r}" for r in range(self.world_size)], wait_s)
         return {self.global_ranks[r]: found[f"{topic}/{r}"] for r in range(self.world_size)}
 
