@@ -74,16 +74,20 @@ class SideChannel:
     def for_group(self, label: str) -> SideChannel:
         return SideChannel(self.rendezvous.with_prefix(label), self.connect_timeout_s)
 
-    def publish(
-        self, key: str, fingerprint: Fingerprint, connect_within_s: float | None = None
-    ) -> None:
-        """Set ``key``; the first use connects within ``connect_within_s`` (default: the
-        channel's ``connect_timeout_s``)."""
-        self._connected(connect_within_s).set(key, json.dumps(asdict(fingerprint)))
+    def connect(self, within_s: float | None = None) -> Any:
+        """The store's client, connected on first use within ``within_s`` (default: the
+        channel's ``connect_timeout_s``); raises CommTimeoutError past it."""
+        if self._store is None:
+            timeout_s = self.connect_timeout_s if within_s is None else within_s
+            self._store = connect_store(self.rendezvous, timeout_s)
+        return self._store
+
+    def publish(self, key: str, fingerprint: Fingerprint) -> None:
+        self.connect().set(key, json.dumps(asdict(fingerprint)))
 
     def collect(self, keys: list[str], wait_s: float) -> dict[str, Fingerprint | None]:
         """Each key's fingerprint, or None for a key nobody set within ``wait_s``."""
-        store = self._connected(None)
+        store = self.connect()
         found: dict[str, Fingerprint | None] = dict.fromkeys(keys)
         deadline = time.monotonic() + wait_s
         while True:
@@ -95,12 +99,6 @@ class SideChannel:
             if all(found.values()) or time.monotonic() >= deadline:
                 return found
             time.sleep(0.01)
-
-    def _connected(self, within_s: float | None) -> Any:
-        if self._store is None:
-            timeout_s = self.connect_timeout_s if within_s is None else within_s
-            self._store = connect_store(self.rendezvous, timeout_s)
-        return self._store
 
 
 class WatchedCommunicator(DelegatingCommunicator):
@@ -214,7 +212,8 @@ class WatchedCommunicator(DelegatingCommunicator):
         itself (the first failure of a group; later ones may see the earlier reports). A dead
         rank is among those that did not report."""
         try:
-            where = self._exchange("stuck", mine, REPORT_GRACE_S, DIAGNOSIS_CONNECT_S)
+            self._channel.connect(DIAGNOSIS_CONNECT_S)
+            where = self._exchange("stuck", mine, REPORT_GRACE_S)
         except Exception as failure:  # the side channel is a diagnosis aid, never the error
             return type(error)(
                 f"{error} [watchdog on {self.label}: this rank is at {mine.describe()}; the "
@@ -237,12 +236,10 @@ class WatchedCommunicator(DelegatingCommunicator):
                 op=mine.op,
             )
 
-    def _exchange(
-        self, topic: str, mine: Fingerprint, wait_s: float, connect_within_s: float | None = None
-    ) -> dict:
+    def _exchange(self, topic: str, mine: Fingerprint, wait_s: float) -> dict:
         """Publish ``mine`` under ``topic`` and read every rank's: global rank -> its
         fingerprint, or None for a rank that did not publish within ``wait_s``."""
-        self._channel.publish(f"{topic}/{self.rank}", mine, connect_within_s)
+        self._channel.publish(f"{topic}/{self.rank}", mine)
         found = self._channel.collect([f"{topic}/{r}" for r in range(self.world_size)], wait_s)
         return {self.global_ranks[r]: found[f"{topic}/{r}"] for r in range(self.world_size)}
 
