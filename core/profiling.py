@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from shardline.comm.delegating import DelegatingCommunicator
 from shardline.interfaces import Communicator, ReduceOp, Work
+
+if TYPE_CHECKING:  # annotations only: the part names and timers import no torch
+    import torch
+    from torch import nn
 
 #: The parts layers name (their class's ``profile_part``): multiplying by weights,
 #: attention over the cache, looking up embeddings; and the part of a module naming none.

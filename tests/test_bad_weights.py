@@ -43,6 +43,27 @@ def test_missing_tensor_is_named(checkpoint_dir):
         _start_uni(checkpoint_dir)
 
 
+def test_the_tensor_names_are_those_safetensors_lists_and_a_cut_file_is_named(checkpoint_dir):
+    """The checkpoint reads the names from the file's header itself (no torch to open it):
+    every tensor safetensors lists is found, with its shape; a file cut short is named."""
+    from safetensors import safe_open
+
+    from shardline.weights import open_checkpoint
+
+    weights = checkpoint_dir / "model.safetensors"
+    checkpoint = open_checkpoint(str(checkpoint_dir))
+    with safe_open(weights, framework="numpy") as handle:
+        names = handle.keys()  # a list (the handle itself is not iterable)
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
+    assert len(shapes) > 10
+    assert {name: checkpoint.tensor(name).shape for name in shapes} == shapes
+    with pytest.raises(ConfigError, match=re.escape("no tensor 'lm_head.bias'")):
+        checkpoint.tensor("lm_head.bias")
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=f"{re.escape(str(weights))}: not a readable safetensors"):
+        open_checkpoint(str(checkpoint_dir))
+
+
 def test_wrong_shape_is_named(checkpoint_dir):
     def shrink(tensors):
         tensors["model.layers.0.self_attn.k_proj.weight"] = tensors[

@@ -6,15 +6,18 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shardline.cli.main import build_parser, dispatch
 from shardline.errors import ConfigError
 from support.cli import ROOT, SHARDLINE, shardline
 from support.fake_plugins import install_plugin
+from support.tiny_gguf import write_tiny_gguf
 
 EXAMPLE = str(ROOT / "examples" / "configs" / "tp2-pp2-gloo.yaml")
 
@@ -316,3 +319,49 @@ def test_an_unknown_argument_is_refused_with_its_commands_usage(argv, usage, cap
     errors = capsys.readouterr().err
     assert errors.startswith(usage), errors
     assert errors.rstrip().endswith(f"error: unrecognized arguments: {argv[-1]}"), errors
+
+
+#: Refused for their own arguments: answered without importing torch (~3 s of a 2-core host's
+#: CPU), so a typo costs a fraction of a second. MODEL / GGUF stand for a tiny model's path.
+REFUSED_WITHOUT_TORCH = [
+    ["bench", "comm", "-e", "lots"],
+    ["bench", "comm", "-c", "gloo,nccl2"],
+    ["bench", "comm", "--python-fallback", "mpi"],
+    ["bench", "decode", "--model", "MODEL", "--hf-threads", "1", "--tokens", "1"],
+    ["bench", "decode", "--model", "GGUF", "--hf-threads", "1", "--tokens", "1"],
+    ["bench", "decode", "--model", "MODEL", "--hf-threads", "1", "--communicators", "gloo,x"],
+    ["bench", "decode", "--model", "MODEL", "--hf-threads", "1", "--weight-dtype", "float16"],
+    ["run", " "],
+    ["run", "--set", "notakey=1"],
+]
+
+
+def test_a_command_line_refused_for_its_arguments_does_not_import_torch(tmp_path, tiny_llama_dir):
+    """One fresh interpreter runs each refused command line in turn; after each, torch is
+    still not imported (a later refusal would see it loaded by an earlier one)."""
+    gguf_file = write_tiny_gguf(
+        tmp_path / "tiny.gguf", {"token_embd.weight": (np.zeros((32, 64), np.float32), None)}
+    )
+    paths = {"MODEL": str(tiny_llama_dir), "GGUF": str(gguf_file)}
+    commands = [[paths.get(word, word) for word in argv] for argv in REFUSED_WITHOUT_TORCH]
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from shardline.cli.main import main\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    with contextlib.redirect_stderr(io.StringIO()) as errors:\n"
+        "        code = main(argv)\n"
+        "    print(json.dumps([code, errors.getvalue(), 'torch' in sys.modules]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(answers) == len(commands)
+    for argv, (code, errors, torch_loaded) in zip(REFUSED_WITHOUT_TORCH, answers, strict=True):
+        assert code == 2 and errors.startswith("error: "), (argv, code, errors)
+        assert not torch_loaded, f"{argv} imported torch before refusing: {errors}"

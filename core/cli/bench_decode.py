@@ -90,24 +90,15 @@ class Case:
     reference: bool = False
 
 
-def plan(
-    model: str,
-    tokens: int,
-    concurrent: int,
+def check_options(
     layouts: list[str],
-    communicators: dict[str, str | None],
-    hf_threads: list[int],
-    timeout_s: float,
-    profile: bool = False,
     dtype: str = "float32",
-    prompt_tokens: int = 0,
     weight_dtype: str | None = None,
-    cpu_bindings: tuple[str, ...] = ("none",),
     activation_dtype: str | None = None,
-) -> list[Case]:
-    """The cases of one run (``communicators``: name -> the launcher its ranks need), each
-    Shardline case once per ``cpu_bindings`` value; TP=1 has nothing to communicate and is
-    one row a binding."""
+    cpu_bindings: tuple[str, ...] = ("none",),
+) -> None:
+    """Refuse, naming the option, a layout, dtype, weight or activation dtype or core binding
+    that this benchmark cannot run (nothing here imports torch: a refusal is quick)."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
     from shardline.config.schema import allowed_activation_dtypes, allowed_weight_dtypes
@@ -133,6 +124,27 @@ def plan(
             CoreBinding.parse(binding)
         except ValueError as error:
             raise ConfigError(f"--cpu-binding: {error}", field="--cpu-binding") from None
+
+
+def plan(
+    model: str,
+    tokens: int,
+    concurrent: int,
+    layouts: list[str],
+    communicators: dict[str, str | None],
+    hf_threads: list[int],
+    timeout_s: float,
+    profile: bool = False,
+    dtype: str = "float32",
+    prompt_tokens: int = 0,
+    weight_dtype: str | None = None,
+    cpu_bindings: tuple[str, ...] = ("none",),
+    activation_dtype: str | None = None,
+) -> list[Case]:
+    """The cases of one run (``communicators``: name -> the launcher its ranks need), each
+    Shardline case once per ``cpu_bindings`` value; TP=1 has nothing to communicate and is
+    one row a binding. The options are checked first (:func:`check_options`)."""
+    check_options(layouts, dtype, weight_dtype, activation_dtype, cpu_bindings)
     cases = []
     for layout in layouts:
         tp, pp, _ = LAYOUTS[layout]
@@ -268,8 +280,9 @@ def available_communicators(
     registry = Registry.load()
     usable: dict[str, str | None] = {}
     skipped = []
-    for name in names:
-        component = registry.get("communicator", name, "--communicators")
+    # Every name is known before any plugin is imported: a typo is refused at once.
+    components = {name: registry.get("communicator", name, "--communicators") for name in names}
+    for name, component in components.items():
         reason = component.unavailable_reason()
         if reason is None:
             capabilities = component.capabilities

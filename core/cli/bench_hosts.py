@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from shardline.cli import bench_cmd, bench_decode
+from shardline.cli.bench_comm_options import BenchSettings, sizes
 from shardline.cli.table import render
 from shardline.errors import ConfigError
 from shardline.launch import hosts as simulated
@@ -123,7 +124,7 @@ def marked(output: str, mark: str) -> list[dict]:
 # ---- bench comm ----------------------------------------------------------------------------
 
 
-def run_comm(settings: bench_cmd.BenchSettings, hosts: int, json_path: str | None) -> int:
+def run_comm(settings: BenchSettings, hosts: int, json_path: str | None) -> int:
     """``bench comm --across-hosts``: each communicator's operations and sizes inside one
     host and across ``hosts``; a table with the ratio, and JSON. Exit code 1 when a case
     failed (reported in its row)."""
@@ -135,7 +136,7 @@ def run_comm(settings: bench_cmd.BenchSettings, hosts: int, json_path: str | Non
                 program = ["-m", "shardline.cli.bench_hosts", "comm-rank", name]
                 program.append(json.dumps(asdict(settings)))
                 base = {"communicator": name, "where": place.where, "launcher": launcher}
-                limit = 120 + len(bench_cmd.sizes(settings)) * len(settings.operations) * 30
+                limit = 120 + len(sizes(settings)) * len(settings.operations) * 30
                 try:
                     output = launch(place, launcher or "torchrun", program, limit)
                     results = marked(output, COMM_MARK)
@@ -213,7 +214,7 @@ def comm_rank(communicator: str, settings_json: str) -> None:
         executor.shutdown()
 
 
-def _comm_table(rows: list[dict], settings: bench_cmd.BenchSettings, hosts: int) -> str:
+def _comm_table(rows: list[dict], settings: BenchSettings, hosts: int) -> str:
     inside = {
         (r["communicator"], r["operation"], r["bytes"]): r["median_us"]
         for r in rows

@@ -555,9 +555,11 @@ def dispatch(args: argparse.Namespace, passthrough: list[str]) -> int:
 
         return bench_serve.run(bench_serve.settings_from(args), args.json)
     if args.command == "bench":
+        from shardline.cli.bench_comm_options import settings_from
+
+        settings = settings_from(args)
         from shardline.cli import bench_cmd
 
-        settings = bench_cmd.settings_from(args)
         if args.across_hosts is not None:
             from shardline.cli import bench_hosts
 
@@ -610,13 +612,19 @@ def _bench_decode(args: argparse.Namespace) -> int:
         )
     model = catalog.resolve_model_path(args.model)
     bench_decode.check_sizes(model, args.tokens, args.concurrent, args.timeout, args.prompt_tokens)
+    layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    cpu_bindings = tuple(args.cpu_binding or ("none",))
+    # The options first: the communicators' plugins (and torch) load only for a run.
+    bench_decode.check_options(
+        layouts, args.dtype, args.weight_dtype, args.activation_dtype, cpu_bindings
+    )
     names = [n.strip() for n in args.communicators.split(",") if n.strip()]
     usable, skipped = bench_decode.available_communicators(names)
     cases = bench_decode.plan(
         model,
         args.tokens,
         args.concurrent,
-        [n.strip() for n in args.layouts.split(",") if n.strip()],
+        layouts,
         usable,
         threads,
         args.timeout,
@@ -624,7 +632,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         prompt_tokens=args.prompt_tokens,
         weight_dtype=args.weight_dtype,
-        cpu_bindings=tuple(args.cpu_binding or ("none",)),
+        cpu_bindings=cpu_bindings,
         activation_dtype=args.activation_dtype,
     )
     if args.across_hosts is not None:

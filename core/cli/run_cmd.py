@@ -36,10 +36,10 @@ def load_run_config(path: str | None, overrides: Sequence[str]) -> LoadedConfig:
 
 
 def run(loaded: LoadedConfig, question: str | None, interactive: bool) -> int:
+    if question is not None:  # refused before the engine (and torch) is imported
+        question = checked_question(question, "QUESTION")
     from shardline.engine import LLM
 
-    if question is not None:
-        question = checked_question(question, "QUESTION")
     llm = LLM(loaded)
     try:
         if interactive:

@@ -5,10 +5,12 @@ operation; the shared-memory all-reduce takes some all-reduces)."""
 from __future__ import annotations
 
 import abc
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardline.interfaces import Capabilities, Communicator, NativeAllReduce, ReduceOp, Work
+
+if TYPE_CHECKING:  # annotations only: wrapping a communicator imports no torch
+    import torch
 
 
 class DelegatingCommunicator(Communicator):

@@ -16,15 +16,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from shardline.errors import ConfigError
 from shardline.models.architecture import LlamaArchitecture
 from shardline.native import native_extension
 from shardline.weights.gguf_layout import GGUFLayout, TensorLayout
+
+if TYPE_CHECKING:
+    import torch
 
 #: The block types decoded in C where the extension is built (see the module docstring): the
 #: legacy 32-weight blocks, IQ4_NL, the 256-weight "K" super-blocks, and BF16.
@@ -166,6 +168,8 @@ class GGUFTensor:
         self._head_dim = permuted_head_dim
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        import torch  # on the first read, not on opening: a file's metadata needs no torch
+
         if not isinstance(index, tuple):
             index = (index,)
         rows = index[0] if index else slice(None)

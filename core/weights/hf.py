@@ -7,14 +7,17 @@ rows or columns asked for, so a rank's peak memory is its shard, not the whole m
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from shardline.errors import ConfigError, echo
 from shardline.models.architecture import LlamaArchitecture
+
+if TYPE_CHECKING:  # opening a checkpoint (its config and names) imports no torch
+    import torch
 
 
 class LazySafetensor:
@@ -54,8 +57,7 @@ class HFCheckpoint:
             raise ConfigError(
                 f"{self.directory}: no model.safetensors or model.safetensors.index.json found"
             )
-        with safe_open(single, framework="pt") as handle:
-            return dict.fromkeys(handle.keys(), single)
+        return dict.fromkeys(_tensor_names(single), single)
 
     def tensor(self, name: str) -> LazySafetensor:
         """The checkpoint tensor ``name`` (HF naming), unread until sliced."""
@@ -65,3 +67,17 @@ class HFCheckpoint:
         if path not in self._handles:
             self._handles[path] = safe_open(path, framework="pt")
         return LazySafetensor(self._handles[path], name)
+
+
+def _tensor_names(path: Path) -> list[str]:
+    """The tensor names in a safetensors file, from its header (a little-endian u64 length,
+    then that many bytes of JSON: name -> dtype, shape, offsets; ``__metadata__`` aside)."""
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > path.stat().st_size - 8:
+                raise ValueError(f"a header of {length} bytes in a smaller file")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, struct.error) as error:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{path}: not a readable safetensors file: {error}") from None
+    return [name for name in header if name != "__metadata__"]
