@@ -32,6 +32,13 @@ def cut(text: str, limit: int) -> str:
     return f"{text[:limit]}... ({len(text)} characters)"
 
 
+def first_line(error: BaseException, limit: int = 400) -> str:
+    """The first line of ``error``'s message (not the C++ frames or hints some libraries put
+    after it), cut to ``limit`` characters; its repr where the message is empty."""
+    text = str(error).strip()
+    return cut(text.splitlines()[0] if text else repr(error), limit)
+
+
 class ShardlineError(Exception):
     """Base class of every error Shardline raises on purpose."""
 

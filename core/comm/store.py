@@ -18,7 +18,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from shardline.errors import CommTimeoutError
+from shardline.errors import CommTimeoutError, first_line
 from shardline.interfaces.communicator_backend import Rendezvous
 
 #: c10's log levels: 0 INFO, 1 WARNING, 2 ERROR.
@@ -89,10 +89,9 @@ def connect_store(rendezvous: Rendezvous, timeout_s: float) -> dist.Store:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     except (RuntimeError, dist.DistError) as error:
-        reason = str(error).strip().splitlines()[0]  # not the C++ frames that follow it
         raise CommTimeoutError(
             f"cannot reach the rendezvous store at {rendezvous.host}:{rendezvous.port} "
-            f"within {timeout_s:g} s: {reason}",
+            f"within {timeout_s:g} s: {first_line(error)}",
             op="rendezvous",
         ) from error
     if rendezvous.prefix:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import ray
 
-from shardline.errors import CommunicationError, cut
+from shardline.errors import CommunicationError, first_line
 from shardline_ray import janitor
 from shardline_ray.temp_folder import ray_temp_folder
 
@@ -135,7 +135,7 @@ def _root_cause(error: BaseException) -> str:
     """The first line of the innermost exception behind ``error``."""
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
-    return cut(str(error).strip().splitlines()[0] if str(error).strip() else repr(error), 400)
+    return first_line(error)
 
 
 def _restore_sigterm(handler) -> None:
