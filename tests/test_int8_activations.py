@@ -72,7 +72,7 @@ def _holds(kind: int, weight) -> bool:
                                    parts, None)  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 16, 65])  # tiles of 4 rows and 1, 2, 3 left
 @pytest.mark.parametrize("file_type", CODE_TYPES)
 @needs_code_kernels
 def test_weights_held_as_codes_multiply_int8_inputs_in_integers(file_type, rows):
@@ -127,13 +127,14 @@ def test_8_bit_codes_at_their_extremes_give_exact_sums_on_both_kernels():
         assert torch.equal(_blocked(held, x, None, avx2=True), y)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
 @needs_code_kernels
 def test_4_bit_codes_at_their_extreme_give_exact_sums(rows):
     """Q4_1 codes all 15 against inputs that all round to codes of 127 (or -127, alternate
     rows): one or two rows (every group read once, the AVX2 kernel's int16 sums over an
-    activation group's 16 inputs: 16 x 15 x 127 in two lanes, 15240 each) and four (each half
-    of a block's outputs in turn, int32 sums) give exact sums and the AVX-512 kernel's bits."""
+    activation group's 16 inputs: 16 x 15 x 127 in two lanes, 15240 each) and three or four
+    (each half of a block's outputs in turn, int32 sums) give exact sums and the AVX-512
+    kernel's bits."""
     rng = np.random.default_rng(17)
     blocks = random_blocks("Q4_1", 64, 128, rng)
     for block in range(4):  # each row's four blocks: d 0.5, m 0.25, every nibble 15
