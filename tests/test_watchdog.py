@@ -3,6 +3,7 @@ planted mismatch and a missing rank end in an error that says which rank is wher
 mode stops a mismatch before it runs; wrapped communicators behave as the bare ones."""
 
 import gc
+import threading
 import time
 
 import pytest
@@ -157,12 +158,16 @@ def test_a_rank_whose_store_is_gone_raises_without_waiting_long_for_it():
     channel's 10 s, and the error says the side channel failed."""
     holder = list(serve_store())
     rendezvous = holder[1]
+    formed = threading.Barrier(2, timeout=20)
 
     def open_rank(rank):
         comm = GlooBackend().init_world(rank, 2, rendezvous.with_prefix("data"), 2.0)
         return WatchedCommunicator(comm, SideChannel(rendezvous.with_prefix("watchdog")))
 
     def body(comm):
+        # Both ranks have formed the world: one that returned first may leave the other still
+        # reading the store (ProcessGroupGloo's set-up), which its end would break.
+        formed.wait()
         if comm.rank == 1:
             holder.clear()  # the last reference to the store: it stops serving
             gc.collect()

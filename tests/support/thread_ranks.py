@@ -12,14 +12,20 @@ def run_thread_ranks(
     world_size: int, open_rank: Callable[[int], Any], body: Callable[[Any], Any]
 ) -> dict[int, Any]:
     """``body(comm)`` on every rank, each a thread with the communicator ``open_rank(rank)``
-    makes; each rank's result or error. A rank closes its communicator only once every rank is
-    done: one that closed first would end the others' waits with "a peer went away" before
-    their own deadlines. Fails the test when a rank is still running after 30 s."""
+    makes; each rank's result or error (``open_rank``'s own, where it raised). A rank closes
+    its communicator only once every rank is done: one that closed first would end the
+    others' waits with "a peer went away" before their own deadlines. Fails the test when a
+    rank is still running after 30 s."""
     results: dict[int, Any] = {}
     all_done = threading.Barrier(world_size)
 
     def rank_main(rank: int) -> None:
-        comm = open_rank(rank)
+        try:
+            comm = open_rank(rank)
+        except Exception as error:  # the result is the error; the others need not wait
+            results[rank] = error
+            all_done.abort()
+            return
         try:
             results[rank] = body(comm)
         except Exception as error:
