@@ -438,3 +438,38 @@ def test_a_steps_own_timeout_reaches_the_caller_with_its_diagnosis():
     silent: Future = Future()
     with pytest.raises(CommTimeoutError, match=r"no result from the output rank within 5\.1 s"):
         LLMEngine._wait(engine, silent)
+
+
+def test_the_configured_executor_gets_its_head_start_before_the_config_is_checked(
+    tiny_llama_dir,
+):
+    """An executor's ``prestart`` hook is called with the config before the engine checks
+    it (here the check then refuses the executor, whose class does not exist); an executor
+    ``auto`` does not pick gets no call."""
+    from shardline.config import load_config
+    from shardline.engine.engine import LLMEngine
+    from shardline.registry import Component, Registry
+    from support import prestart_calls
+
+    registry = Registry(
+        [
+            Component(
+                name="early",
+                target="support.prestart_calls:NoSuchExecutor",
+                prestart="support.prestart_calls:record",
+                kind="executor",
+                plugin="test",
+            )
+        ]
+    )
+    model = f"model.path={tiny_llama_dir}"
+    prestart_calls.CALLS.clear()
+    early = load_config(overrides=[model, "parallel.distributed_executor_backend=early"])
+    with pytest.raises(ConfigError, match=r"parallel\.distributed_executor_backend"):
+        LLMEngine(early, registry, environ={})
+    assert [config.parallel.distributed_executor_backend for config in prestart_calls.CALLS] == [
+        "early"
+    ]
+    with pytest.raises(ConfigError):  # auto picks uni for one rank: not "early"
+        LLMEngine(load_config(overrides=[model]), registry, environ={})
+    assert len(prestart_calls.CALLS) == 1

@@ -132,6 +132,30 @@ def test_a_child_killed_before_the_server_forked_it_never_runs(tmp_path, fork_se
     assert not marker.exists()
 
 
+def test_a_prepared_server_imports_the_module_before_any_child_is_asked_for(tmp_path, fork_servers):
+    """``prepare`` starts a server that imports the module at once; the child asked for
+    later comes from that server, which imported the module that one time."""
+    record = tmp_path / "imported-by"
+    environ = {**os.environ, slow_fork_targets.IMPORTED_BY: str(record)}
+    fork_servers.prepare(environ, "support.slow_fork_targets")
+    deadline = time.monotonic() + 60
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert record.exists(), "the prepared server never imported the module"
+    spawner = Spawner("shardline-test-spawner", fork_servers)
+    try:
+        child = spawner.start(
+            slow_fork_targets.mark, (str(tmp_path / "ran"),), "shardline-prepared", env=environ
+        )
+        child.join(60)
+        assert child.exitcode == 0 and (tmp_path / "ran").exists()
+    finally:
+        spawner.close()
+    importers = record.read_text().split()
+    assert len(importers) == 1 and int(importers[0]) != os.getpid()
+    assert (tmp_path / "ran").read_text() == importers[0]  # forked from that server
+
+
 def test_spawners_share_a_server_while_their_childrens_environments_match(tmp_path, fork_servers):
     """Two spawners whose children's environments differ only in pytest's running-test
     variable share one server; another environment gets one of its own. Closing one spawner

@@ -41,27 +41,30 @@ class Decision:
     problem: str | None = None
 
 
+def executor_name(config: EngineConfig, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The executor ``parallel.distributed_executor_backend`` names, and why: ``auto`` picks
+    ``uni`` for one rank, ``external_launcher`` under torchrun or mpiexec, else ``mp``
+    (nothing is imported or checked)."""
+    requested = config.parallel.distributed_executor_backend
+    world_size = config.parallel.world_size
+    if requested != "auto":
+        return requested, "configured"
+    launcher = detect_launcher(environ)
+    if world_size == 1:
+        return "uni", "auto: one rank runs in this process"
+    if launcher is not None:
+        return "external_launcher", f"auto: this process was started by {launcher}"
+    return "mp", f"auto: {world_size} ranks, no launcher detected: one process per rank"
+
+
 def choose_executor(
     config: EngineConfig, registry: Registry, environ: Mapping[str, str]
 ) -> Decision:
     """Resolve ``parallel.distributed_executor_backend``; ``auto`` picks ``uni`` for one rank,
     ``external_launcher`` under torchrun or mpiexec, else ``mp``."""
     field_name = "parallel.distributed_executor_backend"
-    requested = config.parallel.distributed_executor_backend
     world_size = config.parallel.world_size
-    if requested == "auto":
-        launcher = detect_launcher(environ)
-        if world_size == 1:
-            chosen, reason = "uni", "auto: one rank runs in this process"
-        elif launcher is not None:
-            chosen, reason = "external_launcher", f"auto: this process was started by {launcher}"
-        else:
-            chosen, reason = (
-                "mp",
-                f"auto: {world_size} ranks, no launcher detected: one process per rank",
-            )
-    else:
-        chosen, reason = requested, "configured"
+    chosen, reason = executor_name(config, environ)
     alternatives = [
         (c.name, "chosen" if c.name == chosen else "not selected")
         for c in registry.components("executor")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.config.loader import LoadedConfig
-from shardline.config.selection import check_config
+from shardline.config.schema import EngineConfig
+from shardline.config.selection import check_config, executor_name
 from shardline.engine.detokenizer import Detokenizer
 from shardline.engine.scheduler import Request, Scheduler
 from shardline.engine.speculative import NgramProposer
@@ -29,6 +30,7 @@ from shardline.interfaces.step import (
 )
 from shardline.profiling import NO_TIMER, StepTimer
 from shardline.registry import Registry
+from shardline.registry.component import import_target
 from shardline.weights import load_tokenizer, open_checkpoint
 
 #: Seconds a step may take beyond ``parallel.timeout_s`` before the engine gives up on it
@@ -119,6 +121,7 @@ class LLMEngine:
         environ = os.environ if environ is None else environ
         config = loaded.config
         registry = registry or Registry.for_plugins(config.plugins)
+        _prestart(config, registry, environ)
         checked = check_config(loaded, registry, environ, starts_here=True)
         config = checked.config
         #: The memory plan of the ranks on this host, as checked before they started.
@@ -436,3 +439,16 @@ def _max_model_len(loaded: LoadedConfig, model_positions: int) -> int:
             f"tokens (cache.num_blocks * cache.block_size); raise cache.num_blocks or lower it"
         )
     return requested
+
+
+def _prestart(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> None:
+    """Give the executor the config names a head start (its ``prestart`` hook), before the
+    config is checked; an executor that is unknown or declares none gets nothing (the check
+    says what is wrong)."""
+    name, _ = executor_name(config, environ)
+    try:
+        component = registry.get("executor", name)
+    except ConfigError:
+        return
+    if component.prestart:
+        import_target(component.prestart)(config)

@@ -15,7 +15,9 @@ and its name as its command line (``ps``, ``/proc/PID/cmdline``; cut to the serv
 command line's length).
 
 Protocol, over a SOCK_SEQPACKET socket pair: the first packet is the pickled
-``(sys.path, authkey)``; then each request is one packet, the pickled
+``(sys.path, authkey, preload)``, ``preload`` the modules to import at once (before any
+request: a driver that knows its ranks' module lets the server import it while it does other
+work); then each request is one packet, the pickled
 ``(name, env, numbers, module, cpus)`` carrying the descriptors to place at ``numbers``,
 whose first is the payload pipe :func:`~shardline.launch.tether.child_main` reads; the server
 imports ``module`` (the target's) first if it has not yet, and the child runs on ``cpus``
@@ -68,8 +70,10 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     requests = socket.socket(fileno=int(sys.argv[1]))
     statuses = int(sys.argv[2])
-    sys.path[:], authkey = pickle.loads(requests.recv(MAX_PACKET))
+    sys.path[:], authkey, preload = pickle.loads(requests.recv(MAX_PACKET))
     multiprocessing.current_process().authkey = authkey
+    for module in preload:
+        _preload(module)
     child = _serve(requests, statuses)
     if child is not None:
         _become(child)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -38,8 +38,14 @@ class ForkServer:
     time (so a caller never waits for the server's imports), and a thread that reads how
     each child ended."""
 
-    def __init__(self, popen: Callable[..., subprocess.Popen], environ: dict[str, str]) -> None:
-        """Start the server with ``popen`` (a Spawner's, so tethered) and ``environ``."""
+    def __init__(
+        self,
+        popen: Callable[..., subprocess.Popen],
+        environ: dict[str, str],
+        preload: Sequence[str] = (),
+    ) -> None:
+        """Start the server with ``popen`` (a Spawner's, so tethered) and ``environ``; it
+        imports the modules ``preload`` names at once."""
         self._requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ends, ends_write = os.pipe()
         try:
@@ -59,7 +65,7 @@ class ForkServer:
             os.close(ends_write)
         authkey = bytes(multiprocessing.current_process().authkey)
         with contextlib.suppress(OSError):  # a server already gone is seen as the ends close
-            self._requests.send(pickle.dumps((list(sys.path), authkey)))
+            self._requests.send(pickle.dumps((list(sys.path), authkey, tuple(preload))))
         self._lock = threading.Lock()
         self._children: dict[int, ForkedChild] = {}  # by pid, until they end
         self._early_ends: dict[int, int] = {}  # pid -> exit code, read before the fork reply
@@ -191,9 +197,10 @@ class ForkServers:
                 cls._process_wide = cls(name="shardline-process-fork-servers")
             return cls._process_wide
 
-    def acquire(self, environ: Mapping[str, str]) -> ForkServer:
-        """A live server for ranks with ``environ``, held until :meth:`release`. Raises
-        RuntimeError once :meth:`close` was called."""
+    def acquire(self, environ: Mapping[str, str], preload: Sequence[str] = ()) -> ForkServer:
+        """A live server for ranks with ``environ``, held until :meth:`release`; one started
+        for it imports ``preload`` at once. Raises RuntimeError once :meth:`close` was
+        called."""
         key = (
             tuple(sorted((k, v) for k, v in environ.items() if k not in CALL_VARIABLES)),
             tuple(sys.path),
@@ -211,13 +218,19 @@ class ForkServers:
                     dead = server
                 server = None
             if server is None:
-                server = ForkServer(self._spawner.popen, dict(environ))
+                server = ForkServer(self._spawner.popen, dict(environ), preload)
                 self._current[key] = server
                 self._holds[server] = _Hold(key)
             self._holds[server].users += 1
         if dead is not None:
             dead.close()
         return server
+
+    def prepare(self, environ: Mapping[str, str], module: str) -> None:
+        """Have a server for ranks with ``environ`` import ``module`` now, in the background
+        (started for it where none runs; it waits ``linger_s`` for its first world): the
+        ranks' imports then overlap what this process does before it starts them."""
+        self.release(self.acquire(environ, (module,)))
 
     def release(self, server: ForkServer) -> None:
         """Let go of ``server`` (once per :meth:`acquire`; nothing once :meth:`close` ended

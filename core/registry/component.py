@@ -33,6 +33,11 @@ class Component:
       name): the registry gives it that one's capabilities, instead of ``capabilities``.
     - ``auto_preference``: for communicators, how strongly ``communicator: auto`` prefers it
       among those that fit (higher first; the fastest should declare the highest).
+    - ``prestart``: for executors, ``"package.module:function"`` that an engine calls with
+      its config before checking it, where this executor is the one configured (or ``auto``
+      picks): a head start on the ranks' start-up (the ``mp`` executor's fork server imports
+      the ranks' modules meanwhile). Its module must import quickly (no torch); what it
+      starts must not outlive an unused start by long.
     - ``kind`` and ``plugin`` are filled in by the registry.
     """
 
@@ -42,6 +47,7 @@ class Component:
     capabilities: Capabilities | None = None
     capabilities_of: str = ""
     auto_preference: int = 0
+    prestart: str = ""
     kind: str = ""
     plugin: str = ""
 

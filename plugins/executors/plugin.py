@@ -1,6 +1,10 @@
 """Entry point of the built-in executors (``shardline.plugins`` group, name ``executors``)."""
 
+import os
+from typing import Any
+
 from shardline.registry import Component, hookimpl
+from shardline.sdk import ForkServers
 
 
 @hookimpl
@@ -15,6 +19,7 @@ def shardline_executors() -> list[Component]:
             name="mp",
             target="shardline_executors.mp:MultiprocExecutor",
             summary="one process per rank on this host, driven through shared memory",
+            prestart="shardline_executors.plugin:prestart_mp",
         ),
         Component(
             name="external_launcher",
@@ -22,3 +27,10 @@ def shardline_executors() -> list[Component]:
             summary="every rank started by torchrun or mpiexec runs its own engine",
         ),
     ]
+
+
+def prestart_mp(config: Any) -> None:
+    """The ``mp`` executor's head start: the fork server its ranks come from (this process's,
+    for this environment) imports their module while the engine checks the config; unused,
+    it ends ``linger_s`` later (or with this process)."""
+    ForkServers.process_wide().prepare(os.environ, "shardline_executors.mp_worker")
