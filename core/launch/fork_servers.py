@@ -227,9 +227,10 @@ class ForkServers:
         return server
 
     def prepare(self, environ: Mapping[str, str], module: str) -> None:
-        """Have a server for ranks with ``environ`` import ``module`` now, in the background
-        (started for it where none runs; it waits ``linger_s`` for its first world): the
-        ranks' imports then overlap what this process does before it starts them."""
+        """Have a server for ranks with ``environ`` import ``module`` now, in the background:
+        one started for it where none runs (it waits ``linger_s`` for its first world); one
+        already running imports it with its first request for it, as before. The ranks'
+        imports then overlap what this process does before it starts them."""
         self.release(self.acquire(environ, (module,)))
 
     def release(self, server: ForkServer) -> None:
