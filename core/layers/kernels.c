@@ -698,25 +698,31 @@ AVX2_FMA static inline __attribute__((always_inline)) __m256 tail_weights_8(cons
 
 /* Inputs of a piece: up to LINEAR_PAIR_MAX_ROWS rows take a block a piece at a time, which
  * the tiles after the first of a part read from the L1 cache, while the first prefetches a
- * later piece (bfloat16: the next, into L1; float32: the fourth, into L2), so the weight
- * streams in while it is computed on. Against halves without prefetching (one thread, one
- * run): bfloat16 2-16 rows 1.07-1.35x, float32 12-16 rows 1.05-1.11x (200 rows, one pass:
- * 1.2x). Fewer float32 rows take a block half by half, each through every piece
- * (AVX2_HALF_PIECE), without prefetching: piece by piece, with or without, was 1.2-1.6x
- * slower there. */
+ * later piece (bfloat16: the next, into L1; float32: the second, into L1, up to
+ * AVX2_NEAR_PREFETCH_ROWS rows, else the fourth, into L2), so the weight streams in while it
+ * is computed on. Against halves without prefetching (one thread, one run): bfloat16 2-16
+ * rows 1.07-1.35x, float32 12-16 rows 1.05-1.11x (200 rows, one pass: 1.2x). Fewer float32
+ * rows take a block half by half, each through every piece (AVX2_HALF_PIECE), without
+ * prefetching: piece by piece, with or without, was 1.2-1.6x slower there (and prefetching
+ * the halves' lines into L1 two pieces ahead 1.0-1.1x slower at 2-8 rows). */
 #define AVX2_PIECE 32
 #define AVX2_HALF_PIECE 64
+/* Float32 rows up to this many prefetch into L1 (a TP=2 rank's step of SmolLM2's weights at
+ * 12-16 rows on an AMD EPYC with AVX2: 1.08-1.12x against into L2 four pieces ahead, builds
+ * alternating in one process; into L1 four ahead was no faster; at 32 and 64 rows L1 was
+ * 0.96-0.98x, so those keep L2). */
+#define AVX2_NEAR_PREFETCH_ROWS 16
 
 /* The sums of R rows of x (in apart) over inputs [first, first + steps) of the part of a full
  * block whose outputs start at `at` (VECTORS of 8 outputs: 2, of float32 weights, or 4). sums
  * (rows of LINEAR_BLOCK) holds the sums between pieces: they start at 0 where first is 0,
  * else from there; at the last piece they go to y's rows (out apart), plus the bias where
  * given, else back to sums. With ahead, each step also prefetches the cache line a row
- * further from there. */
+ * further from there, into L1 where near, else into L2. */
 AVX2_FMA static inline __attribute__((always_inline)) void part_tile_avx2(
     const void *block, const int bf16, long in, long at, long first, long steps, int last,
     const float *x, float *sums, float *y, long out, const float *bias, const char *ahead,
-    const int VECTORS, const int R) {
+    const int near, const int VECTORS, const int R) {
     const long row_bytes = LINEAR_BLOCK * (bf16 ? (long)sizeof(uint16_t) : (long)sizeof(float));
     __m256 acc[AVX2_TILE_SUMS]; /* row r's vector j at VECTORS r + j */
     for (int r = 0; r < R; r++)
@@ -725,7 +731,7 @@ AVX2_FMA static inline __attribute__((always_inline)) void part_tile_avx2(
                 first ? _mm256_loadu_ps(sums + LINEAR_BLOCK * r + at + 8 * j) : _mm256_setzero_ps();
     for (long i = first; i < first + steps; i++) {
         const char *line = ahead ? ahead + (i - first) * row_bytes : NULL;
-        if (line && bf16)
+        if (line && near)
             _mm_prefetch(line, _MM_HINT_T0);
         else if (line)
             _mm_prefetch(line, _MM_HINT_T1);
@@ -763,11 +769,11 @@ AVX2_FMA static inline __attribute__((always_inline)) void part_tile_avx2(
 /* Every row of x against outputs [from, to) of a full block, in parts of width outputs (16:
  * float32 quarters; 32: halves) over inputs [first, first + steps) (see part_tile_avx2); with
  * ahead (a later piece's first row), the first tile of each part prefetches that part's lines
- * of that piece. */
+ * of that piece (into L1 where near). */
 AVX2_FMA static inline __attribute__((always_inline)) void parts_avx2(
     const void *block, const int bf16, long in, long from, long to, long width, long first,
     long steps, int last, long rows, const float *x, float *sums, float *y, long out,
-    const float *bias, const char *ahead) {
+    const float *bias, const char *ahead, const int near) {
     const long tile = width == 16 ? AVX2_QUARTER_ROWS : bf16 ? 2 : 3;
     for (long at = from; at < to; at += width)
         for (long r = 0; r < rows; r += tile) {
@@ -777,7 +783,7 @@ AVX2_FMA static inline __attribute__((always_inline)) void parts_avx2(
             const char *part_ahead = ahead && r == 0 ? ahead + at * (bf16 ? 2 : 4) : NULL;
 #define PART_TILE(VECTORS, R)                                                                \
     part_tile_avx2(block, bf16, in, at, first, steps, last, xr, sr, yr, out, bias, part_ahead, \
-                   VECTORS, R)
+                   near, VECTORS, R)
             if (width == 16)
                 switch (left) {
                 case 6: PART_TILE(2, 6); break;
@@ -873,13 +879,14 @@ AVX2_FMA static inline __attribute__((always_inline)) void linear_blocks_avx2_of
                 for (long from = 0; from == 0 || from < in; from += AVX2_HALF_PIECE) {
                     long steps = in - from < AVX2_HALF_PIECE ? in - from : AVX2_HALF_PIECE;
                     parts_avx2(block, 0, in, at, at + 32, 32, from, steps, from + steps >= in,
-                               rows, x, sums, yk, out, block_bias, NULL);
+                               rows, x, sums, yk, out, block_bias, NULL, 0);
                 }
             continue;
         }
         /* More rows than the sums hold (a prefill, compute-bound): one pass each tile. */
         long piece = rows <= LINEAR_PAIR_MAX_ROWS ? AVX2_PIECE : (in > 0 ? in : 1);
-        long part = bf16 ? 32 : 16, pieces_ahead = bf16 ? 1 : 4;
+        const int near = bf16 || rows <= AVX2_NEAR_PREFETCH_ROWS;
+        long part = bf16 ? 32 : 16, pieces_ahead = bf16 ? 1 : near ? 2 : 4;
         for (long from = 0; from == 0 || from < in; from += piece) { /* in = 0: y = bias */
             long steps = in - from < piece ? in - from : piece;
             /* Later pieces follow this one in memory, also into the next block. */
@@ -887,7 +894,7 @@ AVX2_FMA static inline __attribute__((always_inline)) void linear_blocks_avx2_of
             const char *ahead =
                 rows <= LINEAR_PAIR_MAX_ROWS ? (const char *)block + ahead_row * row_bytes : NULL;
             parts_avx2(block, bf16, in, 0, LINEAR_BLOCK, part, from, steps, from + steps >= in,
-                       rows, x, sums, yk, out, block_bias, ahead);
+                       rows, x, sums, yk, out, block_bias, ahead, near);
         }
     }
 }
