@@ -364,6 +364,28 @@ def test_data_parallel_replicas_share_the_requests_and_give_the_same_tokens(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_data_parallel_replicas_of_mp_start_at_once(tiny_llama_dir, monkeypatch):
+    """mp declares ``starts_concurrently``: the engine builds its replicas' executors at the
+    same time. Each constructor here first waits for the other to begin: started one after
+    another, the first would wait alone until the barrier breaks."""
+    import threading
+
+    from shardline_executors.mp import MultiprocExecutor
+
+    meeting = threading.Barrier(2, timeout=30)
+    build = MultiprocExecutor.__init__
+
+    def build_after_meeting(self, config):
+        meeting.wait()
+        build(self, config)
+
+    monkeypatch.setattr(MultiprocExecutor, "__init__", build_after_meeting)
+    with _llm(tiny_llama_dir, 1, 1, "parallel.data_parallel_size=2") as llm:
+        assert [type(r.executor) for r in llm.engine.replicas] == [MultiprocExecutor] * 2
+        outputs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert [len(o.token_ids) for o in outputs] == [2, 2]
+
+
 def test_a_new_request_goes_to_the_replica_with_the_least_outstanding_work(tiny_llama_dir):
     with _llm(tiny_llama_dir, 1, 1, "parallel.data_parallel_size=2") as llm:
         engine = llm.engine

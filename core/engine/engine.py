@@ -20,6 +20,7 @@ from shardline.config.selection import check_config, executor_name
 from shardline.engine.detokenizer import Detokenizer
 from shardline.engine.scheduler import Request, Scheduler
 from shardline.engine.speculative import NgramProposer
+from shardline.engine.starting import start_all
 from shardline.errors import CommTimeoutError, ConfigError, RequestError
 from shardline.interfaces import Executor
 from shardline.interfaces.step import (
@@ -139,22 +140,24 @@ class LLMEngine:
             config.parallel.distributed_executor_backend,
             "parallel.distributed_executor_backend",
         ).load_available()
-        self.replicas: list[Replica] = []
+        executors = start_all(
+            lambda index: executor_class(
+                config.model_copy(update={"parallel": config.parallel.replica(index)})
+            ),
+            config.parallel.data_parallel_size,
+            executor_class.starts_concurrently,
+            lambda executor: executor.shutdown(),
+        )
         try:
-            for index in range(config.parallel.data_parallel_size):
-                replica_config = config.model_copy(
-                    update={"parallel": config.parallel.replica(index)}
+            self.replicas: list[Replica] = [
+                Replica(
+                    index, executor, self._new_scheduler(), config.parallel.pipeline_parallel_size
                 )
-                self.replicas.append(
-                    Replica(
-                        index,
-                        executor_class(replica_config),
-                        self._new_scheduler(),
-                        config.parallel.pipeline_parallel_size,
-                    )
-                )
+                for index, executor in enumerate(executors)
+            ]
         except BaseException:
-            self.shutdown()
+            for executor in executors:
+                executor.shutdown()
             raise
         self._outputs: dict[str, RequestOutput] = {}
         self._detokenizers: dict[str, Detokenizer] = {}

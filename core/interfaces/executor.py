@@ -38,7 +38,10 @@ class Executor(abc.ABC):
     own executor, and every call returns the same result in every process) and
     ``enforces_deadlines`` (a call's ``timeout`` can end the wait for a rank still running)
     and ``spans_hosts`` (its ranks can run on several hosts; without it a config with
-    ``parallel.nnodes`` > 1 is refused).
+    ``parallel.nnodes`` > 1 is refused). ``starts_concurrently``: the engine may construct the
+    executors of its data-parallel replicas at once, each in a thread of its own (nothing in
+    the constructor needs the main thread, or state shared with another instance unguarded);
+    without it they start one after another.
 
     What every executor does (the building blocks are in :mod:`shardline.sdk`):
 
@@ -80,6 +83,7 @@ class Executor(abc.ABC):
     launched: bool = False
     enforces_deadlines: bool = True
     spans_hosts: bool = False
+    starts_concurrently: bool = False
 
     @classmethod
     def rendezvous_note(cls, config: Any, environ: Mapping[str, str]) -> str:

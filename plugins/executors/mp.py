@@ -126,6 +126,9 @@ class MultiprocExecutor(Executor):
     """Starts ``world_size`` worker processes and drives them (see module docstring)."""
 
     owns_processes = True
+    # Each instance has its own store, rings and spawner; the fork servers are shared under
+    # a lock: data-parallel replicas' ranks load the model together.
+    starts_concurrently = True
 
     @classmethod
     def rendezvous_note(cls, config: EngineConfig, environ: Any) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 from shardline.config import load_config
 from shardline.config.schema import EngineConfig
 from shardline.conformance.executors import probe
+from shardline.engine.starting import start_all
 from shardline.errors import CommTimeoutError, PeerLostError, WorkerError
 from shardline.interfaces import Executor
 from shardline.interfaces.step import NewRequest, SamplingParams, SchedulerOutput
@@ -323,6 +324,27 @@ def check_shutdown(subject: Subject) -> None:
     _check_nothing_left(executor, pids, segments)
 
 
+def check_concurrent_start(subject: Subject) -> None:
+    """Two executors constructed at once, each in a thread of its own (as the engine starts
+    data-parallel replicas), both work: each rank answers from its own world (its own
+    processes, where the executor owns them); shut down, neither leaves anything."""
+    before = mapped_segments([os.getpid()])
+    pair = start_all(lambda _: subject.fresh(), 2, True, lambda executor: executor.shutdown())
+    try:
+        answers = [executor.collective_rpc(probe.rank_and_pid) for executor in pair]
+        for answer in answers:
+            assert [rank for rank, _ in answer] == list(range(subject.world_size)), answers
+        pids = [[pid for _, pid in answer] for answer in answers]
+        if pair[0].owns_processes:
+            assert not set(pids[0]) & set(pids[1]), f"the two worlds share processes: {pids}"
+        segments = mapped_segments([os.getpid(), *pids[0], *pids[1]]) - before
+    finally:
+        for executor in pair:
+            executor.shutdown()
+    for executor, its_pids in zip(pair, pids, strict=True):
+        _check_nothing_left(executor, its_pids, segments)
+
+
 def _check_nothing_left(executor: Executor, pids: list[int], segments: set[Path]) -> None:
     """No rank process is left, nor any segment the run's processes mapped (judged by the
     suite for a launched world, where the other ranks may still be running)."""
@@ -351,6 +373,11 @@ CHECKS: dict[str, tuple[Callable[[Subject], None], str | None, str]] = {
         "does not own its rank processes (the caller or the launcher does)",
     ),
     "shutdown": (check_shutdown, None, ""),
+    "concurrent start": (
+        check_concurrent_start,
+        "starts_concurrently",
+        "starts one replica's executor after another (starts_concurrently is not set)",
+    ),
 }
 
 

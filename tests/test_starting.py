@@ -1,0 +1,91 @@
+"""Starting replicas' executors one after another or all at once (shardline.engine.starting)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from shardline.engine.starting import start_all
+
+
+class Starts:
+    """Records what was started and stopped; ``before(index)`` runs in each start."""
+
+    def __init__(self, before=lambda index: None, failing=()) -> None:
+        self.before = before
+        self.failing = set(failing)
+        self.started: list[int] = []
+        self.stopped: list[str] = []
+        self.lock = threading.Lock()
+
+    def start(self, index: int) -> str:
+        with self.lock:
+            self.started.append(index)
+        self.before(index)
+        if index in self.failing:
+            raise RuntimeError(f"start {index} failed")
+        return f"executor {index}"
+
+    def stop(self, value: str) -> None:
+        with self.lock:
+            self.stopped.append(value)
+
+
+def test_one_after_another_a_failure_stops_those_started_and_starts_no_more():
+    starts = Starts(failing={1})
+    assert start_all(Starts().start, 3, False, starts.stop) == [
+        "executor 0",
+        "executor 1",
+        "executor 2",
+    ]
+    with pytest.raises(RuntimeError, match="start 1 failed"):
+        start_all(starts.start, 3, False, starts.stop)
+    assert starts.started == [0, 1]
+    assert starts.stopped == ["executor 0"]
+
+
+def test_concurrently_every_start_runs_at_once_and_the_values_keep_their_order():
+    meeting = threading.Barrier(3, timeout=20)  # broken unless all three wait at once
+    starts = Starts(before=lambda index: meeting.wait())
+    assert start_all(starts.start, 3, True, starts.stop) == [
+        "executor 0",
+        "executor 1",
+        "executor 2",
+    ]
+    assert sorted(starts.started) == [0, 1, 2]
+    assert starts.stopped == []
+
+
+def test_concurrently_a_failure_stops_every_start_that_succeeded_and_raises_the_first():
+    meeting = threading.Barrier(4, timeout=20)
+    starts = Starts(before=lambda index: meeting.wait(), failing={1, 3})
+    with pytest.raises(RuntimeError, match="start 1 failed"):
+        start_all(starts.start, 4, True, starts.stop)
+    assert sorted(starts.stopped) == ["executor 0", "executor 2"]
+
+
+def test_an_interrupt_while_starting_raises_at_once_and_every_value_is_stopped_once():
+    """The waiting thread is interrupted (SIGINT) while start 1 still runs: the interrupt is
+    raised without waiting for it; start 0's value is stopped (by the waiting thread, or by
+    its own once it sees the interrupt), start 1's by its own thread once it returns."""
+    release = threading.Event()
+    main = threading.main_thread().ident
+
+    def before(index: int) -> None:
+        if index == 1:
+            signal.pthread_kill(main, signal.SIGINT)
+            release.wait(20)
+
+    starts = Starts(before=before)
+    with pytest.raises(KeyboardInterrupt):
+        start_all(starts.start, 2, True, starts.stop)
+    assert "executor 1" not in starts.stopped
+    release.set()
+    deadline = time.monotonic() + 20
+    while len(starts.stopped) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # a second stop of either would show by now
+    assert sorted(starts.stopped) == ["executor 0", "executor 1"]
