@@ -103,6 +103,11 @@ class ForkServer:
         child.ended(-signal.SIGKILL)
 
     def is_alive(self) -> bool:
+        """False once the server's end of its ends pipe closed (it exits: its file descriptors
+        close before the kernel lets it be reaped) or it was reaped."""
+        with self._lock:
+            if self._gone:
+                return False
         return self.process.poll() is None
 
     def close(self) -> None:
