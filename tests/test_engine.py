@@ -462,6 +462,46 @@ def test_a_steps_own_timeout_reaches_the_caller_with_its_diagnosis():
         LLMEngine._wait(engine, silent)
 
 
+def test_a_refused_mp_config_leaves_no_fork_server_behind(tiny_llama_dir, monkeypatch):
+    """mp's head start starts a fork server before the check (an environment of its own
+    here, so that no earlier test's server is reused); the check refuses the config, and
+    that server ends at once instead of lingering, torch imported, for a world that will not
+    come."""
+    from shardline.config import load_config
+    from shardline.conformance.executors.checks import wait_gone
+    from shardline.engine.engine import LLMEngine
+
+    def fork_servers() -> set[int]:
+        """This process's children that are fork servers."""
+        found = set()
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    command = cmdline.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == os.getpid() and b"shardline.launch.fork_server" in command:
+                found.add(int(entry))
+        return found
+
+    before = fork_servers()
+    monkeypatch.setenv("SHARDLINE_TEST_OWN_FORK_SERVER", "refused-config")
+    refused = load_config(
+        overrides=[
+            f"model.path={tiny_llama_dir}",
+            "parallel.tensor_parallel_size=64",
+            "parallel.distributed_executor_backend=mp",
+        ],
+        environ={},
+    )
+    with pytest.raises(ConfigError, match="tensor_parallel_size = 64"):
+        LLMEngine(refused, environ={})
+    started = fork_servers() - before
+    assert wait_gone(sorted(started), 5.0) == []
+
+
 def test_the_configured_executor_gets_its_head_start_before_the_config_is_checked(
     tiny_llama_dir,
 ):
@@ -486,12 +526,14 @@ def test_the_configured_executor_gets_its_head_start_before_the_config_is_checke
     )
     model = f"model.path={tiny_llama_dir}"
     prestart_calls.CALLS.clear()
+    prestart_calls.UNDONE.clear()
     early = load_config(overrides=[model, "parallel.distributed_executor_backend=early"])
     with pytest.raises(ConfigError, match=r"parallel\.distributed_executor_backend"):
         LLMEngine(early, registry, environ={})
     assert [config.parallel.distributed_executor_backend for config in prestart_calls.CALLS] == [
         "early"
     ]
+    assert prestart_calls.UNDONE == prestart_calls.CALLS  # refused: the head start undone
     with pytest.raises(ConfigError):  # auto picks uni for one rank: not "early"
         LLMEngine(load_config(overrides=[model]), registry, environ={})
     assert len(prestart_calls.CALLS) == 1

@@ -156,6 +156,26 @@ def test_a_prepared_server_imports_the_module_before_any_child_is_asked_for(tmp_
     assert (tmp_path / "ran").read_text() == importers[0]  # forked from that server
 
 
+def test_an_unused_prepared_server_ends_at_once_and_a_used_or_held_one_does_not(fork_servers):
+    """``end_if_unused`` ends a prepared server no world took (a refused config's); a server
+    that a spawner holds, or that was asked for a child, stays (it ends as usual)."""
+    unused = fork_servers.prepare({**os.environ, "FORK_TEST_MARKER": "unused"}, "json")
+    fork_servers.end_if_unused(unused)
+    assert wait_gone([unused.process.pid], 5.0) == []
+    environ = {**os.environ, "FORK_TEST_MARKER": "used"}
+    used = fork_servers.prepare(environ, "json")
+    spawner = Spawner("shardline-test-spawner", fork_servers)
+    try:
+        child = spawner.start(fork_targets.fail, (), "asked", env=environ)
+        fork_servers.end_if_unused(used)  # held by the spawner
+        child.join(60)
+        assert child.exitcode == 1  # it ran (and failed, as it should)
+    finally:
+        spawner.close()
+    fork_servers.end_if_unused(used)  # let go, but it forked a child
+    assert used.is_alive()
+
+
 def test_spawners_share_a_server_while_their_childrens_environments_match(tmp_path, fork_servers):
     """Two spawners whose children's environments differ only in pytest's running-test
     variable share one server; another environment gets one of its own. Closing one spawner

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -122,8 +122,13 @@ class LLMEngine:
         environ = os.environ if environ is None else environ
         config = loaded.config
         registry = registry or Registry.for_plugins(config.plugins)
-        _prestart(config, registry, environ)
-        checked = check_config(loaded, registry, environ, starts_here=True)
+        undo_prestart = _prestart(config, registry, environ)
+        try:
+            checked = check_config(loaded, registry, environ, starts_here=True)
+        except BaseException:
+            if undo_prestart is not None:
+                undo_prestart()
+            raise
         config = checked.config
         #: The memory plan of the ranks on this host, as checked before they started.
         self.capacity = checked.capacity
@@ -444,14 +449,18 @@ def _max_model_len(loaded: LoadedConfig, model_positions: int) -> int:
     return requested
 
 
-def _prestart(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> None:
+def _prestart(
+    config: EngineConfig, registry: Registry, environ: Mapping[str, str]
+) -> Callable[[], None] | None:
     """Give the executor the config names a head start (its ``prestart`` hook), before the
     config is checked; an executor that is unknown or declares none gets nothing (the check
-    says what is wrong)."""
+    says what is wrong). Returns what the hook returned: what undoes the head start where
+    the config is then refused, or None."""
     name, _ = executor_name(config, environ)
     try:
         component = registry.get("executor", name)
     except ConfigError:
-        return
-    if component.prestart:
-        import_target(component.prestart)(config)
+        return None
+    if not component.prestart:
+        return None
+    return import_target(component.prestart)(config)

@@ -71,6 +71,8 @@ class ForkServer:
         self._early_ends: dict[int, int] = {}  # pid -> exit code, read before the fork reply
         self._gone = False
         self._closed = False
+        #: Whether a child was ever asked of it.
+        self.asked = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -96,6 +98,7 @@ class ForkServer:
         killed before its turn comes, or asked of a closed server, is never forked."""
         with self._lock:
             if not self._closed:
+                self.asked = True
                 self._queue.put((child, env, numbers, fds, module, cpus))
                 return
         for fd in fds:
@@ -231,12 +234,26 @@ class ForkServers:
             dead.close()
         return server
 
-    def prepare(self, environ: Mapping[str, str], module: str) -> None:
+    def prepare(self, environ: Mapping[str, str], module: str) -> ForkServer:
         """Have a server for ranks with ``environ`` import ``module`` now, in the background:
         one started for it where none runs (it waits ``linger_s`` for its first world); one
         already running imports it with its first request for it, as before. The ranks'
-        imports then overlap what this process does before it starts them."""
-        self.release(self.acquire(environ, (module,)))
+        imports then overlap what this process does before it starts them. Returns the
+        server (for :meth:`end_if_unused`)."""
+        server = self.acquire(environ, (module,))
+        self.release(server)
+        return server
+
+    def end_if_unused(self, server: ForkServer) -> None:
+        """End ``server`` now where nothing holds it and no child was ever asked of it (one
+        :meth:`prepare` started for ranks that will not come: a refused config); else leave
+        it, to end as usual."""
+        with self._lock:
+            hold = self._holds.get(server)
+            if hold is None or hold.users > 0 or server.asked:
+                return
+            self._forget(server)
+        server.close()
 
     def release(self, server: ForkServer) -> None:
         """Let go of ``server`` (once per :meth:`acquire`; nothing once :meth:`close` ended

@@ -37,7 +37,9 @@ class Component:
       its config before checking it, where this executor is the one configured (or ``auto``
       picks): a head start on the ranks' start-up (the ``mp`` executor's fork server imports
       the ranks' modules meanwhile). Its module must import quickly (no torch); what it
-      starts must not outlive an unused start by long.
+      starts must not outlive an unused start by long. It may return a function of no
+      arguments that undoes the head start, which the engine calls where the check then
+      refuses the config (``mp``'s ends its fork server at once), or None.
     - ``kind`` and ``plugin`` are filled in by the registry.
     """
 

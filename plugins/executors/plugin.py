@@ -1,6 +1,7 @@
 """Entry point of the built-in executors (``shardline.plugins`` group, name ``executors``)."""
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from shardline.registry import Component, hookimpl
@@ -29,8 +30,11 @@ def shardline_executors() -> list[Component]:
     ]
 
 
-def prestart_mp(config: Any) -> None:
+def prestart_mp(config: Any) -> Callable[[], None]:
     """The ``mp`` executor's head start: the fork server its ranks come from (this process's,
-    for this environment) imports their module while the engine checks the config; unused,
-    it ends ``linger_s`` later (or with this process)."""
-    ForkServers.process_wide().prepare(os.environ, "shardline_executors.mp_worker")
+    for this environment) imports their module while the engine checks the config. Returns
+    what ends that server at once where the config is refused (unless another world has
+    used or holds it); unused otherwise, it ends ``linger_s`` later (or with this process)."""
+    servers = ForkServers.process_wide()
+    server = servers.prepare(os.environ, "shardline_executors.mp_worker")
+    return lambda: servers.end_if_unused(server)
