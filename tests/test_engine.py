@@ -470,21 +470,15 @@ def test_a_refused_mp_config_leaves_no_fork_server_behind(tiny_llama_dir, monkey
     from shardline.config import load_config
     from shardline.conformance.executors.checks import wait_gone
     from shardline.engine.engine import LLMEngine
+    from support.processes import descendant_commands
 
     def fork_servers() -> set[int]:
-        """This process's children that are fork servers."""
-        found = set()
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                    command = cmdline.read()
-            except (OSError, ValueError, IndexError):
-                continue
-            if parent == os.getpid() and b"shardline.launch.fork_server" in command:
-                found.add(int(entry))
-        return found
+        """This process's fork servers (and any it has forked, none here)."""
+        return {
+            pid
+            for pid, command in descendant_commands(os.getpid()).items()
+            if "shardline.launch.fork_server" in command
+        }
 
     before = fork_servers()
     monkeypatch.setenv("SHARDLINE_TEST_OWN_FORK_SERVER", "refused-config")
