@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from shardline.conformance.faults.runner import HANG_S
+from shardline.conformance.faults.plan import HANG_S
 from shardline.conformance.faults.scenarios import NEVER_JOINS, PLAN_VARIABLE
 from shardline.registry import hookimpl
 

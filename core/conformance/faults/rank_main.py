@@ -24,7 +24,7 @@ from typing import Any
 
 from shardline.config import load_config
 from shardline.config.schema import EngineConfig
-from shardline.conformance.faults.runner import FAULT_RUNNER, Plan, arm
+from shardline.conformance.faults.plan import FAULT_RUNNER, Plan, arm
 from shardline.conformance.faults.scenarios import (
     HOST_SCENARIOS,
     INJECTION_ENTRY_POINT,
@@ -39,7 +39,9 @@ from shardline.conformance.faults.scenarios import (
 from shardline.errors import ShardlineError, WorkerError
 from shardline.interfaces.step import NewRequest, SamplingParams, SchedulerOutput
 from shardline.launch.launcher_env import LaunchedRank
+from shardline.launch.process_exit import skip_final_collection
 from shardline.registry import Registry, installed_plugins
+from shardline.registry.component import import_target
 
 
 def fault_config(
@@ -110,7 +112,10 @@ def run(
             args.layout,
         )
         registry = Registry.for_plugins(config.plugins)
-        executor_class = registry.get("executor", args.executor).load_available()
+        component = registry.get("executor", args.executor)
+        if component.prestart:  # the head start a run gives it, before torch is imported here
+            import_target(component.prestart)(config)
+        executor_class = component.load_available()
         report["phase"] = "start-up"
         started = time.monotonic()
         executor = executor_class(config)
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launched", action="store_true", help="one rank of a launched world")
     parser.add_argument("--reports", type=Path, required=True)
     args = parser.parse_args(argv)
+    skip_final_collection()
     role = f"rank-{LaunchedRank.from_environ(os.environ).rank}" if args.launched else "driver"
 
     def save(report: dict[str, Any]) -> None:

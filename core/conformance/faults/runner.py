@@ -1,43 +1,28 @@
 """What the fault suite runs on the ranks: a model runner whose step is one tensor-parallel
 all-reduce in each pipeline stage, its result passed on to the next, with a fault armed
-through ``collective_rpc`` (:func:`arm`) planted on the victim rank."""
+through ``collective_rpc`` (:func:`.plan.arm`) planted on the victim rank."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardline.comm.tensor_dict import TensorMeta
+from shardline.conformance.faults.plan import HANG_S, Plan
 from shardline.conformance.faults.scenarios import HOST_SCENARIOS
 from shardline.interfaces import IntermediateTensors, ModelRunner
 
-#: ``model.runner`` value that selects :class:`FaultModelRunner`.
-FAULT_RUNNER = "shardline.conformance.faults.runner:FaultModelRunner"
-#: How long a hung rank stays hung: far past any deadline (its launcher or executor ends it).
-HANG_S = 3600.0
 PROBE_SHAPE = (8, 16)
 
 
 #: How long the victim of a host scenario pauses in the step, before its all-reduce, for the
 #: suite to act on its host (it starts when the marker ``in-step`` appears).
 HOLD_S = 1.0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Fault ``fault`` (a scenario's step fault, or None) planted on rank ``victim`` (of the
-    world; a fault in the tensor-parallel group takes it as a rank of that group);
-    ``markers``: the folder where the victim of a host scenario marks that it is in the step."""
-
-    fault: str | None
-    victim: int
-    markers: str = ""
 
 
 class FaultModelRunner(ModelRunner):
@@ -99,9 +84,3 @@ def _send_unsigned_object(tp: Any, src: int) -> None:
     payload = torch.frombuffer(bytearray(b"\x80\x05N." + bytes(64)), dtype=torch.uint8)
     tp.control.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src)
     tp.control.broadcast(payload, src)
-
-
-def arm(worker: Any, plan: Plan) -> int:
-    """Plant ``plan`` in the rank's runner; returns the rank's pid."""
-    worker.model_runner.plan = plan
-    return os.getpid()
