@@ -38,6 +38,7 @@ from pathlib import Path
 
 from shardline.cli.table import render
 from shardline.errors import ConfigError
+from shardline.launch.process_exit import skip_final_collection
 from shardline.profiling import ATTENTION, EMBEDDING_LOOKUP, MATMUL, OTHER_LAYER_OPS
 
 #: Layout name -> (tensor, pipeline, data) parallel sizes.
@@ -769,4 +770,5 @@ def _main(argument: str) -> None:
 
 
 if __name__ == "__main__":
+    skip_final_collection()
     _main(sys.argv[1])

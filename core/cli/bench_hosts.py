@@ -28,6 +28,7 @@ from shardline.cli.table import render
 from shardline.errors import ConfigError
 from shardline.launch import hosts as simulated
 from shardline.launch.launchers import launcher_environment, private_tmpdir
+from shardline.launch.process_exit import skip_final_collection
 
 #: Marks the line a rank program prints its result on.
 COMM_MARK = "BENCH-HOSTS-COMM "
@@ -324,6 +325,7 @@ def _decode_table(rows: list[dict], hosts: int) -> str:
 
 
 if __name__ == "__main__":
+    skip_final_collection()
     if sys.argv[1:2] == ["comm-rank"]:
         comm_rank(sys.argv[2], sys.argv[3])
     else:

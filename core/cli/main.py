@@ -16,6 +16,7 @@ from pathlib import Path
 from shardline import __version__
 from shardline.config.loader import LoadedConfig, load_config
 from shardline.errors import ConfigError, ShardlineError, WorkerError
+from shardline.launch.process_exit import skip_final_collection
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -675,6 +676,7 @@ class StopOnSigterm:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    skip_final_collection()
     argv = list(sys.argv[1:] if argv is None else argv)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, StopOnSigterm())

@@ -13,9 +13,11 @@ import sys
 
 from shardline.launch.launcher_env import LaunchedRank
 from shardline.launch.local_world import serve_rank
+from shardline.launch.process_exit import skip_final_collection
 
 
 def main(address: str) -> None:
+    skip_final_collection()
     host, port = address.rsplit(":", 1)
     authkey = bytes.fromhex(os.environ["SHARDLINE_LOCAL_WORLD_AUTHKEY"])
     launched = LaunchedRank.from_environ(os.environ)

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shardline.launch.fork_server import MAX_FDS
+from shardline.launch.process_exit import skip_final_collection
 
 if TYPE_CHECKING:
     from shardline.launch.fork_servers import ForkServer, ForkServers
@@ -362,6 +363,7 @@ def _cloudpickle():
 
 def child_main(payload: int) -> None:
     """The body of a child of :meth:`Spawner.start`: run what the ``payload`` pipe holds."""
+    skip_final_collection()
     try:
         with os.fdopen(payload, "rb") as source:
             sys.path[:], authkey = pickle.loads(_read_frame(source))

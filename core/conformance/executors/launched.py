@@ -21,10 +21,12 @@ from pathlib import Path
 from shardline.conformance.executors.checks import CHECKS, Subject, not_applicable, probe_config
 from shardline.interfaces import Executor
 from shardline.launch.launcher_env import LaunchedRank
+from shardline.launch.process_exit import skip_final_collection
 from shardline.registry import Registry
 
 
 def main(argv: list[str] | None = None) -> int:
+    skip_final_collection()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("executor", help="executor name or package.module:Class")
     parser.add_argument("--timeout", type=float, default=20.0, help="parallel.timeout_s")
