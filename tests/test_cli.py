@@ -365,3 +365,33 @@ def test_a_command_line_refused_for_its_arguments_does_not_import_torch(tmp_path
     for argv, (code, errors, torch_loaded) in zip(REFUSED_WITHOUT_TORCH, answers, strict=True):
         assert code == 2 and errors.startswith("error: "), (argv, code, errors)
         assert not torch_loaded, f"{argv} imported torch before refusing: {errors}"
+
+
+def test_an_interrupt_a_library_swallowed_still_ends_the_command_as_interrupted():
+    """torch's C++ import of numpy clears any error it meets, a Ctrl-C included, and the
+    command then fails on the half-imported numpy: that ends as interrupted (130), while the
+    same failure without a Ctrl-C is an internal error (1); the SIGINT handler is restored."""
+    script = (
+        "import contextlib, io, json, signal, sys\n"
+        "from shardline.cli import main as cli\n"
+        "def swallowing(args, passthrough):\n"
+        "    if sys.argv[1] == 'interrupt':\n"
+        "        with contextlib.suppress(BaseException):\n"
+        "            signal.raise_signal(signal.SIGINT)\n"
+        "    raise AttributeError(\"module 'numpy' has no attribute 'multiply'\")\n"
+        "cli.dispatch = swallowing\n"
+        "with contextlib.redirect_stderr(io.StringIO()) as errors:\n"
+        "    code = cli.main(['plugins'])\n"
+        "restored = signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+        "print(json.dumps([code, errors.getvalue(), restored]))\n"
+    )
+    answers = {}
+    for case in ("interrupt", "no interrupt"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, case], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        answers[case] = json.loads(done.stdout)
+    assert answers["interrupt"] == [130, "interrupted\n", True]
+    code, errors, restored = answers["no interrupt"]
+    assert code == 1 and errors.startswith("internal error: AttributeError") and restored

@@ -675,11 +675,36 @@ class StopOnSigterm:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class RememberInterrupt:
+    """A SIGINT handler that raises KeyboardInterrupt as Python's own does and remembers that
+    it came: an interrupt that a library swallowed (torch's C++ import of numpy clears any
+    error it meets, leaving numpy half-imported) still ends the command as interrupted, not
+    as the error that follows from it."""
+
+    def __init__(self) -> None:
+        self.came = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.came = True
+        raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     skip_final_collection()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, StopOnSigterm())
+    interrupt = RememberInterrupt()
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv, interrupt)
+    signal.signal(signal.SIGTERM, StopOnSigterm())
+    before = signal.signal(signal.SIGINT, interrupt)
+    try:
+        return _main(argv, interrupt)
+    finally:
+        if before is not None:  # None: a handler not set from Python, which cannot be restored
+            signal.signal(signal.SIGINT, before)
+
+
+def _main(argv: list[str], interrupt: RememberInterrupt) -> int:
     passthrough: list[str] = []
     if "--" in argv:
         split = argv.index("--")
@@ -719,6 +744,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except Exception as error:
+        if interrupt.came:
+            print("interrupted", file=sys.stderr)
+            return 130
         if os.environ.get("SHARDLINE_DEBUG"):
             raise
         print(
