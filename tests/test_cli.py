@@ -370,10 +370,12 @@ def test_a_command_line_refused_for_its_arguments_does_not_import_torch(tmp_path
 def test_an_interrupt_a_library_swallowed_still_ends_the_command_as_interrupted():
     """torch's C++ import of numpy clears any error it meets, a Ctrl-C included, and the
     command then fails on the half-imported numpy: that ends as interrupted (130), while the
-    same failure without a Ctrl-C is an internal error (1); the SIGINT handler is restored."""
+    same failure without a Ctrl-C is an internal error (1); Python's SIGINT handler is
+    restored. Where SIGINT is ignored (a background job), it stays ignored."""
     script = (
         "import contextlib, io, json, signal, sys\n"
         "from shardline.cli import main as cli\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal\n"
         "def swallowing(args, passthrough):\n"
         "    if sys.argv[1] == 'interrupt':\n"
         "        with contextlib.suppress(BaseException):\n"
@@ -395,3 +397,16 @@ def test_an_interrupt_a_library_swallowed_still_ends_the_command_as_interrupted(
     assert answers["interrupt"] == [130, "interrupted\n", True]
     code, errors, restored = answers["no interrupt"]
     assert code == 1 and errors.startswith("internal error: AttributeError") and restored
+    ignored = (
+        "import signal\n"
+        "from shardline.cli import main as cli\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "ignored = lambda: print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)\n"
+        "cli.dispatch = lambda args, passthrough: ignored()\n"
+        "cli.main(['plugins'])\n"
+        "ignored()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", ignored], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.splitlines() == ["True", "True"], done.stdout + done.stderr

@@ -696,12 +696,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threading.current_thread() is not threading.main_thread():
         return _main(argv, interrupt)
     signal.signal(signal.SIGTERM, StopOnSigterm())
-    before = signal.signal(signal.SIGINT, interrupt)
+    # Only in place of Python's own handler: an ignored SIGINT (a background job) stays so.
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return _main(argv, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         return _main(argv, interrupt)
     finally:
-        if before is not None:  # None: a handler not set from Python, which cannot be restored
-            signal.signal(signal.SIGINT, before)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _main(argv: list[str], interrupt: RememberInterrupt) -> int:

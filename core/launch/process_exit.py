@@ -6,7 +6,8 @@ an AMD EPYC host: 0.86 s from a script's end to its process's, 0.21 s with the h
 first), and a run starts a driver and ranks, a test suite hundreds of them. :func:`gc.freeze`
 as the last exit handler skips the walk; the memory goes back with the process all the same.
 Exit handlers and ``weakref.finalize`` callbacks still run; only an object in a reference cycle
-whose ``__del__`` was to run at exit does not (nothing of Shardline's leaves cleanup to that).
+whose ``__del__`` was to run at exit does not: Shardline leaves no cleanup to that (its /dev/shm
+segments are unlinked explicitly; the leak checks of the test and fault suites pass with it).
 
 Called by the bodies of processes Shardline starts (its command line, a spawned rank, a
 fault scenario's process), never by a library user's process.
