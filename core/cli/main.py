@@ -693,11 +693,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     skip_final_collection()
     argv = list(sys.argv[1:] if argv is None else argv)
     interrupt = RememberInterrupt()
-    if threading.current_thread() is not threading.main_thread():
-        return _main(argv, interrupt)
-    signal.signal(signal.SIGTERM, StopOnSigterm())
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:
+        signal.signal(signal.SIGTERM, StopOnSigterm())
     # Only in place of Python's own handler: an ignored SIGINT (a background job) stays so.
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if not on_main_thread or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return _main(argv, interrupt)
     signal.signal(signal.SIGINT, interrupt)
     try:

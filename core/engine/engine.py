@@ -31,7 +31,6 @@ from shardline.interfaces.step import (
 )
 from shardline.profiling import NO_TIMER, StepTimer
 from shardline.registry import Registry
-from shardline.registry.component import import_target
 from shardline.weights import load_tokenizer, open_checkpoint
 
 #: Seconds a step may take beyond ``parallel.timeout_s`` before the engine gives up on it
@@ -461,6 +460,4 @@ def _prestart(
         component = registry.get("executor", name)
     except ConfigError:
         return None
-    if not component.prestart:
-        return None
-    return import_target(component.prestart)(config)
+    return component.head_start(config)

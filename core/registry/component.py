@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,13 @@ class Component:
             return str(error)
         check = getattr(loaded, "unavailable_reason", None)
         return check() if callable(check) else None
+
+    def head_start(self, config: Any) -> Callable[[], None] | None:
+        """Call this executor's ``prestart`` hook with ``config``; what it returned (the undo,
+        or None), or None where it declares none."""
+        if not self.prestart:
+            return None
+        return import_target(self.prestart)(config)
 
     def claimed_by(self, kind: str, plugin: str) -> Component:
         return dataclasses.replace(self, kind=kind, plugin=plugin)

@@ -41,7 +41,6 @@ from shardline.interfaces.step import NewRequest, SamplingParams, SchedulerOutpu
 from shardline.launch.launcher_env import LaunchedRank
 from shardline.launch.process_exit import skip_final_collection
 from shardline.registry import Registry, installed_plugins
-from shardline.registry.component import import_target
 
 
 def fault_config(
@@ -113,8 +112,7 @@ def run(
         )
         registry = Registry.for_plugins(config.plugins)
         component = registry.get("executor", args.executor)
-        if component.prestart:  # the head start a run gives it, before torch is imported here
-            import_target(component.prestart)(config)
+        component.head_start(config)  # as a run gives it, before torch is imported here
         executor_class = component.load_available()
         report["phase"] = "start-up"
         started = time.monotonic()
