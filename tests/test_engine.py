@@ -386,6 +386,49 @@ def test_data_parallel_replicas_of_mp_start_at_once(tiny_llama_dir, monkeypatch)
         assert [len(o.token_ids) for o in outputs] == [2, 2]
 
 
+def test_a_replica_that_fails_to_start_fails_the_engine_while_another_still_starts(
+    tiny_llama_dir, monkeypatch
+):
+    """Replica 1's executor fails at once while replica 0's still starts (here it waits to
+    be released, as one whose ranks are slow would): the engine raises the failure without
+    waiting, and replica 0's executor, once built, is shut down by its own start: no rank
+    process is left."""
+    import threading
+    import time
+
+    from shardline.conformance.executors.checks import wait_gone
+    from shardline_executors.mp import MultiprocExecutor
+
+    release, shut_down = threading.Event(), threading.Event()
+    built: list[MultiprocExecutor] = []
+    rank_pids: list[int] = []
+    build, shutdown = MultiprocExecutor.__init__, MultiprocExecutor.shutdown
+
+    def build_or_fail(self, config):
+        if config.parallel.data_parallel_rank == 1:
+            raise RuntimeError("replica 1 cannot start")
+        release.wait(30)
+        build(self, config)
+        built.append(self)
+
+    def shutdown_and_tell(self):
+        rank_pids.extend(process.pid for process in self._ranks.processes)
+        shutdown(self)
+        shut_down.set()
+
+    monkeypatch.setattr(MultiprocExecutor, "__init__", build_or_fail)
+    monkeypatch.setattr(MultiprocExecutor, "shutdown", shutdown_and_tell)
+    begun = time.monotonic()
+    with pytest.raises(RuntimeError, match="replica 1 cannot start"):
+        _llm(tiny_llama_dir, 1, 1, "parallel.data_parallel_size=2")
+    assert time.monotonic() - begun < 20, "the failure waited for replica 0's start"
+    assert not built
+    release.set()
+    assert shut_down.wait(60), "replica 0's executor was not shut down once built"
+    assert len(built) == 1 and len(rank_pids) == 1
+    assert wait_gone(rank_pids, 5.0) == []
+
+
 def test_a_new_request_goes_to_the_replica_with_the_least_outstanding_work(tiny_llama_dir):
     with _llm(tiny_llama_dir, 1, 1, "parallel.data_parallel_size=2") as llm:
         engine = llm.engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -59,12 +60,36 @@ def test_concurrently_every_start_runs_at_once_and_the_values_keep_their_order()
     assert starts.stopped == []
 
 
-def test_concurrently_a_failure_stops_every_start_that_succeeded_and_raises_the_first():
+def _eventually_stopped(starts: Starts, count: int) -> list[str]:
+    """What ``starts`` stopped once ``count`` values were (a start still running when the
+    error was raised stops its own value when it returns), each stopped once."""
+    deadline = time.monotonic() + 20
+    while len(starts.stopped) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # a second stop of any would show by now
+    return sorted(starts.stopped)
+
+
+def test_concurrently_a_failure_stops_every_start_that_succeeded_and_raises_it():
     meeting = threading.Barrier(4, timeout=20)
     starts = Starts(before=lambda index: meeting.wait(), failing={1, 3})
-    with pytest.raises(RuntimeError, match="start 1 failed"):
+    with pytest.raises(RuntimeError, match=r"start [13] failed"):
         start_all(starts.start, 4, True, starts.stop)
-    assert sorted(starts.stopped) == ["executor 0", "executor 2"]
+    assert _eventually_stopped(starts, 2) == ["executor 0", "executor 2"]
+
+
+def test_concurrently_a_failure_is_raised_without_waiting_for_a_start_still_running():
+    """A replica that fails ends the start at once, while another still waits for its
+    ranks; that one stops its own value once its start returns."""
+    release = threading.Event()
+    starts = Starts(before=lambda index: index == 0 and release.wait(20), failing={1})
+    begun = time.monotonic()
+    with pytest.raises(RuntimeError, match="start 1 failed"):
+        start_all(starts.start, 2, True, starts.stop)
+    assert time.monotonic() - begun < 10, "the failure waited for the start still running"
+    assert starts.stopped == []
+    release.set()
+    assert _eventually_stopped(starts, 1) == ["executor 0"]
 
 
 #: Run in a process of its own: a test runner's worker may ignore SIGINT, or run tests in a

@@ -29,10 +29,11 @@ def start_all(
     """``[start(0), ..., start(count - 1)]``. One after another: where one raises, those
     started are stopped (``stop``), the later ones never start, and the error is raised.
     With ``concurrently``: every ``start(i)`` runs at once, each in a thread of its own
-    (daemons: an interpreter that exits does not wait for them); once all have returned,
-    where any raised, those started are stopped and the first error in index order is
-    raised. Where this thread is interrupted meanwhile (KeyboardInterrupt), those started are
-    stopped and the interrupt raised at once; one still starting stops itself once started."""
+    (daemons: an interpreter that exits does not wait for them). As soon as one raises, or
+    this thread is interrupted (KeyboardInterrupt), that error is raised without waiting for
+    the starts still running: those that ended are stopped here, and each still running stops
+    its value itself once it returns (its own deadline bounds that). Where none raises, the
+    values in order."""
     if not concurrently or count == 1:
         started: list[Started] = []
         try:
@@ -44,7 +45,8 @@ def start_all(
             raise
         return started
     outcomes: list[_Outcome[Started] | None] = [None] * count
-    lock = threading.Lock()
+    ended = threading.Condition()
+    failures: list[BaseException] = []
     abandoned = False
 
     def run(index: int) -> None:
@@ -52,33 +54,36 @@ def start_all(
             outcome = _Outcome(value=start(index))
         except BaseException as error:
             outcome = _Outcome(error=error)
-        with lock:
+        with ended:
             keep = not abandoned
             outcomes[index] = outcome
+            if outcome.error is not None:
+                failures.append(outcome.error)
+            ended.notify()
         if not keep and outcome.error is None:
             stop(outcome.value)
 
-    threads = [
-        threading.Thread(target=run, args=(index,), name=f"shardline-start-{index}", daemon=True)
-        for index in range(count)
-    ]
+    def settled() -> bool:
+        return bool(failures) or all(outcome is not None for outcome in outcomes)
+
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        for index in range(count):
+            name = f"shardline-start-{index}"
+            threading.Thread(target=run, args=(index,), name=name, daemon=True).start()
+        with ended:
+            ended.wait_for(settled)
+            if not failures:
+                return [outcome.value for outcome in outcomes]  # type: ignore[union-attr]
+            abandoned = True
+            finished = [outcome for outcome in outcomes if outcome is not None]
     except BaseException:
-        with lock:
+        with ended:
             abandoned = True
             finished = [outcome for outcome in outcomes if outcome is not None]
         _stop_started(finished, stop)
         raise
-    finished = [outcome for outcome in outcomes if outcome is not None]
-    errors = [outcome.error for outcome in finished if outcome.error is not None]
-    if errors:
-        _stop_started(finished, stop)
-        raise errors[0]
-    return [outcome.value for outcome in finished]
+    _stop_started(finished, stop)
+    raise failures[0]
 
 
 def _stop_started(outcomes: list[_Outcome[Started]], stop: Callable[[Started], None]) -> None:
