@@ -52,6 +52,40 @@ def _head_choice(kernels, held, x, valid):
     return kernels.linear(x, held, None)[:, :valid].max(dim=-1)
 
 
+def test_the_heads_q8_0_blocks_are_ggmls_and_their_sums_are_exact():
+    """The C quantizer gives the gguf package's Q8_0 bytes (ggml's reference) and values for
+    groups of every magnitude (float16 scales subnormal, normal and near the largest; zero
+    groups; values on a code's half step), and each row's float64 sums; a group whose scale
+    passes float16's range, or a value that is not finite, is refused."""
+    import gguf
+
+    generator = torch.Generator().manual_seed(7)
+    rows, groups = 64, 6
+    magnitudes = torch.logspace(-11, 7.5, rows * groups, dtype=torch.float64)
+    values = torch.randn(rows * groups, 32, generator=generator, dtype=torch.float64)
+    values = (values * magnitudes[:, None]).float().view(rows, groups * 32)
+    values[3] = 0.0
+    values[4, :31] = (torch.arange(31) + 0.5) * 0.25  # x * (1 / d) on a half step: away from 0
+    values[4, 31] = 127 * 0.25  # d = 0.25
+    finite_rows = values.abs().amax(dim=1) / 127 < 65504
+    kept = values[finite_rows]
+    raw, decoded, sums = _q8_0_rows(native_module, kept)
+    expected_raw = gguf.quants.quantize(kept.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(raw.numpy(), expected_raw)
+    expected = gguf.quants.dequantize(expected_raw, gguf.GGMLQuantizationType.Q8_0)
+    # The same bits (a negative value whose code is 0 decodes to +0.0, as the blocks say).
+    assert torch.equal(decoded.view(torch.int32), torch.from_numpy(expected).view(torch.int32))
+    exact, held = kept.double(), decoded.double()
+    expected_sums = torch.stack([((exact - held) ** 2).sum(1), (exact**2).sum(1), (held**2).sum(1)])
+    torch.testing.assert_close(sums, expected_sums, rtol=1e-12, atol=0)
+    assert not finite_rows.all()  # some group's scale passes float16's range
+    assert _q8_0_rows(native_module, values) is None
+    for bad in (float("nan"), float("inf")):
+        spoiled = kept.clone()
+        spoiled[1, 7] = bad
+        assert _q8_0_rows(native_module, spoiled) is None
+
+
 @pytest.mark.parametrize("screen_kind", SCREEN_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("out_features", [130, 490, 4160])
@@ -89,7 +123,7 @@ def test_equal_rows_give_the_first_and_rows_the_codes_cannot_tell_apart_their_su
     table[5] = x[0] * 0.3
     table[9] = table[5] + x[0].sign() * 1e-6
     held, screen = _screened(kernels, table)
-    raw, _ = _q8_0_rows(table[[5, 9]])
+    raw, _, _ = _q8_0_rows(native_module, table[[5, 9]])
     assert (raw[0] == raw[1]).all()  # the same codes
     assert screen.argmax(x, held, 64)[1].tolist() == [9]
 
@@ -111,7 +145,7 @@ def test_an_order_the_codes_reverse_is_still_the_heads(screen_kind):
     assert exact[0] > exact[1]  # the head's order
     kernels = NativeKernels(native_module, screen_kind=screen_kind)
     held, screen = _screened(kernels, table)
-    _, decoded = _q8_0_rows(table)
+    _, decoded, _ = _q8_0_rows(native_module, table)
     approx = decoded @ x[0]
     assert approx[1] > approx[0]  # the codes' order, reversed
     assert screen.argmax(x, held, 2)[1].tolist() == [0]

@@ -2261,6 +2261,76 @@ static void pack_chunk(const void *context, long chunk, int worker) {
  * address, raw row stride, first row, rows), the file's blocks of those rows of the weight;
  * a row no part covers must be zeros (a vocabulary's padding), held so; shared out by team
  * (None: this thread) blocks of rows a chunk. */
+/* Rows of float32 values (``in`` a multiple of 32 each, row after row) as GGUF Q8_0 blocks,
+ * with the arithmetic of ggml's reference quantizer (the gguf package's, so its bytes): per
+ * 32 values d = max |x| / 127, each code roundf(x * (1 / d)) (0 where d is 0), d stored as
+ * float16; the blocks into raw (34 bytes each, row after row), the values they decode to
+ * (float16 d widened, times the code) into decoded, and per row, into sums (float64
+ * [3, rows]): the sums of (x - decoded)^2, x^2 and decoded^2. 0 where a value, or a block's
+ * float16 d, is not finite (the rows written so far are left as they are), else 1. */
+static int quantize_q8_0_rows(const float *values, long rows, long in, uint8_t *raw,
+                              float *decoded, double *sums) {
+    for (long r = 0; r < rows; r++) {
+        const float *x = values + r * in;
+        float *y = decoded + r * in;
+        uint8_t *block = raw + r * (in / 32) * 34;
+        double gap = 0.0, exact = 0.0, screened = 0.0;
+        for (long b = 0; b < in; b += 32, block += 34) {
+            float largest = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                float magnitude = fabsf(x[b + i]);
+                if (!(magnitude <= FLT_MAX)) return 0;
+                largest = magnitude > largest ? magnitude : largest;
+            }
+            float d = largest / 127.0f, inverse = d == 0.0f ? 0.0f : 1.0f / d;
+            uint16_t half = shardline_float_to_half(d);
+            float scale = shardline_half_to_float(half);
+            if (!isfinite(scale)) return 0;
+            block[0] = (uint8_t)(half & 0xffu);
+            block[1] = (uint8_t)(half >> 8);
+            for (int i = 0; i < 32; i++) {
+                /* roundf (halves away from zero) of at most 127 in magnitude: its whole part
+                 * and fraction are exact. */
+                float scaled = x[b + i] * inverse, magnitude = fabsf(scaled);
+                int whole = (int)magnitude;
+                whole += magnitude - (float)whole >= 0.5f;
+                int8_t code = (int8_t)(scaled < 0.0f ? -whole : whole);
+                block[2 + i] = (uint8_t)code;
+                y[b + i] = (float)code * scale; /* a code of 0 decodes to +0.0 */
+                double value = x[b + i], held = y[b + i], difference = value - held;
+                gap += difference * difference;
+                exact += value * value;
+                screened += held * held;
+            }
+        }
+        sums[r] = gap;
+        sums[rows + r] = exact;
+        sums[2 * rows + r] = screened;
+    }
+    return 1;
+}
+
+static PyObject *quantize_q8_0(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 6, "quantize_q8_0") < 0) return NULL;
+    const float *values = ADDRESS(0);
+    long rows = SIZE(1), in = SIZE(2);
+    uint8_t *raw = ADDRESS(3);
+    float *decoded = ADDRESS(4);
+    double *sums = ADDRESS(5);
+    if (PyErr_Occurred()) return NULL;
+    if (rows < 0 || in < 0 || in % 32) {
+        PyErr_Format(PyExc_ValueError,
+                     "quantize_q8_0: rows %ld, in %ld; allowed: rows from 0, in a multiple of 32",
+                     rows, in);
+        return NULL;
+    }
+    int finite;
+    Py_BEGIN_ALLOW_THREADS;
+    finite = quantize_q8_0_rows(values, rows, in, raw, decoded, sums);
+    Py_END_ALLOW_THREADS;
+    return PyBool_FromLong(finite);
+}
+
 static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (take_args(args, nargs, 7, "pack_file_blocks") < 0) return NULL;
     int kind = (int)SIZE(0), failed;
@@ -2441,6 +2511,11 @@ static PyMethodDef methods[] = {
      "float32 rows, the weight blocked by LINEAR_BLOCK outputs and held as kind says "
      "(WEIGHT_FLOAT32, _BFLOAT16, or quantization blocks), on the widest kernels this CPU "
      "runs (avx2: the AVX2 ones, which give the same bits); without the GIL"},
+    {"quantize_q8_0", (PyCFunction)(void (*)(void))quantize_q8_0, METH_FASTCALL,
+     "quantize_q8_0(values, rows, in, raw, decoded, sums): float32 rows (C order) as GGUF "
+     "Q8_0 blocks into raw, the values they decode to into decoded and per row the float64 "
+     "sums of (value - decoded)^2, value^2, decoded^2 into sums [3, rows] (addresses); "
+     "False where a value or a block's scale is not finite"},
     {"pack_file_blocks", (PyCFunction)(void (*)(void))pack_file_blocks, METH_FASTCALL,
      "pack_file_blocks(kind, dest, out, in, weight, parts, team or None): a weight (float32 "
      "out x in as loaded: (address, row stride, column stride)), shared out by team, into "

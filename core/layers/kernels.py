@@ -26,8 +26,6 @@ from shardline.native import native_extension
 from shardline.profiling import ATTENTION, COMM_ALL_REDUCE, MATMUL, NO_TIMER, StepTimer
 
 if TYPE_CHECKING:
-    import numpy
-
     from shardline.distributed import GroupCoordinator
     from shardline.layers.attention import DecodeBatch, KVCache
 
@@ -562,18 +560,18 @@ class NativeKernels(TorchKernels):
         block_bytes = native.quantized_size(kind, native.LINEAR_BLOCK, in_features)
         for first in range(0, out_features, _SCREEN_ROWS):
             values = table.detach()[first : first + _SCREEN_ROWS].to(held.dtype).float()
-            screened = _q8_0_rows(values)
+            screened = _q8_0_rows(native, values)
             if screened is None:
                 return None
-            raw, decoded = screened
+            raw, decoded, sums = screened
             rows = values.shape[0]
             place = weight[first // native.LINEAR_BLOCK * block_bytes :]
             if not native.pack_file_blocks(
                 kind, place.data_ptr(), rows, in_features, _loaded(decoded),
-                [("Q8_0", raw.ctypes.data, raw.strides[0], 0, rows)], self.team,
+                [("Q8_0", raw.data_ptr(), raw.stride(0), 0, rows)], self.team,
             ):  # fmt: skip
                 return None
-            bounds[:, first : first + rows] = _screen_bounds(values, decoded)
+            bounds[:, first : first + rows] = _screen_bounds(in_features, sums)
         return GreedyScreen(native, weight, kind, bounds, self.team)
 
     def _most_bytes(self, weight: torch.Tensor) -> int:
@@ -1062,31 +1060,35 @@ class GreedyScreen(nn.Module):
         return (best, index) if settled else None
 
 
-def _q8_0_rows(values: torch.Tensor) -> tuple[numpy.ndarray, torch.Tensor] | None:
-    """``values`` (``[rows, in]`` float32, ``in`` a multiple of 32) as GGUF Q8_0 rows (raw
-    bytes, gguf's quantizer) and the float32 values they decode to (scale x code: exact, an
-    11-bit scale times a 7-bit code); None where a value or a decoded one is not finite (a
-    scale past float16's range)."""
-    import gguf  # as the checkpoint reader does: only where it is needed
+def _q8_0_rows(
+    native: ModuleType, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``values`` (``[rows, in]`` float32, ``in`` a multiple of 32) as GGUF Q8_0 rows in C
+    (``native.quantize_q8_0``: ggml's reference quantizer's bytes): the raw blocks (uint8
+    ``[rows, in / 32 * 34]``), the float32 values they decode to (scale x code: exact, an
+    11-bit scale times a 7-bit code) and per row the float64 sums of (value - decoded)^2,
+    value^2 and decoded^2 (``[3, rows]``); None where a value or a block's float16 scale is
+    not finite."""
+    values = values.contiguous()
+    rows, in_features = values.shape
+    raw = _host_bytes(rows * in_features // 32 * 34).view(rows, -1)
+    decoded = torch.empty_like(values)
+    sums = torch.empty(3, rows, dtype=torch.float64, device="cpu")
+    finite = native.quantize_q8_0(
+        values.data_ptr(), rows, in_features, raw.data_ptr(), decoded.data_ptr(), sums.data_ptr()
+    )
+    return (raw, decoded, sums) if finite else None
 
-    if not torch.isfinite(values).all():
-        return None
-    raw = gguf.quants.quantize(values.numpy(), gguf.GGMLQuantizationType.Q8_0)
-    decoded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0))
-    return (raw, decoded) if torch.isfinite(decoded).all() else None
 
-
-def _screen_bounds(values: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """:class:`GreedyScreen`'s bounds (``[2, rows]``) of rows ``values`` screened as
-    ``decoded``: computed in float64, enlarged by 2^-20 of themselves (the float64 sums' own
-    rounding is ~n 2^-53), then rounded up to float32."""
-    n = values.shape[1]
+def _screen_bounds(in_features: int, sums: torch.Tensor) -> torch.Tensor:
+    """:class:`GreedyScreen`'s bounds (``[2, rows]``) of rows screened through their Q8_0
+    values, from :func:`_q8_0_rows`' float64 sums: enlarged by 2^-20 of themselves (the
+    float64 sums' own rounding is ~n 2^-53), then rounded up to float32."""
     unit = 2.0**-24
-    gamma = n * unit / (1 - n * unit)
-    exact, screened = values.double(), decoded.double()
-    gap = (exact - screened).norm(dim=1)
-    bound = (gap + gamma * (exact.norm(dim=1) + screened.norm(dim=1))) * (1 + 2.0**-20)
-    return _rounded_up(torch.stack([bound, screened.norm(dim=1) * (1 + 2.0**-20)]))
+    gamma = in_features * unit / (1 - in_features * unit)
+    gap, exact, screened = sums.sqrt()
+    bound = (gap + gamma * (exact + screened)) * (1 + 2.0**-20)
+    return _rounded_up(torch.stack([bound, screened * (1 + 2.0**-20)]))
 
 
 def _rounded_up(values: torch.Tensor) -> torch.Tensor:
