@@ -2274,7 +2274,7 @@ static int quantize_q8_0_rows(const float *values, long rows, long in, uint8_t *
         const float *x = values + r * in;
         float *y = decoded + r * in;
         uint8_t *block = raw + r * (in / 32) * 34;
-        double gap = 0.0, exact = 0.0, screened = 0.0;
+        double gap[4] = {0}, exact[4] = {0}, screened[4] = {0}; /* lanes: they vectorize */
         for (long b = 0; b < in; b += 32, block += 34) {
             float largest = 0.0f;
             for (int i = 0; i < 32; i++) {
@@ -2297,15 +2297,17 @@ static int quantize_q8_0_rows(const float *values, long rows, long in, uint8_t *
                 int8_t code = (int8_t)(scaled < 0.0f ? -whole : whole);
                 block[2 + i] = (uint8_t)code;
                 y[b + i] = (float)code * scale; /* a code of 0 decodes to +0.0 */
+            }
+            for (int i = 0; i < 32; i++) {
                 double value = x[b + i], held = y[b + i], difference = value - held;
-                gap += difference * difference;
-                exact += value * value;
-                screened += held * held;
+                gap[i & 3] += difference * difference;
+                exact[i & 3] += value * value;
+                screened[i & 3] += held * held;
             }
         }
-        sums[r] = gap;
-        sums[rows + r] = exact;
-        sums[2 * rows + r] = screened;
+        sums[r] = (gap[0] + gap[1]) + (gap[2] + gap[3]);
+        sums[rows + r] = (exact[0] + exact[1]) + (exact[2] + exact[3]);
+        sums[2 * rows + r] = (screened[0] + screened[1]) + (screened[2] + screened[3]);
     }
     return 1;
 }
