@@ -143,6 +143,55 @@ def test_a_worker_that_dies_in_start_up_is_named_with_its_phase(tiny_llama_dir):
     assert raised.value.rank == 1
 
 
+def test_shutdown_while_the_workers_still_start_kills_them_at_once(tiny_llama_dir, monkeypatch):
+    """An executor abandoned in its start (a data-parallel replica beside one that failed,
+    shut down by the interpreter's exit): its shutdown, from another thread while the
+    constructor waits for the workers' phases, kills them at once (none reads a request to
+    stop before its start ends: a grace period would only be waited out), and the
+    constructor then fails."""
+    import threading
+
+    from shardline_executors.mp import MultiprocExecutor
+
+    waiting, go_on = threading.Event(), threading.Event()
+    starting: list[MultiprocExecutor] = []
+    start_up = MultiprocExecutor._start_up
+
+    def start_up_later(self, timeout_s):
+        starting.append(self)
+        waiting.set()
+        go_on.wait(30)
+        start_up(self, timeout_s)
+
+    monkeypatch.setattr(MultiprocExecutor, "_start_up", start_up_later)
+    failures: list[BaseException] = []
+
+    def construct():
+        try:
+            _executor(tiny_llama_dir, tp=2)
+        except BaseException as error:
+            failures.append(error)
+
+    constructor = threading.Thread(target=construct)
+    constructor.start()
+    try:
+        assert waiting.wait(60)
+        (executor,) = starting
+        deadline = time.monotonic() + 60  # forked once the fork server has imported torch
+        while None in (pids := [process.pid for process in executor._ranks.processes]):
+            assert time.monotonic() < deadline, "the workers were never forked"
+            time.sleep(0.05)
+        begun = time.monotonic()
+        executor.shutdown()
+        assert time.monotonic() - begun < 1.5, "shutdown waited for workers that still start"
+    finally:
+        go_on.set()
+        constructor.join(30)
+    assert wait_gone(pids, 5.0) == []
+    assert len(failures) == 1 and isinstance(failures[0], PeerLostError), failures
+    assert "shut down while its workers started" in str(failures[0])
+
+
 def _start_driver(tiny_llama_dir, own_group=False):
     import json
     import subprocess

@@ -85,6 +85,8 @@ FROZEN_S = 1.0
 #: driver on 2 cores, cpu_binding=auto), with 128 of 128 KiB (the same 16 MiB) p95 25-28.
 _CALL_SLOTS = 128
 _CALL_SLOT_BYTES = 1 << 17
+#: The constructor's error where a shutdown from another thread ended its start.
+_SHUT_DOWN_STARTING = "the mp executor was shut down while its workers started"
 
 
 class _CollectingFuture(Future):
@@ -161,6 +163,8 @@ class MultiprocExecutor(Executor):
         self._call_timeout_s = config.parallel.timeout_s + WATCHDOG_REPORT_S + 0.25
         self._failure: ShardlineError | None = None
         self._closed = False
+        #: Every worker reported "ready" (until then none reads a request to stop).
+        self._serving = False
         self._next_call = FIRST_CALL_ID
         self._pending: deque[_PendingCall] = deque()
         self._collect_lock = threading.Lock()
@@ -212,12 +216,18 @@ class MultiprocExecutor(Executor):
                 doorbell.close()
             self._ranks.watch(lambda rank: self._fail(self._ranks.died(rank, "liveness")))
             self._start_up(config.parallel.startup_timeout_s)
+            if self._closed:  # shut down from another thread meanwhile (a start abandoned)
+                raise PeerLostError(_SHUT_DOWN_STARTING, op="start-up")
+            self._serving = True
             if self._driver_cores is not None:
                 self._cores_before = bind_process(self._driver_cores)
             threading.Thread(
                 target=self._collect_in_background, name="shardline-replies", daemon=True
             ).start()
         except BaseException as error:
+            if self._closed and not isinstance(error, (ShardlineError, KeyboardInterrupt)):
+                # Shut down from another thread, which closed the rings under the start.
+                raise PeerLostError(_SHUT_DOWN_STARTING, op="start-up") from error
             # A rank that failed or missed its start-up deadline may be stuck: no waiting for
             # workers to exit by themselves.
             self._failure = (
@@ -589,14 +599,16 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Stop workers (asked, then killed after a grace period; killed at once after a
-        death or a missed deadline, when a stuck worker could not read the request), remove
-        every segment. Idempotent; safe after any failure."""
+        death or a missed deadline, when a stuck worker could not read the request, and while
+        they still start, when none reads it before its start ends), remove every segment.
+        Idempotent; safe after any failure, and from another thread while the constructor
+        still waits for the workers' start (it then fails)."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
         grace = 0.0
-        if self._ranks.processes and self._failure is None:
+        if self._serving and self._failure is None:
             try:
                 stop = call_message(-1, None, (), {}, None)
                 self._calls.put(pickle.dumps(stop), time.monotonic() + 1.0)
