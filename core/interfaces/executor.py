@@ -40,8 +40,10 @@ class Executor(abc.ABC):
     and ``spans_hosts`` (its ranks can run on several hosts; without it a config with
     ``parallel.nnodes`` > 1 is refused). ``starts_concurrently``: the engine may construct the
     executors of its data-parallel replicas at once, each in a thread of its own (nothing in
-    the constructor needs the main thread, or state shared with another instance unguarded);
-    without it they start one after another.
+    the constructor needs the main thread, or state shared with another instance unguarded;
+    where one replica fails, the engine raises at once, and a replica still in its
+    constructor is shut down from that thread once the constructor returns); without it they
+    start one after another.
 
     What every executor does (the building blocks are in :mod:`shardline.sdk`):
 
