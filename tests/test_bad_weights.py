@@ -1,5 +1,7 @@
 """Bad weights and impossible layouts end in one ConfigError naming the tensor or field."""
 
+import importlib
+import importlib.util
 import re
 
 import numpy as np
@@ -118,20 +120,55 @@ def test_unsupported_gguf_type_is_named(tmp_path):
         checkpoint.tensor("model.embed_tokens.weight")
 
 
-def test_gguf_string_arrays_read_whole_and_a_cut_one_is_a_clear_error(tmp_path):
+#: How a GGUF header's string arrays are decoded: in Python, and in C where it was built.
+STRING_READERS = [
+    pytest.param(None, id="python"),
+    pytest.param(
+        "shardline.weights._dequantize",
+        id="c",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("shardline.weights._dequantize") is None,
+            reason="the C extension was not built (pip install found no compiler)",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("reader", STRING_READERS)
+def test_gguf_string_arrays_read_whole_and_a_cut_one_is_a_clear_error(tmp_path, reader):
+    """Both readers give the same strings, bytes that are not UTF-8 replaced alike, and a
+    string cut short (or a count past the file) is the same clear error."""
     from shardline.weights.gguf_layout import GGUFLayout
 
+    native = None if reader is None else importlib.import_module(reader)
     written = ["<s>", "caf\u00e9", "", "\u2581the"]
     path = write_tiny_gguf(
         tmp_path / "tokens.gguf",
         {"token_embd.weight": (np.zeros((4, 64), dtype=np.float32), None)},
         arrays={"tokenizer.ggml.tokens": written},
     )
-    assert GGUFLayout.read(path).metadata["tokenizer.ggml.tokens"] == written
+    assert GGUFLayout.read(path, native).metadata["tokenizer.ggml.tokens"] == written
     whole = path.read_bytes()
-    path.write_bytes(whole[: whole.index("caf\u00e9".encode()) + 2])  # inside the 2nd string
+    at = whole.index("caf\u00e9".encode())
+    spoiled = tmp_path / "spoiled.gguf"
+    spoiled.write_bytes(whole[: at + 3] + b"\xff" + whole[at + 4 :])  # half of the e-acute
+    tokens = GGUFLayout.read(spoiled, native).metadata["tokenizer.ggml.tokens"]
+    assert tokens == ["<s>", "caf\ufffd\ufffd", "", "\u2581the"]
+    count_at = at - 8 - (8 + 3) - 8  # the array's count: before the first string's length
+    assert int.from_bytes(whole[count_at : count_at + 8], "little") == len(written)
+    for name, cut in (
+        ("cut.gguf", whole[: at + 2]),  # inside the 2nd string
+        (
+            "counted.gguf",
+            whole[:count_at] + (1 << 40).to_bytes(8, "little") + whole[count_at + 8 :],
+        ),
+    ):
+        (tmp_path / name).write_bytes(cut)
+        with pytest.raises(ValueError, match="past the end"):
+            GGUFLayout.read(tmp_path / name, native)
+    path.write_bytes(whole[: at + 2])
     with pytest.raises(ConfigError, match=r"not a readable GGUF file .*past the end"):
-        GGUFCheckpoint(path)
+        GGUFCheckpoint(path, environ=None if reader is None else {})
 
 
 def test_corrupt_gguf_is_a_clear_error(tmp_path):

@@ -12,6 +12,7 @@ import torch
 from shardline.engine import LLM, SamplingParams
 from shardline.errors import ConfigError, RequestError
 from shardline.launch.launchers import run_launched
+from shardline.native import native_extension
 from shardline.tokenizer import Tokenizer
 from shardline.weights.gguf_checkpoint import GGUFCheckpoint
 from shardline.weights.gguf_layout import GGUFLayout
@@ -42,6 +43,9 @@ def test_the_gguf_layout_reads_what_the_gguf_package_reads(gguf_path):
     layout, reader = GGUFLayout.read(gguf_path), gguf.GGUFReader(gguf_path)
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert layout.metadata == fields and len(fields["tokenizer.ggml.tokens"]) == 49152
+    native = native_extension("shardline.weights._dequantize", {})
+    if native is not None:  # its string arrays decoded in C: the same metadata
+        assert GGUFLayout.read(gguf_path, native).metadata == fields
     assert sorted(layout.tensors) == sorted(t.name for t in reader.tensors)
     for expected in reader.tensors:
         got = layout.tensors[expected.name]

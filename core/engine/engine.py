@@ -131,7 +131,7 @@ class LLMEngine:
         config = checked.config
         #: The memory plan of the ranks on this host, as checked before they started.
         self.capacity = checked.capacity
-        checkpoint = open_checkpoint(config.model.path)
+        checkpoint = open_checkpoint(config.model.path, environ)  # its header read in C
         self.tokenizer = load_tokenizer(checkpoint)
         #: Token ids run from 0 to vocab_size - 1.
         self.vocab_size = checkpoint.architecture.vocab_size

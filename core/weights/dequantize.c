@@ -1,9 +1,12 @@
-/* GGUF block dequantization to float32 in one pass over the bytes: each block split as
- * gguf_blocks.h says (its layouts are there) and its values computed with the gguf package's
- * arithmetic (float16 scales widened to float32, the same float32 multiplies, adds and
- * subtractions in the same order: built with -ffp-contract=off, so never fused), so the same
- * bits, without numpy's per-group temporaries. BF16 (one weight in 2 bytes) is widened as the
- * gguf package does: its bits, shifted.
+/* GGUF reading in C: block dequantization to float32 in one pass over the bytes, and arrays
+ * of strings (a tokenizer's vocabulary) decoded in one call.
+ *
+ * Dequantization: each block split as gguf_blocks.h says (its layouts are there) and its
+ * values computed with the gguf package's arithmetic (float16 scales widened to float32, the
+ * same float32 multiplies, adds and subtractions in the same order: built with
+ * -ffp-contract=off, so never fused), so the same bits, without numpy's per-group
+ * temporaries. BF16 (one weight in 2 bytes) is widened as the gguf package does: its bits,
+ * shifted.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -73,13 +76,67 @@ static PyObject *dequantize(PyObject *module, PyObject *const *args, Py_ssize_t 
     return result;
 }
 
+#define PAST_END "the header runs past the end of the file"
+
+/* strings(buffer, offset, count): count GGUF strings from offset in buffer (each a
+ * little-endian uint64 length, then that many bytes of UTF-8; bytes that do not decode are
+ * replaced, as codecs' "replace" does); (list of str, the offset after them). ValueError
+ * where one runs past the buffer's end. */
+static PyObject *strings(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "strings(buffer, offset, count)");
+        return NULL;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]), count = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *bytes = view.buf;
+    Py_ssize_t end = view.len;
+    PyObject *list = NULL, *result = NULL;
+    /* Each string takes 8 bytes at least: a count past that is refused before any list. */
+    if (offset < 0 || offset > end || count < 0 || count > (end - offset) / 8) {
+        PyErr_SetString(PyExc_ValueError, PAST_END);
+        goto done;
+    }
+    list = PyList_New(count);
+    if (list == NULL) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (end - offset < 8) {
+            PyErr_SetString(PyExc_ValueError, PAST_END);
+            goto done;
+        }
+        uint64_t length = 0;
+        for (int b = 7; b >= 0; b--) length = length << 8 | bytes[offset + b];
+        offset += 8;
+        if (length > (uint64_t)(end - offset)) {
+            PyErr_SetString(PyExc_ValueError, PAST_END);
+            goto done;
+        }
+        PyObject *text =
+            PyUnicode_DecodeUTF8((const char *)bytes + offset, (Py_ssize_t)length, "replace");
+        if (text == NULL) goto done;
+        PyList_SET_ITEM(list, i, text);
+        offset += (Py_ssize_t)length;
+    }
+    result = Py_BuildValue("(On)", list, offset);
+done:
+    Py_XDECREF(list);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"dequantize", (PyCFunction)(void (*)(void))dequantize, METH_FASTCALL,
      "dequantize(kind, blocks, out): decode the GGUF blocks of type ``kind`` (" TYPE_NAMES
      ") in the buffer ``blocks`` into the float32 buffer ``out`` (the blocks' values)."},
+    {"strings", (PyCFunction)(void (*)(void))strings, METH_FASTCALL,
+     "strings(buffer, offset, count): ``count`` GGUF strings from ``offset`` of ``buffer`` "
+     "(UTF-8, undecodable bytes replaced): (list of str, the offset after them)."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dequantize",
-                                    "GGUF block dequantization to float32.", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_dequantize",
+    "GGUF reading: block dequantization to float32, arrays of strings.", -1, methods};
 
 PyMODINIT_FUNC PyInit__dequantize(void) { return PyModule_Create(&module); }

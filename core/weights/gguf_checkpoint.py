@@ -66,9 +66,9 @@ def gguf_name(hf_name: str) -> str:
 
 
 class GGUFCheckpoint:
-    """A llama-architecture GGUF file, opened lazily. ``environ`` says whether tensors are
-    decoded in C (see the module docstring); None: by the gguf package (a reader of metadata
-    only decodes nothing). ``keep_blocks``: each quantized tensor part read also carries the
+    """A llama-architecture GGUF file, opened lazily. ``environ`` says whether tensors (and
+    the header's string arrays) are decoded in C (see the module docstring); None: by the gguf
+    package (and Python). ``keep_blocks``: each quantized tensor part read also carries the
     file's blocks it was decoded from (:class:`GGUFTensor`)."""
 
     def __init__(
@@ -78,7 +78,7 @@ class GGUFCheckpoint:
         self._native = None if environ is None else native_extension(NATIVE, environ)
         self._keep_blocks = keep_blocks
         try:
-            self._layout = GGUFLayout.read(self.path)
+            self._layout = GGUFLayout.read(self.path, self._native)
         except (OSError, ValueError, KeyError, IndexError) as error:
             raise ConfigError(
                 f"{self.path}: not a readable GGUF file ({type(error).__name__}: {error})"

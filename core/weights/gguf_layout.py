@@ -4,9 +4,10 @@ each tensor's bytes are, read in one pass over the header.
 The ``gguf`` package's reader builds a numpy view for every part of every metadata field: on
 SmolLM2's file (98k tokenizer strings) that took ~3 s, paid by every process that opened the
 model (the driver twice, each rank once). This reader decodes strings and scalars with
-``struct``, numeric arrays with one ``numpy.frombuffer`` each and string arrays in one tight
-loop (SmolLM2's header: 63 ms against 134 with a call per string), and maps the tensor data
-read-only; the ``gguf`` package still names the tensor types and dequantizes.
+``struct``, numeric arrays with one ``numpy.frombuffer`` each and string arrays in one call
+of the ``_dequantize`` extension where it is given (SmolLM2's 98k strings), else in one
+tight loop (SmolLM2's header: 63 ms against 134 with a call per string), and maps the tensor
+data read-only; the ``gguf`` package still names the tensor types and dequantizes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import codecs
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -48,12 +50,14 @@ class GGUFLayout:
     tensors: dict[str, TensorLayout]
 
     @classmethod
-    def read(cls, path: str | Path) -> GGUFLayout:
-        """Parse ``path``; ValueError on anything that is not a GGUF file this reads."""
+    def read(cls, path: str | Path, native: ModuleType | None = None) -> GGUFLayout:
+        """Parse ``path``; ValueError on anything that is not a GGUF file this reads.
+        ``native``: the ``_dequantize`` extension, which decodes string arrays (else Python
+        does, to the same strings)."""
         import gguf
 
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
-        header = _Cursor(memoryview(mapped))
+        header = _Cursor(memoryview(mapped), native)
         if header.take(4) != _MAGIC:
             raise ValueError("no GGUF magic number")
         version = header.unpack("<I")
@@ -94,9 +98,10 @@ class GGUFLayout:
 class _Cursor:
     """Reads little-endian values from ``buffer`` front to back."""
 
-    def __init__(self, buffer: memoryview) -> None:
+    def __init__(self, buffer: memoryview, native: ModuleType | None = None) -> None:
         self.buffer = buffer
         self.offset = 0
+        self._native = native
 
     def take(self, size: int) -> bytes:
         if self.offset + size > len(self.buffer):
@@ -137,8 +142,12 @@ class _Cursor:
         return [self.value(element) for _ in range(count)]
 
     def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row (a tokenizer's vocabulary: ~100k of them), in one loop
-        over local names (half the time of a method call per string)."""
+        """``count`` strings in a row (a tokenizer's vocabulary: ~100k of them), in one call
+        of the extension where given, else in one loop over local names (half the time of a
+        method call per string)."""
+        if self._native is not None:
+            values, self.offset = self._native.strings(self.buffer, self.offset, count)
+            return values
         buffer, offset, end = self.buffer, self.offset, len(self.buffer)
         length_at, decode = _LENGTH.unpack_from, codecs.utf_8_decode
         values = []
