@@ -26,9 +26,9 @@ class LlamaModelRunner(CausalLMRunner):
 
     @classmethod
     def plan(cls, config: EngineConfig) -> LlamaPlan:
-        """The layout checked against the checkpoint's architecture (its metadata only), and
-        what each rank will hold."""
-        return _plan_of(open_checkpoint(config.model.path), config)
+        """The layout checked against the checkpoint's architecture (its metadata only, its
+        string arrays decoded in C as the ranks' are), and what each rank will hold."""
+        return _plan_of(open_checkpoint(config.model.path, os.environ), config)
 
     def build_model(self) -> LlamaForCausalLM:
         checkpoint = open_checkpoint(
