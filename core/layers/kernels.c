@@ -2256,11 +2256,6 @@ static void pack_chunk(const void *context, long chunk, int worker) {
     if (!held) atomic_store_explicit(&job->refused, 1, memory_order_relaxed);
 }
 
-/* pack_file_blocks(kind, dest, out, in, weight, parts, team): weight the loaded values
- * (address, row stride, column stride, in elements); parts a sequence of (type name, raw
- * address, raw row stride, first row, rows), the file's blocks of those rows of the weight;
- * a row no part covers must be zeros (a vocabulary's padding), held so; shared out by team
- * (None: this thread) blocks of rows a chunk. */
 /* Rows of float32 values (``in`` a multiple of 32 each, row after row) as GGUF Q8_0 blocks,
  * with the arithmetic of ggml's reference quantizer (the gguf package's, so its bytes): per
  * 32 values d = max |x| / 127, each code roundf(x * (1 / d)) (0 where d is 0), d stored as
@@ -2333,6 +2328,11 @@ static PyObject *quantize_q8_0(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyBool_FromLong(finite);
 }
 
+/* pack_file_blocks(kind, dest, out, in, weight, parts, team): weight the loaded values
+ * (address, row stride, column stride, in elements); parts a sequence of (type name, raw
+ * address, raw row stride, first row, rows), the file's blocks of those rows of the weight;
+ * a row no part covers must be zeros (a vocabulary's padding), held so; shared out by team
+ * (None: this thread) blocks of rows a chunk. */
 static PyObject *pack_file_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (take_args(args, nargs, 7, "pack_file_blocks") < 0) return NULL;
     int kind = (int)SIZE(0), failed;
