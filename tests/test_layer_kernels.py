@@ -416,6 +416,36 @@ def test_the_avx2_kernels_give_the_widest_kernels_bits(held):
             assert torch.equal(widest, avx2), (out_features, rows)
 
 
+def _cpu_vendor_family_flags() -> tuple[str, int, set[str]]:
+    """The first processor's vendor, family and flags, as /proc/cpuinfo gives them."""
+    fields: dict[str, str] = {}
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
+            if not line.strip():
+                break
+            name, _, value = line.partition(":")
+            fields[name.strip()] = value.strip()
+    return fields["vendor_id"], int(fields["cpu family"]), set(fields["flags"].split())
+
+
+@needs_c_linear
+@pytest.mark.skipif(
+    not os.path.exists("/proc/cpuinfo"),
+    reason="reads the CPU's vendor, family and flags from /proc/cpuinfo (Linux only)",
+)
+def test_one_row_takes_the_avx2_kernels_where_the_cpu_halves_avx512():
+    """AMD's family 19h with AVX-512 (Zen 4) runs a 512-bit operation as two 256-bit halves:
+    there one row (a decode) goes through the AVX2 kernels, which stream a weight faster; more
+    rows, and every row count on other CPUs, through the widest kernels the CPU has (the sums
+    are the same: test_the_avx2_kernels_give_the_widest_kernels_bits)."""
+    vendor, family, flags = _cpu_vendor_family_flags()
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    halves = avx512 and vendor == "AuthenticAMD" and family == 0x19
+    assert native_module.linear_isa(1) == ("avx512" if avx512 and not halves else "avx2")
+    for rows in (2, 3, 16, 70):
+        assert native_module.linear_isa(rows) == ("avx512" if avx512 else "avx2"), rows
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 70])
 @pytest.mark.parametrize("out_features", [64, 130, 330, 6144])
 @needs_c_linear

@@ -913,6 +913,24 @@ AVX2_FMA static void linear_blocks_avx2(const void *weight, int bf16, const floa
 /* Whether this CPU runs the blocked linear kernel: AVX-512, else AVX2 with FMA. */
 static int cpu_runs_blocked_linear(void) { return cpu_has_avx512() || cpu_has_avx2_fma(); }
 
+/* Whether this CPU runs AVX-512 in two 256-bit halves: AMD's family 19h with AVX-512 (Zen 4;
+ * Zen 3, the same family, has none). There one row streams a float32 or bfloat16 weight faster
+ * through the AVX2 kernel (row_blocks_avx2) than through linear_row_4_blocks: a TP=2 rank's
+ * 121 weights in one buffer, one thread, the two alternating in one run, float32 24.1 -> 26.0
+ * GB/s, bfloat16 21.4 -> 24.0 (benchmarks/linear_kernels.py's AVX2 rows show it); from 2 rows
+ * on the AVX-512 kernels stay faster (float32 2 rows 21.6 GB/s against 16.5, 16 rows 8.0
+ * against 5.2). */
+static int cpu_halves_avx512(void) {
+    return cpu_has_avx512() && __builtin_cpu_is("amd") && __builtin_cpu_is("amdfam19h");
+}
+
+/* Whether rows of a float32 or bfloat16 blocked weight go through the AVX-512 kernels where
+ * avx512 (the caller's choice of the widest it may run) says they may: not one row on a CPU
+ * that halves them (cpu_halves_avx512). The same sums either way. */
+static int linear_rows_on_avx512(int avx512, long rows) {
+    return avx512 && !(rows == 1 && cpu_halves_avx512());
+}
+
 typedef struct {
     const void *weight;
     const float *x, *bias;
@@ -976,7 +994,7 @@ static void linear_chunk(const void *context, long chunk, int worker) {
     else if (is_quantized(job->kind))
         quantized_chunk(job, job->kind, job->weight, 0, first, end);
     else
-        (job->avx512 ? linear_blocks : linear_blocks_avx2)(
+        (linear_rows_on_avx512(job->avx512, job->rows) ? linear_blocks : linear_blocks_avx2)(
             job->weight, job->kind == WEIGHT_BFLOAT16, job->x, job->y, job->bias, job->rows,
             job->out, job->in, first, end);
 }
@@ -2472,6 +2490,17 @@ static PyObject *blocked_linear_available(PyObject *self, PyObject *unused) {
 #endif
 }
 
+static PyObject *linear_isa(PyObject *self, PyObject *argument) {
+    long rows = PyLong_AsLong(argument);
+    if (rows == -1 && PyErr_Occurred()) return NULL;
+#ifdef HAVE_BLOCKED_LINEAR
+    if (cpu_runs_blocked_linear())
+        return PyUnicode_FromString(linear_rows_on_avx512(cpu_has_avx512(), rows) ? "avx512"
+                                                                                   : "avx2");
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyObject *quantized_linear_available(PyObject *self, PyObject *unused) {
 #ifdef HAVE_BLOCKED_LINEAR
     return PyBool_FromLong(cpu_has_avx512() || cpu_has_avx2_f16c());
@@ -2565,6 +2594,9 @@ static PyMethodDef methods[] = {
      "as WEIGHT_Q8_CODES_F16"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear (AVX-512 F, BW and VL, or AVX2 and FMA)"},
+    {"linear_isa", linear_isa, METH_O,
+     "linear_isa(rows): 'avx512' or 'avx2', the kernels that multiply that many rows by a "
+     "float32 or bfloat16 blocked weight here; None where blocked_linear does not run"},
     {NULL, NULL, 0, NULL},
 };
 
