@@ -20,12 +20,14 @@ Then a whole batch-1 step of one TP=2 rank's weights (30 layers' four, then the 
 step's order) with the C kernel, the weights placed two ways: each in its own allocation, made
 between other allocations as a model's loading makes them, and back to back in one buffer
 (``NativeKernels.weight_packer``, what a model now uses), and in one buffer held in bfloat16;
-on a CPU with AVX-512, both buffers also through the AVX2 kernels (what a CPU without it runs);
-each round also sums a 256 MiB
-tensor, the decode floor's bandwidth probe (``Worker.read_bandwidth``), so each placement's
-GB/s is also a fraction of the probe's.
+on a CPU with AVX-512, both buffers also through the AVX2 kernels (what a CPU without it runs;
+a CPU that runs AVX-512 in halves, Zen 4, runs them for one row anyway: the line under the
+table says which kernels one row takes); each round also sums a 256 MiB tensor, the decode
+floor's bandwidth probe (``Worker.read_bandwidth``), so each placement's GB/s is also a
+fraction of the probe's. ``--step-only``: that step alone.
 
-    python benchmarks/linear_kernels.py [--dtype float32|bfloat16] [--threads 1] [--json F]
+    python benchmarks/linear_kernels.py [--dtype float32|bfloat16] [--threads 1] [--step-only]
+        [--json F]
 """
 
 from __future__ import annotations
@@ -176,12 +178,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--step-only", action="store_true", help="only a whole step's weights")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     records, table = [], []
-    for tp, shapes in SHAPES.items():
+    for tp, shapes in {} if args.step_only else SHAPES.items():
         for name, out_features, in_features in shapes:
             for rows in ROWS:
                 found = measure(out_features, in_features, rows, dtype)
@@ -198,13 +201,14 @@ def main() -> int:
                      f"{plain['us'] / packed_['us']:.2f}",
                      f"{packed_['us'] / c['us']:.2f}" if c else "-"]
                 )  # fmt: skip
-    print(
-        f"{args.dtype}, {args.threads} thread(s), oneDNN packed for {PACKED_FOR_ROWS} rows: "
-        "us per call (GB/s of weights); a speed-up is the other time over this one"
-    )
-    headers = ["weight", "rows", "[out, in]", "[in, out]", "oneDNN packed", "C blocked", C_HALF]
-    headers += ["oneDNN speed-up", "C speed-up over oneDNN"]
-    print(render(headers, table))
+    if table:
+        print(
+            f"{args.dtype}, {args.threads} thread(s), oneDNN packed for {PACKED_FOR_ROWS} rows: "
+            "us per call (GB/s of weights); a speed-up is the other time over this one"
+        )
+        headers = ["weight", "rows", "[out, in]", "[in, out]", "oneDNN packed", "C blocked"]
+        headers += [C_HALF, "oneDNN speed-up", "C speed-up over oneDNN"]
+        print(render(headers, table))
     native = c_kernels(dtype)
     step = measure_step(native) if native is not None else None
     if step is not None:
@@ -220,6 +224,7 @@ def main() -> int:
                 [[name, f"{rate:.1f}", f"{rate / probe:.2f}"] for name, rate in step.items()],
             )
         )
+        print(f"one row takes the {native.native.linear_isa(1)} kernels here (linear_isa)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(
