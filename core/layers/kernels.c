@@ -921,7 +921,7 @@ static int cpu_runs_blocked_linear(void) { return cpu_has_avx512() || cpu_has_av
  * on the AVX-512 kernels stay faster (float32 2 rows 21.6 GB/s against 16.5, 16 rows 8.0
  * against 5.2). */
 static int cpu_halves_avx512(void) {
-    return cpu_has_avx512() && __builtin_cpu_is("amd") && __builtin_cpu_is("amdfam19h");
+    return cpu_has_avx512() && cpu_has_avx2_fma() && __builtin_cpu_is("amdfam19h");
 }
 
 /* Whether rows of a float32 or bfloat16 blocked weight go through the AVX-512 kernels where
