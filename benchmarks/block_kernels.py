@@ -64,14 +64,18 @@ def copies(held: torch.Tensor, total_bytes: float) -> list[torch.Tensor]:
 
 
 def call_time(kernels, weights, x, y, avx2: bool) -> float:
-    """Mean seconds a call over ``weights`` (each once)."""
+    """Mean seconds a call over ``weights`` (each once), on the AVX2 kernels or (not
+    ``avx2``) the AVX-512 ones, one row too (``KERNELS_AVX512``: also where this CPU takes the
+    AVX2 ones for one row, ``linear_isa``)."""
     native = kernels.native
     rows, (out_features, in_features) = x.shape[0], weights[0].blocked_shape
     start = time.perf_counter()
+    # 1: KERNELS_AVX2; a build from before KERNELS_AVX512 took 0 for the AVX-512 kernels.
+    kernel_set = 1 if avx2 else getattr(native, "KERNELS_AVX512", 0)
     for weight in weights:
         native.blocked_linear(
             weight.data_ptr(), x.data_ptr(), y.data_ptr(), 0, rows, out_features, in_features,
-            None, kernels._kind(weight), avx2,
+            None, kernels._kind(weight), kernel_set,
         )  # fmt: skip
     return (time.perf_counter() - start) / len(weights)
 

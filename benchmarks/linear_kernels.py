@@ -20,11 +20,11 @@ Then a whole batch-1 step of one TP=2 rank's weights (30 layers' four, then the 
 step's order) with the C kernel, the weights placed two ways: each in its own allocation, made
 between other allocations as a model's loading makes them, and back to back in one buffer
 (``NativeKernels.weight_packer``, what a model now uses), and in one buffer held in bfloat16;
-on a CPU with AVX-512, both buffers also through the AVX2 kernels (what a CPU without it runs;
-a CPU that runs AVX-512 in halves, Zen 4, runs them for one row anyway: the line under the
-table says which kernels one row takes); each round also sums a 256 MiB tensor, the decode
-floor's bandwidth probe (``Worker.read_bandwidth``), so each placement's GB/s is also a
-fraction of the probe's. ``--step-only``: that step alone.
+on a CPU with AVX-512, both buffers also through the AVX2 kernels (what a CPU without it runs)
+and through the AVX-512 ones (a CPU that runs AVX-512 in halves, Zen 4, takes the AVX2 ones for
+one row: the line under the table says which kernels one row takes); each round also sums a
+256 MiB tensor, the decode floor's bandwidth probe (``Worker.read_bandwidth``), so each
+placement's GB/s is also a fraction of the probe's. ``--step-only``: that step alone.
 
     python benchmarks/linear_kernels.py [--dtype float32|bfloat16] [--threads 1] [--step-only]
         [--json F]
@@ -145,11 +145,11 @@ def measure_step(native: NativeKernels) -> dict:
 
     outputs = {size: torch.empty(1, size) for size, _ in STEP_WEIGHTS}
 
-    def avx2_step(weights: list[torch.Tensor], kind: int) -> None:
+    def step_on(weights: list[torch.Tensor], kind: int, kernel_set: int) -> None:
         for weight, (out_features, in_features) in zip(weights, STEP_WEIGHTS, strict=True):
             native.native.blocked_linear(
                 weight.data_ptr(), rows[in_features].data_ptr(), outputs[out_features].data_ptr(),
-                0, 1, out_features, in_features, None, kind, True,
+                0, 1, out_features, in_features, None, kind, kernel_set,
             )  # fmt: skip
 
     runs = {
@@ -160,11 +160,16 @@ def measure_step(native: NativeKernels) -> dict:
     }
     if torch.backends.cpu.get_cpu_capability() == "AVX512":  # what a CPU without it runs
         float32, bfloat16 = native.native.WEIGHT_FLOAT32, native.native.WEIGHT_BFLOAT16
-        runs["one buffer, AVX2 kernels"] = (lambda: avx2_step(together, float32), weight_bytes)
-        runs["one buffer, bfloat16, AVX2 kernels"] = (
-            lambda: avx2_step(in_bfloat16, bfloat16),
-            weight_bytes // 2,
-        )
+        for name, kernel_set in (("AVX2", native.native.KERNELS_AVX2),
+                                 ("AVX-512", native.native.KERNELS_AVX512)):  # fmt: skip
+            runs[f"one buffer, {name} kernels"] = (
+                lambda k=kernel_set: step_on(together, float32, k),
+                weight_bytes,
+            )
+            runs[f"one buffer, bfloat16, {name} kernels"] = (
+                lambda k=kernel_set: step_on(in_bfloat16, bfloat16, k),
+                weight_bytes // 2,
+            )
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(STEP_ROUNDS):
         for name, (run, size) in runs.items():

@@ -56,7 +56,8 @@ def _blocked(held, x, bias, avx2):
     y = torch.empty(x.shape[0], out_features)
     native.blocked_linear(
         held.data_ptr(), x.data_ptr(), y.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        x.shape[0], out_features, in_features, None, held.weight_kind, avx2,
+        x.shape[0], out_features, in_features, None, held.weight_kind,
+        native.KERNELS_AVX2 if avx2 else native.KERNELS_CHOSEN,
     )  # fmt: skip
     return y
 

@@ -399,21 +399,56 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(out_features):
 @pytest.mark.parametrize("held", [torch.float32, torch.bfloat16], ids=str)
 @needs_c_linear
 def test_the_avx2_kernels_give_the_widest_kernels_bits(held):
-    """The AVX2 kernels (what a CPU without AVX-512 runs) against the widest this CPU runs (the
-    AVX-512 ones where it has them: otherwise both are AVX2): the same sums in the same order,
-    bit for bit, at every row count and for full, paired and partial last blocks."""
+    """The AVX2 kernels (what a CPU without AVX-512 runs), the AVX-512 ones where this CPU has
+    them (one row too, which a CPU that halves them takes on AVX2) and those this CPU takes for
+    the rows: the same sums in the same order, bit for bit, at every row count and for full,
+    paired and partial last blocks."""
+    kernels = [native_module.KERNELS_CHOSEN, native_module.KERNELS_AVX2]
+    if _cpu_has_avx512():
+        kernels.append(native_module.KERNELS_AVX512)
     for out_features in (64, 130, 330):
         weight = blocked(torch.randn(out_features, 96), native_module.LINEAR_BLOCK, dtype=held)
         bias = torch.randn(out_features)
         for rows in (1, 2, 3, 4, 7, 11, 12, 16, 70):
             x = torch.randn(rows, 96)
-            widest, avx2 = (torch.empty(rows, out_features) for _ in range(2))
-            for y, only_avx2 in ((widest, False), (avx2, True)):
+            outputs = [torch.empty(rows, out_features) for _ in kernels]
+            for y, chosen in zip(outputs, kernels, strict=True):
                 native_module.blocked_linear(
                     weight.data_ptr(), x.data_ptr(), y.data_ptr(), bias.data_ptr(), rows,
-                    out_features, 96, None, held is torch.bfloat16, only_avx2,
+                    out_features, 96, None, held is torch.bfloat16, chosen,
                 )  # fmt: skip
-            assert torch.equal(widest, avx2), (out_features, rows)
+            for y in outputs[1:]:
+                assert torch.equal(y, outputs[0]), (out_features, rows)
+
+
+def _cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512 F, BW and VL (the C kernels' AVX-512 set)."""
+    flags = _cpu_vendor_family_flags()[2] if os.path.exists("/proc/cpuinfo") else set()
+    return {"avx512f", "avx512bw", "avx512vl"} <= flags
+
+
+@needs_c_linear
+def test_a_kernels_choice_outside_the_three_is_refused():
+    """blocked_linear's last argument names the kernels: an unknown value is refused, naming
+    the allowed ones; the AVX-512 ones are refused on a CPU without them."""
+    weight = NATIVE.pack_linear(torch.randn(64, 32))
+    x, y = torch.randn(1, 32), torch.empty(1, 64)
+
+    def call(kernels: int) -> None:
+        native_module.blocked_linear(
+            weight.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 1, 64, 32, None,
+            native_module.WEIGHT_FLOAT32, kernels,
+        )  # fmt: skip
+
+    for wrong in (-1, 3):
+        with pytest.raises(ValueError, match=r"kernels = .*allowed: KERNELS_CHOSEN \(0\)"):
+            call(wrong)
+    if _cpu_has_avx512():
+        call(native_module.KERNELS_AVX512)
+        assert torch.equal(y, NATIVE.linear(x, weight, None))
+    else:
+        with pytest.raises(RuntimeError, match="no AVX-512"):
+            call(native_module.KERNELS_AVX512)
 
 
 def _cpu_vendor_family_flags() -> tuple[str, int, set[str]]:
@@ -435,12 +470,13 @@ def _cpu_vendor_family_flags() -> tuple[str, int, set[str]]:
 )
 def test_one_row_takes_the_avx2_kernels_where_the_cpu_halves_avx512():
     """AMD's family 19h with AVX-512 (Zen 4) runs a 512-bit operation as two 256-bit halves:
-    there one row (a decode) goes through the AVX2 kernels, which stream a weight faster; more
-    rows, and every row count on other CPUs, through the widest kernels the CPU has (the sums
-    are the same: test_the_avx2_kernels_give_the_widest_kernels_bits)."""
+    there one row (a decode) of a weight that is not codes goes through the AVX2 kernels, which
+    stream it faster; more rows, and every row count on other CPUs, through the widest kernels
+    the CPU has (the sums are the same: test_the_avx2_kernels_give_the_widest_kernels_bits)."""
     vendor, family, flags = _cpu_vendor_family_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
-    halves = avx512 and vendor == "AuthenticAMD" and family == 0x19
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    halves = avx512 and avx2 and vendor == "AuthenticAMD" and family == 0x19
     assert native_module.linear_isa(1) == ("avx512" if avx512 and not halves else "avx2")
     for rows in (2, 3, 16, 70):
         assert native_module.linear_isa(rows) == ("avx512" if avx512 else "avx2"), rows
@@ -791,7 +827,8 @@ BYTES_PER_WEIGHT = {
 
 def _assert_multiplies_as_float32(held, weight, rows):
     """``held`` gives the float32 kernel's bits for ``weight``: with a bias, on a team of
-    three, and on the AVX2 kernels where this CPU runs them."""
+    three, on the AVX2 kernels where this CPU runs them and on the AVX-512 ones where it has
+    them (also for one row, which a CPU that halves them takes on AVX2)."""
     out_features, in_features = weight.shape
     bias = torch.randn(out_features)
     x = torch.randn(rows, in_features)
@@ -799,21 +836,15 @@ def _assert_multiplies_as_float32(held, weight, rows):
     assert torch.equal(BLOCK_WEIGHTS.linear(x, held, bias), expected)
     team = NativeKernels(native_module, threads=3, quantized=True)
     assert torch.equal(team.linear(x, held, None), _float32_product(x, weight))
-    if _has_avx2_f16c():
+    kernels = [native_module.KERNELS_AVX2] if _has_avx2_f16c() else []
+    kernels += [native_module.KERNELS_AVX512] if _cpu_has_avx512() else []
+    for chosen in kernels:
         y = torch.empty(rows, out_features)
         native_module.blocked_linear(
-            held.data_ptr(),
-            x.data_ptr(),
-            y.data_ptr(),
-            bias.data_ptr(),
-            rows,
-            out_features,
-            in_features,
-            None,
-            held.weight_kind,
-            True,
-        )  # fmt: skip  (the AVX2 kernels: the same bits)
-        assert torch.equal(y, expected)
+            held.data_ptr(), x.data_ptr(), y.data_ptr(), bias.data_ptr(), rows, out_features,
+            in_features, None, held.weight_kind, chosen,
+        )  # fmt: skip
+        assert torch.equal(y, expected), chosen
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 65])
@@ -826,7 +857,7 @@ def test_a_weight_held_as_its_files_blocks_gives_the_bits_of_its_float32_weight(
     blocks of 64 outputs; and
     multiplies to the very
     bits of the float32 kernel (one row, four blocks at a time and one, tiles of rows, partial
-    last blocks, a bias; alone, on a team of three, on the AVX2 kernels)."""
+    last blocks, a bias; alone, on a team of three, on the AVX2 and the AVX-512 kernels)."""
     rng = np.random.default_rng([GGUF_TYPES.index(kind), rows])
     shapes = [(130, 512), (330, 256), (7, 256)] if kind.endswith("_K") else [
         (100, 64), (130, 576), (330, 64), (7, 96)]  # fmt: skip

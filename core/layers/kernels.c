@@ -321,6 +321,11 @@ static Team *team_of(PyObject *argument, int *failed) {
 /* Rows ahead a bfloat16 weight's one-row pass prefetches in each block (below). */
 #define LINEAR_ROW_AHEAD 16
 
+/* Which kernels a linear call asks for: those this CPU takes for its rows (the widest, but
+ * one row of weights that are not codes on AVX2 where cpu_halves_avx512), the AVX2 ones, or
+ * the AVX-512 ones (one row too). Each gives the same sums. */
+enum { KERNELS_CHOSEN = 0, KERNELS_AVX2 = 1, KERNELS_AVX512 = 2 };
+
 #include "quantized_blocks.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -914,28 +919,25 @@ AVX2_FMA static void linear_blocks_avx2(const void *weight, int bf16, const floa
 static int cpu_runs_blocked_linear(void) { return cpu_has_avx512() || cpu_has_avx2_fma(); }
 
 /* Whether this CPU runs AVX-512 in two 256-bit halves: AMD's family 19h with AVX-512 (Zen 4;
- * Zen 3, the same family, has none). There one row streams a float32 or bfloat16 weight faster
- * through the AVX2 kernel (row_blocks_avx2) than through linear_row_4_blocks: a TP=2 rank's
- * 121 weights in one buffer, one thread, the two alternating in one run, float32 24.1 -> 26.0
- * GB/s, bfloat16 21.4 -> 24.0 (benchmarks/linear_kernels.py's AVX2 rows show it); from 2 rows
- * on the AVX-512 kernels stay faster (float32 2 rows 21.6 GB/s against 16.5, 16 rows 8.0
- * against 5.2). */
+ * Zen 3, the same family, has none), and AVX2, FMA and F16C. There one row streams a weight
+ * faster through the AVX2 kernels than through the AVX-512 ones: a TP=2 rank's 121 float32
+ * weights in one buffer, one thread, the two alternating in one run, 24.1 -> 26.0 GB/s,
+ * bfloat16 21.4 -> 24.0 (benchmarks/linear_kernels.py's AVX2 rows show it); a file's blocks
+ * 1.12-1.2x (Q4_0, Q4_1, Q4_K), 1.18x (Q5_K), 1.28-1.65x (Q8_0), 1.31-2.0x (Q6_K), 1.36-1.76x
+ * (INT8_SCALED), three runs of benchmarks/block_kernels.py. Codes (VNNI against AVX2) come out
+ * about even (0.94-1.09x): they keep the AVX-512 kernels; from 2 rows every kind's AVX-512
+ * kernels are faster (float32 2 rows 21.6 GB/s against 16.5, 16 rows 8.0 against 5.2). */
 static int cpu_halves_avx512(void) {
-    return cpu_has_avx512() && cpu_has_avx2_fma() && __builtin_cpu_is("amdfam19h");
+    return cpu_has_avx512() && cpu_has_avx2_f16c() && __builtin_cpu_is("amdfam19h");
 }
 
-/* Whether rows of a float32 or bfloat16 blocked weight go through the AVX-512 kernels where
- * avx512 (the caller's choice of the widest it may run) says they may: not one row on a CPU
- * that halves them (cpu_halves_avx512). The same sums either way. */
-static int linear_rows_on_avx512(int avx512, long rows) {
-    return avx512 && !(rows == 1 && cpu_halves_avx512());
-}
 
 typedef struct {
     const void *weight;
     const float *x, *bias;
     float *y;
     int kind, avx512; /* kind: WEIGHT_*; avx512: the AVX-512 kernels, else the AVX2 ones */
+    int one_row_on_avx2; /* with avx512: weights that are not codes take the AVX2 ones */
     long rows, out, in, blocks_per_chunk;
     const QuantizedRows *xq; /* x quantized, where the weight has code-kind blocks */
 } LinearJob;
@@ -965,7 +967,7 @@ static void quantized_chunk(const LinearJob *job, int kind, const void *weight, 
         return;
     }
     /* the AVX2 ones need F16C too: callers check */
-    (job->avx512 ? quantized_blocks : quantized_blocks_avx2)(
+    (job->avx512 && !job->one_row_on_avx2 ? quantized_blocks : quantized_blocks_avx2)(
         kind, weight, base, job->x, job->y, job->bias, job->rows, job->out, job->in, first, end);
 }
 
@@ -994,7 +996,7 @@ static void linear_chunk(const void *context, long chunk, int worker) {
     else if (is_quantized(job->kind))
         quantized_chunk(job, job->kind, job->weight, 0, first, end);
     else
-        (linear_rows_on_avx512(job->avx512, job->rows) ? linear_blocks : linear_blocks_avx2)(
+        (job->avx512 && !job->one_row_on_avx2 ? linear_blocks : linear_blocks_avx2)(
             job->weight, job->kind == WEIGHT_BFLOAT16, job->x, job->y, job->bias, job->rows,
             job->out, job->in, first, end);
 }
@@ -1010,14 +1012,19 @@ static void run_linear_job(Team *team, LinearJob *job) {
 }
 
 /* y = x W^T + b, W blocked (held as kind says: WEIGHT_*; quantized kinds need AVX-512, or
- * AVX2 with FMA and F16C), shared out by team (run_linear_job). A weight with code-kind
- * blocks (has_codes) multiplies x quantized once here, into activations: space of at least
- * quantized_rows_floats(rows, in) floats (unused otherwise: may be NULL). */
-static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, int kind,
+ * AVX2 with FMA and F16C), on the kernels asked for (KERNELS_*: the AVX-512 ones only where
+ * the CPU has them, the AVX2 ones where it has those: callers check), shared out by team
+ * (run_linear_job). A weight with code-kind blocks (has_codes) multiplies x quantized once
+ * here, into activations: space of at least quantized_rows_floats(rows, in) floats (unused
+ * otherwise: may be NULL). */
+static void blocked_linear_rows_on(Team *team, int kernels, const void *weight, int kind,
                                    const float *x, float *y, const float *bias, long rows,
                                    long out, long in, float *activations) {
+    int avx512 = kernels == KERNELS_AVX512 || (kernels == KERNELS_CHOSEN && cpu_has_avx512());
     LinearJob job = {.weight = weight, .kind = kind, .avx512 = avx512, .x = x, .bias = bias,
-                     .y = y, .rows = rows, .out = out, .in = in};
+                     .y = y, .rows = rows, .out = out, .in = in,
+                     .one_row_on_avx2 = kernels == KERNELS_CHOSEN && avx512 && rows == 1 &&
+                                        cpu_halves_avx512()};
     QuantizedRows xq;
     if (has_codes(weight, kind)) {
         xq = quantized_rows_in(activations, rows, in);
@@ -1027,11 +1034,11 @@ static void blocked_linear_rows_on(Team *team, int avx512, const void *weight, i
     run_linear_job(team, &job);
 }
 
-/* blocked_linear_rows_on the widest kernels this CPU runs. */
+/* blocked_linear_rows_on the kernels this CPU takes for the rows (KERNELS_CHOSEN). */
 static void blocked_linear_rows(Team *team, const void *weight, int kind, const float *x,
                                 float *y, const float *bias, long rows, long out, long in,
                                 float *activations) {
-    blocked_linear_rows_on(team, cpu_has_avx512(), weight, kind, x, y, bias, rows, out, in,
+    blocked_linear_rows_on(team, KERNELS_CHOSEN, weight, kind, x, y, bias, rows, out, in,
                            activations);
 }
 
@@ -2019,16 +2026,30 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
     const float *x = ADDRESS(1), *bias = ADDRESS(3);
     float *y = ADDRESS(2);
     long rows = SIZE(4), out = SIZE(5), in = SIZE(6);
-    int kind = (int)SIZE(8), avx2 = SIZE(9) != 0;
+    int kind = (int)SIZE(8);
+    long kernels = SIZE(9);
     int failed;
     Team *team = team_of(args[7], &failed);
     if (failed || PyErr_Occurred() || blocked_linear_or_error() < 0 ||
         check_kind(kind, in, "blocked_linear") < 0)
         return NULL;
+    if (kernels < KERNELS_CHOSEN || kernels > KERNELS_AVX512) {
+        PyErr_Format(PyExc_ValueError,
+                     "blocked_linear: kernels = %ld; allowed: KERNELS_CHOSEN (0), KERNELS_AVX2 "
+                     "(1), KERNELS_AVX512 (2)",
+                     kernels);
+        return NULL;
+    }
 #ifdef HAVE_BLOCKED_LINEAR
-    if (avx2 && !(reads_blocks(kind) ? cpu_has_avx2_f16c() : cpu_has_avx2_fma())) {
-        PyErr_SetString(PyExc_RuntimeError, "blocked_linear: avx2 = 1; this CPU has no AVX2 "
+    if (kernels == KERNELS_AVX2 &&
+        !(reads_blocks(kind) ? cpu_has_avx2_f16c() : cpu_has_avx2_fma())) {
+        PyErr_SetString(PyExc_RuntimeError, "blocked_linear: KERNELS_AVX2; this CPU has no AVX2 "
                                             "and FMA (and F16C for quantized weights)");
+        return NULL;
+    }
+    if (kernels == KERNELS_AVX512 && !cpu_has_avx512()) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "blocked_linear: KERNELS_AVX512; this CPU has no AVX-512 F, BW and VL");
         return NULL;
     }
     float *activations = NULL;
@@ -2037,8 +2058,8 @@ static PyObject *blocked_linear(PyObject *self, PyObject *const *args, Py_ssize_
         if (activations == NULL) return PyErr_NoMemory();
     }
     Py_BEGIN_ALLOW_THREADS
-    blocked_linear_rows_on(team, !avx2 && cpu_has_avx512(), weight, kind, x, y, bias, rows,
-                           out, in, activations);
+    blocked_linear_rows_on(team, (int)kernels, weight, kind, x, y, bias, rows, out, in,
+                           activations);
     Py_END_ALLOW_THREADS
     free(activations);
 #endif
@@ -2495,8 +2516,8 @@ static PyObject *linear_isa(PyObject *self, PyObject *argument) {
     if (rows == -1 && PyErr_Occurred()) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
     if (cpu_runs_blocked_linear())
-        return PyUnicode_FromString(linear_rows_on_avx512(cpu_has_avx512(), rows) ? "avx512"
-                                                                                   : "avx2");
+        return PyUnicode_FromString(
+            cpu_has_avx512() && !(rows == 1 && cpu_halves_avx512()) ? "avx512" : "avx2");
 #endif
     Py_RETURN_NONE;
 }
@@ -2538,10 +2559,11 @@ static PyMethodDef methods[] = {
      "and its first index, found through the head's screen (WEIGHT_Q8_0 or "
      "WEIGHT_Q8_CODES_F16); False where a row was not settled"},
     {"blocked_linear", (PyCFunction)(void (*)(void))blocked_linear, METH_FASTCALL,
-     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, kind, avx2): "
+     "blocked_linear(weight, x, y, bias or 0, rows, out, in, team or None, kind, kernels): "
      "float32 rows, the weight blocked by LINEAR_BLOCK outputs and held as kind says "
-     "(WEIGHT_FLOAT32, _BFLOAT16, or quantization blocks), on the widest kernels this CPU "
-     "runs (avx2: the AVX2 ones, which give the same bits); without the GIL"},
+     "(WEIGHT_FLOAT32, _BFLOAT16, or quantization blocks), on the kernels this CPU takes "
+     "for the rows (KERNELS_CHOSEN: linear_isa), the AVX2 ones (KERNELS_AVX2) or the "
+     "AVX-512 ones (KERNELS_AVX512), which all give the same bits; without the GIL"},
     {"quantize_q8_0", (PyCFunction)(void (*)(void))quantize_q8_0, METH_FASTCALL,
      "quantize_q8_0(values, rows, in, raw, decoded, sums): float32 rows (C order) as GGUF "
      "Q8_0 blocks into raw, the values they decode to into decoded and per row the float64 "
@@ -2596,7 +2618,8 @@ static PyMethodDef methods[] = {
      "whether this CPU runs blocked_linear (AVX-512 F, BW and VL, or AVX2 and FMA)"},
     {"linear_isa", linear_isa, METH_O,
      "linear_isa(rows): 'avx512' or 'avx2', the kernels that multiply that many rows by a "
-     "float32 or bfloat16 blocked weight here; None where blocked_linear does not run"},
+     "blocked weight held in float32, bfloat16 or a file's blocks (not codes) here "
+     "(KERNELS_CHOSEN); None where blocked_linear does not run"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2614,6 +2637,9 @@ PyMODINIT_FUNC PyInit__kernels(void) {
          PyModule_AddIntConstant(result, "LAYER_TABLE_FIELDS", TABLE_FIELDS) < 0 ||
          PyModule_AddIntConstant(result, "QUANT_GROUP", QUANT_GROUP) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_FLOAT32", WEIGHT_FLOAT32) < 0 ||
+         PyModule_AddIntConstant(result, "KERNELS_CHOSEN", KERNELS_CHOSEN) < 0 ||
+         PyModule_AddIntConstant(result, "KERNELS_AVX2", KERNELS_AVX2) < 0 ||
+         PyModule_AddIntConstant(result, "KERNELS_AVX512", KERNELS_AVX512) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_BFLOAT16", WEIGHT_BFLOAT16) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q8_0", WEIGHT_Q8_0) < 0 ||
          PyModule_AddIntConstant(result, "WEIGHT_Q4_0", WEIGHT_Q4_0) < 0 ||

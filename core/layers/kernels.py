@@ -614,7 +614,7 @@ class NativeKernels(TorchKernels):
         self.native.blocked_linear(
             weight.data_ptr(), rows.data_ptr(), y.data_ptr(),
             0 if bias is None else bias.data_ptr(), rows.shape[0], out_features, in_features,
-            self.team, self._kind(weight), False,
+            self.team, self._kind(weight), self.native.KERNELS_CHOSEN,
         )  # fmt: skip
         return y if flat else y.view(*x.shape[:-1], out_features)
 
