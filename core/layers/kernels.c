@@ -931,7 +931,6 @@ static int cpu_halves_avx512(void) {
     return cpu_has_avx512() && cpu_has_avx2_f16c() && __builtin_cpu_is("amdfam19h");
 }
 
-
 typedef struct {
     const void *weight;
     const float *x, *bias;
