@@ -229,7 +229,8 @@ def main() -> int:
                 [[name, f"{rate:.1f}", f"{rate / probe:.2f}"] for name, rate in step.items()],
             )
         )
-        print(f"one row takes the {native.native.linear_isa(1)} kernels here (linear_isa)")
+        one_row = native.native.linear_isa(1, native.native.WEIGHT_FLOAT32)
+        print(f"one row takes the {one_row} kernels here (linear_isa)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(

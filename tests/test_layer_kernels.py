@@ -470,16 +470,21 @@ def _cpu_vendor_family_flags() -> tuple[str, int, set[str]]:
 )
 def test_one_row_takes_the_avx2_kernels_where_the_cpu_halves_avx512():
     """AMD's family 19h with AVX-512 (Zen 4) runs a 512-bit operation as two 256-bit halves:
-    there one row (a decode) of a weight that is not codes goes through the AVX2 kernels, which
-    stream it faster; more rows, and every row count on other CPUs, through the widest kernels
-    the CPU has (the sums are the same: test_the_avx2_kernels_give_the_widest_kernels_bits)."""
+    there one row (a decode) of a weight that is not codes, and up to 8 rows of a Q8_0 one, go
+    through the AVX2 kernels, which run them faster; more rows, and every row count on other
+    CPUs, through the widest kernels the CPU has (the sums are the same:
+    test_the_avx2_kernels_give_the_widest_kernels_bits and the block kinds' tests)."""
     vendor, family, flags = _cpu_vendor_family_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
     avx2 = {"avx2", "fma", "f16c"} <= flags
     halves = avx512 and avx2 and vendor == "AuthenticAMD" and family == 0x19
-    assert native_module.linear_isa(1) == ("avx512" if avx512 and not halves else "avx2")
-    for rows in (2, 3, 16, 70):
-        assert native_module.linear_isa(rows) == ("avx512" if avx512 else "avx2"), rows
+    kinds = {name: getattr(native_module, f"WEIGHT_{name}") for name in
+             ("FLOAT32", "BFLOAT16", "Q4_0", "Q6_K", "Q8_0")}  # fmt: skip
+    for name, kind in kinds.items():
+        for rows in (1, 2, 3, 8, 9, 16, 70):
+            on_avx2 = halves and (rows == 1 or (name == "Q8_0" and rows <= 8))
+            expected = "avx512" if avx512 and not on_avx2 else "avx2"
+            assert native_module.linear_isa(rows, kind) == expected, (name, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 70])

@@ -322,8 +322,9 @@ static Team *team_of(PyObject *argument, int *failed) {
 #define LINEAR_ROW_AHEAD 16
 
 /* Which kernels a linear call asks for: those this CPU takes for its rows (the widest, but
- * one row of weights that are not codes on AVX2 where cpu_halves_avx512), the AVX2 ones, or
- * the AVX-512 ones (one row too). Each gives the same sums. */
+ * the AVX2 ones for one row of weights that are not codes, and a few of Q8_0, where
+ * cpu_halves_avx512: rows_on_avx512), the AVX2 ones, or the AVX-512 ones (those rows too).
+ * Each gives the same sums. */
 enum { KERNELS_CHOSEN = 0, KERNELS_AVX2 = 1, KERNELS_AVX512 = 2 };
 
 #include "quantized_blocks.h"
@@ -931,12 +932,26 @@ static int cpu_halves_avx512(void) {
     return cpu_has_avx512() && cpu_has_avx2_f16c() && __builtin_cpu_is("amdfam19h");
 }
 
+/* Up to how many rows a Q8_0 weight takes the AVX2 kernels where cpu_halves_avx512: there
+ * its AVX-512 kernel lags beyond one row too (3072 x 512, one thread, calls alternating: AVX2
+ * 1.45-1.58x as fast at 2-4 rows, 1.10-1.12x at 6-8, 0.96x at 12; Q4_0 and Q6_K about even
+ * or slower on AVX2 from 2 rows). */
+#define Q8_0_AVX2_ROWS_WHERE_HALVED 8
+
+/* Whether rows of a weight of kind (not codes) go through the AVX-512 kernels, where avx512
+ * (the kernels a call may take) allows and the CPU takes them for the rows (see
+ * cpu_halves_avx512); halves: that CPU, and the call left the choice to it. */
+static int rows_on_avx512(int avx512, int halves, int kind, long rows) {
+    if (!avx512 || !halves) return avx512;
+    return !(rows == 1 || (kind == WEIGHT_Q8_0 && rows <= Q8_0_AVX2_ROWS_WHERE_HALVED));
+}
+
 typedef struct {
     const void *weight;
     const float *x, *bias;
     float *y;
     int kind, avx512; /* kind: WEIGHT_*; avx512: the AVX-512 kernels, else the AVX2 ones */
-    int one_row_on_avx2; /* with avx512: weights that are not codes take the AVX2 ones */
+    int halves; /* cpu_halves_avx512, and the kernels left to it: see rows_on_avx512 */
     long rows, out, in, blocks_per_chunk;
     const QuantizedRows *xq; /* x quantized, where the weight has code-kind blocks */
 } LinearJob;
@@ -966,7 +981,8 @@ static void quantized_chunk(const LinearJob *job, int kind, const void *weight, 
         return;
     }
     /* the AVX2 ones need F16C too: callers check */
-    (job->avx512 && !job->one_row_on_avx2 ? quantized_blocks : quantized_blocks_avx2)(
+    (rows_on_avx512(job->avx512, job->halves, kind, job->rows) ? quantized_blocks
+                                                               : quantized_blocks_avx2)(
         kind, weight, base, job->x, job->y, job->bias, job->rows, job->out, job->in, first, end);
 }
 
@@ -995,7 +1011,8 @@ static void linear_chunk(const void *context, long chunk, int worker) {
     else if (is_quantized(job->kind))
         quantized_chunk(job, job->kind, job->weight, 0, first, end);
     else
-        (job->avx512 && !job->one_row_on_avx2 ? linear_blocks : linear_blocks_avx2)(
+        (rows_on_avx512(job->avx512, job->halves, job->kind, job->rows) ? linear_blocks
+                                                                        : linear_blocks_avx2)(
             job->weight, job->kind == WEIGHT_BFLOAT16, job->x, job->y, job->bias, job->rows,
             job->out, job->in, first, end);
 }
@@ -1022,8 +1039,7 @@ static void blocked_linear_rows_on(Team *team, int kernels, const void *weight, 
     int avx512 = kernels == KERNELS_AVX512 || (kernels == KERNELS_CHOSEN && cpu_has_avx512());
     LinearJob job = {.weight = weight, .kind = kind, .avx512 = avx512, .x = x, .bias = bias,
                      .y = y, .rows = rows, .out = out, .in = in,
-                     .one_row_on_avx2 = kernels == KERNELS_CHOSEN && avx512 && rows == 1 &&
-                                        cpu_halves_avx512()};
+                     .halves = kernels == KERNELS_CHOSEN && cpu_halves_avx512()};
     QuantizedRows xq;
     if (has_codes(weight, kind)) {
         xq = quantized_rows_in(activations, rows, in);
@@ -2510,13 +2526,16 @@ static PyObject *blocked_linear_available(PyObject *self, PyObject *unused) {
 #endif
 }
 
-static PyObject *linear_isa(PyObject *self, PyObject *argument) {
-    long rows = PyLong_AsLong(argument);
-    if (rows == -1 && PyErr_Occurred()) return NULL;
+static PyObject *linear_isa(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (take_args(args, nargs, 2, "linear_isa") < 0) return NULL;
+    long rows = SIZE(0);
+    int kind = (int)SIZE(1);
+    if (PyErr_Occurred()) return NULL;
 #ifdef HAVE_BLOCKED_LINEAR
     if (cpu_runs_blocked_linear())
         return PyUnicode_FromString(
-            cpu_has_avx512() && !(rows == 1 && cpu_halves_avx512()) ? "avx512" : "avx2");
+            rows_on_avx512(cpu_has_avx512(), cpu_halves_avx512(), kind, rows) ? "avx512"
+                                                                               : "avx2");
 #endif
     Py_RETURN_NONE;
 }
@@ -2615,10 +2634,10 @@ static PyMethodDef methods[] = {
      "as WEIGHT_Q8_CODES_F16"},
     {"blocked_linear_available", blocked_linear_available, METH_NOARGS,
      "whether this CPU runs blocked_linear (AVX-512 F, BW and VL, or AVX2 and FMA)"},
-    {"linear_isa", linear_isa, METH_O,
-     "linear_isa(rows): 'avx512' or 'avx2', the kernels that multiply that many rows by a "
-     "blocked weight held in float32, bfloat16 or a file's blocks (not codes) here "
-     "(KERNELS_CHOSEN); None where blocked_linear does not run"},
+    {"linear_isa", (PyCFunction)(void (*)(void))linear_isa, METH_FASTCALL,
+     "linear_isa(rows, kind): 'avx512' or 'avx2', the kernels that multiply that many rows "
+     "by a blocked weight held as kind (WEIGHT_FLOAT32, _BFLOAT16 or a file's blocks, not "
+     "codes) here (KERNELS_CHOSEN); None where blocked_linear does not run"},
     {NULL, NULL, 0, NULL},
 };
 
