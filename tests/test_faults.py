@@ -273,3 +273,27 @@ def test_a_victim_that_fails_before_its_fault_is_planted_fails_the_scenario():
         "rank-1 failed in its arm phase, before the fault: CommTimeoutError: "
         "collective_rpc 'arm': ranks [0] did not answer within 2 s",
     ]
+
+
+def test_a_message_without_the_scenarios_words_is_quoted_in_the_verdict():
+    """mp x gloo "different collectives" where the driver's error names neither operation:
+    the verdict names the missing words and quotes the message it judged, so a failure in
+    CI says what the survivor saw."""
+    from shardline.conformance.faults.matrix import Combination, _judge
+    from shardline.launch.launchers import LaunchedRun
+
+    message = "call 'execute_model': ranks [0, 1] did not answer by the deadline"
+    driver = {
+        "role": "driver", "phase": "step", "outcome": "error", "error": "CommTimeoutError",
+        "elapsed_s": 2.8, "message": message, "shutdown": "clean",
+    }  # fmt: skip
+    problems = _judge(
+        SCENARIOS["different collectives"],
+        Combination("mp", "gloo"),
+        2,
+        2.0,
+        [driver],
+        LaunchedRun(0, "", "", []),
+        {},
+    )
+    assert problems == [f"no survivor's message mentions 'all_reduce', 'recv': {message}"]

@@ -16,6 +16,7 @@ from shardline.engine import LLM, SamplingParams
 from shardline.errors import ConfigError
 from shardline.layers.kernels import NativeKernels
 from shardline.models.memory import HeldBlocks, HeldKind, block_bytes, merged_block_bytes
+from support.cpu_flags import has_avx2_f16c
 from support.gguf_values import file_weight, random_blocks
 from support.memory_probe import bytes_held
 from support.smollm2 import smollm2_gguf
@@ -34,12 +35,6 @@ CODE_KIND_OF = {
 }  # fmt: skip
 #: Inputs that share one int8 scale.
 ACTIVATION_GROUP = 16
-
-
-def _has_avx2_f16c() -> bool:
-    with open("/proc/cpuinfo") as cpuinfo:
-        flags = cpuinfo.read().split()
-    return all(flag in flags for flag in ("avx2", "fma", "f16c"))
 
 
 def _quantized_inputs(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +92,7 @@ def test_weights_held_as_codes_multiply_int8_inputs_in_integers(file_type, rows)
         assert not torch.equal(y, torch.nn.functional.linear(x, weight, bias))
         team = NativeKernels(native, threads=3, quantized=True, codes=True)
         assert torch.equal(team.linear(x, held, bias), y)
-        if _has_avx2_f16c():
+        if has_avx2_f16c():
             assert torch.equal(_blocked(held, x, bias, avx2=True), y)
 
 
@@ -124,7 +119,7 @@ def test_8_bit_codes_at_their_extremes_give_exact_sums_on_both_kernels():
     y = CODES.linear(x, held, None)
     exact = x.double() @ weight.double().T  # +-64 x 64 or +-63.5 x 64
     assert ((y.double() - exact).abs() <= 1e-6 * exact.abs()).all()
-    if _has_avx2_f16c():
+    if has_avx2_f16c():
         assert torch.equal(_blocked(held, x, None, avx2=True), y)
 
 
@@ -152,7 +147,7 @@ def test_4_bit_codes_at_their_extreme_give_exact_sums(rows):
     y = CODES.linear(x, held, None)
     exact = x.double() @ weight.double().T  # +-7.75 x 128
     assert ((y.double() - exact).abs() <= 1e-6 * exact.abs()).all()
-    if _has_avx2_f16c():
+    if has_avx2_f16c():
         assert torch.equal(_blocked(held, x, None, avx2=True), y)
 
 
@@ -259,7 +254,7 @@ def test_a_merged_weight_of_4_and_8_bit_types_holds_both_as_codes_in_segments():
     rounded = _quantized_inputs(x)
     magnitude = rounded.abs() @ weight.double().abs().T
     assert ((y.double() - rounded @ weight.double().T).abs() <= 1e-6 * magnitude).all()
-    if _has_avx2_f16c():
+    if has_avx2_f16c():
         assert torch.equal(_blocked(held, x, None, avx2=True), y)
 
 

@@ -27,6 +27,7 @@ from shardline.layers.kernels import (
 from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
 from shardline.models.memory import HeldBlocks, HeldKind, block_bytes, merged_block_bytes
+from support.cpu_flags import has_avx2_f16c, has_avx512, vendor_family_flags
 from support.gguf_values import file_weight, quantized_weight, random_blocks
 
 native_module = pytest.importorskip(
@@ -404,7 +405,7 @@ def test_the_avx2_kernels_give_the_widest_kernels_bits(held):
     the rows: the same sums in the same order, bit for bit, at every row count and for full,
     paired and partial last blocks."""
     kernels = [native_module.KERNELS_CHOSEN, native_module.KERNELS_AVX2]
-    if _cpu_has_avx512():
+    if has_avx512():
         kernels.append(native_module.KERNELS_AVX512)
     for out_features in (64, 130, 330):
         weight = blocked(torch.randn(out_features, 96), native_module.LINEAR_BLOCK, dtype=held)
@@ -419,12 +420,6 @@ def test_the_avx2_kernels_give_the_widest_kernels_bits(held):
                 )  # fmt: skip
             for y in outputs[1:]:
                 assert torch.equal(y, outputs[0]), (out_features, rows)
-
-
-def _cpu_has_avx512() -> bool:
-    """Whether this CPU has AVX-512 F, BW and VL (the C kernels' AVX-512 set)."""
-    flags = _cpu_vendor_family_flags()[2] if os.path.exists("/proc/cpuinfo") else set()
-    return {"avx512f", "avx512bw", "avx512vl"} <= flags
 
 
 @needs_c_linear
@@ -443,24 +438,12 @@ def test_a_kernels_choice_outside_the_three_is_refused():
     for wrong in (-1, 3):
         with pytest.raises(ValueError, match=r"kernels = .*allowed: KERNELS_CHOSEN \(0\)"):
             call(wrong)
-    if _cpu_has_avx512():
+    if has_avx512():
         call(native_module.KERNELS_AVX512)
         assert torch.equal(y, NATIVE.linear(x, weight, None))
     else:
         with pytest.raises(RuntimeError, match="no AVX-512"):
             call(native_module.KERNELS_AVX512)
-
-
-def _cpu_vendor_family_flags() -> tuple[str, int, set[str]]:
-    """The first processor's vendor, family and flags, as /proc/cpuinfo gives them."""
-    fields: dict[str, str] = {}
-    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        for line in cpuinfo:
-            if not line.strip():
-                break
-            name, _, value = line.partition(":")
-            fields[name.strip()] = value.strip()
-    return fields["vendor_id"], int(fields["cpu family"]), set(fields["flags"].split())
 
 
 @needs_c_linear
@@ -474,7 +457,7 @@ def test_one_row_takes_the_avx2_kernels_where_the_cpu_halves_avx512():
     through the AVX2 kernels, which run them faster; more rows, and every row count on other
     CPUs, through the widest kernels the CPU has (the sums are the same:
     test_the_avx2_kernels_give_the_widest_kernels_bits and the block kinds' tests)."""
-    vendor, family, flags = _cpu_vendor_family_flags()
+    vendor, family, flags = vendor_family_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
     avx2 = {"avx2", "fma", "f16c"} <= flags
     halves = avx512 and avx2 and vendor == "AuthenticAMD" and family == 0x19
@@ -841,8 +824,8 @@ def _assert_multiplies_as_float32(held, weight, rows):
     assert torch.equal(BLOCK_WEIGHTS.linear(x, held, bias), expected)
     team = NativeKernels(native_module, threads=3, quantized=True)
     assert torch.equal(team.linear(x, held, None), _float32_product(x, weight))
-    kernels = [native_module.KERNELS_AVX2] if _has_avx2_f16c() else []
-    kernels += [native_module.KERNELS_AVX512] if _cpu_has_avx512() else []
+    kernels = [native_module.KERNELS_AVX2] if has_avx2_f16c() else []
+    kernels += [native_module.KERNELS_AVX512] if has_avx512() else []
     for chosen in kernels:
         y = torch.empty(rows, out_features)
         native_module.blocked_linear(
@@ -1091,11 +1074,6 @@ def test_layers_with_weights_in_blocks_run_as_with_their_float32_weights():
         (segmented, q4_0, segmented, q4_0),
     ]
     _assert_layers_run_alike((held, NATIVE), (plain, NATIVE), hidden)
-
-
-def _has_avx2_f16c() -> bool:
-    """Whether this CPU runs the AVX2 kernels of blocks (AVX2, FMA, F16C)."""
-    return {"avx2", "fma", "f16c"} <= _cpu_vendor_family_flags()[2]
 
 
 def _float32_product(x, weight, bias=None):

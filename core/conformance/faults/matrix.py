@@ -262,9 +262,12 @@ def _judge(
         if scenario.deadline == "startup" and "failed_at" in process and joined_at:
             process["elapsed_s"] = round(process["failed_at"] - max(joined_at.values()), 3)
         problems += judge_process(scenario, role, deadline, victim, process)
-    for word in scenario.words:
-        if messages and not any(word in message for message in messages):
-            problems.append(f"no survivor's message mentions {word!r}")
+    missing = [word for word in scenario.words if not any(word in m for m in messages)]
+    if messages and missing:
+        problems.append(
+            f"no survivor's message mentions {', '.join(map(repr, missing))}: "
+            + " | ".join(message[:300] for message in messages)
+        )
     if scenario.step_fault:
         problems += [
             f"{process['role']} failed in its {process['phase']} phase, before the fault: "
