@@ -574,3 +574,77 @@ def test_the_configured_executor_gets_its_head_start_before_the_config_is_checke
     with pytest.raises(ConfigError):  # auto picks uni for one rank: not "early"
         LLMEngine(load_config(overrides=[model]), registry, environ={})
     assert len(prestart_calls.CALLS) == 1
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["uni", "tp2"])
+def test_async_scheduling_keeps_transformers_tokens(tiny_llama_dir, reference, tp):
+    """With ``scheduler.async_scheduling`` the next step is sent while one is in flight (two
+    in flight), the ranks reading the tokens they sampled: transformers' tokens, with
+    chunked prompts and preemption, under uni and TP=2 (mp)."""
+    tokens, _ = reference
+    with _llm(tiny_llama_dir, tp, 1, "scheduler.async_scheduling=true") as llm:
+        engine = llm.engine
+        depth = []
+        execute = engine.executor.execute_model
+
+        def counting(step):
+            depth.append(len(engine.replicas[0].in_flight) + 1)
+            return execute(step)
+
+        engine.executor.execute_model = counting
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == tokens
+        assert engine.scheduler.num_preemptions > 0
+        assert max(depth) == 2
+        assert engine.scheduler.blocks.num_used == 0
+
+
+def test_sampled_penalized_scored_and_stopped_answers_are_the_same_with_async_scheduling(
+    tmp_path,
+):
+    """Seeded draws, penalties, log-probabilities, stop strings and end-of-sequence stops
+    (seen a step late, that step's token dropped) give the answers of steps sent one at a
+    time: token ids, text and finish reason."""
+    model = add_tiny_tokenizer(write_tiny_llama(tmp_path))
+    overrides = [f"model.path={model}", "parallel.communicator=gloo", "cache.block_size=4"]
+    prompts = ["The quick brown fox", "Hello there", "a b c"]
+    plain_sampling = [
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=5, logprobs=2),
+        SamplingParams(max_tokens=NEW_TOKENS, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=5, ignore_eos=True),
+    ]
+
+    def answers(llm, samplings):
+        outputs = llm.generate(prompts, samplings)
+        return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outputs]
+
+    with LLM(overrides=overrides, environ={}) as llm:
+        plain = answers(llm, plain_sampling)
+        # Stops inside each answer's text: each answer ends there, a step before its end.
+        stopped_sampling = [
+            SamplingParams(**{**vars(s), "stop": (text[len(text) // 2 : len(text) // 2 + 2],)})
+            for s, (_, text, _, _) in zip(plain_sampling, plain, strict=True)
+        ]
+        stopped = answers(llm, stopped_sampling)
+    with LLM(overrides=[*overrides, "scheduler.async_scheduling=true"], environ={}) as llm:
+        assert answers(llm, plain_sampling) == plain
+        assert answers(llm, stopped_sampling) == stopped
+        assert llm.engine.scheduler.blocks.num_used == 0
+    assert all(reason == "stop" for _, _, reason, _ in stopped)
+    assert all(len(s[0]) < len(p[0]) for s, p in zip(stopped, plain, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["parallel.pipeline_parallel_size=2"], "parallel.pipeline_parallel_size = 2"),
+        (["speculative.method=ngram"], "speculative.method = 'ngram'"),
+    ],
+    ids=["pp2", "drafts"],
+)
+def test_async_scheduling_where_it_cannot_run_is_one_clear_error(tiny_llama_dir, extra, words):
+    with pytest.raises(ConfigError) as error:
+        _llm(tiny_llama_dir, 1, 1, "scheduler.async_scheduling=true", *extra)
+    message = str(error.value)
+    assert "scheduler.async_scheduling = true needs one pipeline stage" in message
+    assert words in message and message.endswith("allowed: false")
