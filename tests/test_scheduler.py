@@ -4,8 +4,6 @@ Steps are answered by a stand-in for the output rank that samples ``last token +
 another rule of the tokens so far) and checks drafts as a model would; every scheduled token
 count and block table is checked against what a runner could compute."""
 
-from collections import deque
-
 import pytest
 
 from shardline.config.schema import SchedulerConfig, SpeculativeConfig
@@ -23,15 +21,11 @@ class RunnerView:
     scheduled request would read its own tokens from its blocks (cached blocks it shares
     included), and samples ``model(tokens)`` (default ``last + 1``) when a prompt is
     complete; a request's drafts are accepted up to the first that differs from the model's
-    choice at its place. ``keeps_sampled``: as a runner under async scheduling, it appends
-    each token it samples to the request's tokens itself (the scheduler sends none back)."""
+    choice at its place."""
 
-    def __init__(
-        self, block_size: int, model=lambda tokens: tokens[-1] + 1, keeps_sampled=False
-    ) -> None:
+    def __init__(self, block_size: int, model=lambda tokens: tokens[-1] + 1) -> None:
         self.block_size = block_size
         self.model = model
-        self.keeps_sampled = keeps_sampled
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
@@ -81,8 +75,6 @@ class RunnerView:
             accepted.append(kept)
             complete = done == len(known)
             sampled.append(self.model(tokens + guesses[:kept]) if complete else None)
-            if complete and self.keeps_sampled:
-                tokens.append(sampled[-1])
         return ModelRunnerOutput(
             list(step.num_scheduled_tokens),
             sampled,
@@ -95,14 +87,7 @@ class RunnerView:
 
 
 def _scheduler(
-    budget=16,
-    seqs=8,
-    blocks=32,
-    block_size=4,
-    max_len=64,
-    prefix_caching=True,
-    drafts=None,
-    steps_ahead=False,
+    budget=16, seqs=8, blocks=32, block_size=4, max_len=64, prefix_caching=True, drafts=None
 ):
     """``drafts``: a SpeculativeConfig for an n-gram proposer (None: no speculation)."""
     config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget)
@@ -114,7 +99,6 @@ def _scheduler(
         eos_token_ids={EOS},
         prefix_caching=prefix_caching,
         proposer=None if drafts is None else NgramProposer(drafts),
-        steps_ahead=steps_ahead,
     )
 
 
@@ -502,148 +486,6 @@ def test_drafts_never_preempt_and_blocks_they_fill_are_not_cached():
     again = Request("again", prompts[0] + drafted[0], SamplingParams(max_tokens=4))
     _run_all(scheduler, view, [again])
     assert scheduler.prefix_cache_hits >= 16
-
-
-def _drive_ahead(scheduler, view, steps_log, limit=500):
-    """As the engine drives a scheduler with ``steps_ahead``: up to two steps in flight,
-    each run by the ranks when it is sent (in order), its output folded in later. Returns
-    how many times a request was put in a step before its previous step's output was in."""
-    in_flight = deque()
-    ahead = 0
-    for _ in range(limit):
-        while len(in_flight) < 2 and scheduler.has_schedulable():
-            step = scheduler.schedule()
-            if not step.num_scheduled_tokens:
-                break
-            if in_flight:
-                ahead += len(
-                    step.num_scheduled_tokens.keys() & in_flight[0][0].num_scheduled_tokens
-                )
-            steps_log.append(step)
-            in_flight.append((step, view.run(step)))
-        if not in_flight:
-            assert not scheduler.has_unfinished()
-            return ahead
-        step, output = in_flight.popleft()
-        scheduler.update(step, output)
-    raise AssertionError("requests did not finish")
-
-
-def _with_and_without_steps_ahead(prompts, samplings, model=_cycle, **options):
-    """Each request's (tokens, finish reason), the steps and the scheduler, run one step at
-    a time and with steps ahead; the runner view checks every read of either run."""
-    runs = []
-    for ahead in (False, True):
-        scheduler = _scheduler(steps_ahead=ahead, **options)
-        view = RunnerView(4, model, keeps_sampled=ahead)
-        requests = [
-            Request(f"r{i}", list(p), s)
-            for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))
-        ]
-        for request in requests:
-            scheduler.add_request(request)
-        steps = []
-        went_ahead = (
-            _drive_ahead(scheduler, view, steps) if ahead else _drive(scheduler, view, steps)
-        )
-        outcome = [(r.output_token_ids, r.finish_reason) for r in requests]
-        runs.append((outcome, steps, scheduler, went_ahead))
-    return runs
-
-
-def _scheduled(steps, req_id):
-    return sum(step.num_scheduled_tokens.get(req_id, 0) for step in steps)
-
-
-def test_steps_ahead_give_the_tokens_of_one_step_at_a_time():
-    """A decoding request goes into the next step before its token is back (the runner uses
-    the token it sampled); chunked prompts, an end of sequence, a stop token and max_tokens
-    end the requests with the tokens of a run without steps ahead. A stop seen late costs
-    one step whose output is dropped; max_tokens is known ahead and costs none."""
-    prompts = [[10, 11, 12], list(range(40, 60)), [10, 11], [12, 13, 14, 10]]
-    samplings = [
-        SamplingParams(max_tokens=9, ignore_eos=True),
-        SamplingParams(max_tokens=30, stop_token_ids=(12,)),
-        SamplingParams(max_tokens=50),
-        SamplingParams(max_tokens=12, ignore_eos=True),
-    ]
-
-    def model(tokens):  # request r2 reaches the end of sequence after 5 tokens
-        return EOS if tokens[:2] == [10, 11] and len(tokens) == 6 else _cycle(tokens)
-
-    (plain, plain_steps, _, _), (ahead, steps, scheduler, went_ahead) = (
-        _with_and_without_steps_ahead(prompts, samplings, model)
-    )
-    assert ahead == plain
-    assert [reason for _, reason in ahead] == ["length", "stop", "stop", "length"]
-    assert went_ahead > 10
-    assert len(steps) < len(plain_steps) + len(prompts)
-    assert all(step.total_num_scheduled_tokens <= 16 for step in steps)
-    assert scheduler.blocks.num_free == 32
-    for req_id in ("r0", "r3"):  # ended by max_tokens: no token computed past the last
-        assert _scheduled(steps, req_id) == _scheduled(plain_steps, req_id)
-    for req_id in ("r1", "r2"):  # ended by a token: one step more, its output dropped
-        assert _scheduled(steps, req_id) == _scheduled(plain_steps, req_id) + 1
-
-
-def test_steps_ahead_never_preempt_and_give_the_same_tokens_under_preemption():
-    """With the cache short, a request whose next token needs a block that is not free
-    waits for its step's output instead of preempting another request; requests are still
-    preempted by the steps that need it, resume, and end with the same tokens."""
-    prompts = [[i * 100 + 1, i * 100 + 2] for i in range(3)]
-    samplings = [SamplingParams(max_tokens=10)] * 3
-    runs = _with_and_without_steps_ahead(
-        prompts, samplings, lambda tokens: tokens[-1] + 1, blocks=6, max_len=24
-    )
-    (plain, _, plain_scheduler, _), (ahead, _, scheduler, went_ahead) = runs
-    assert ahead == plain
-    assert plain_scheduler.num_preemptions > 0 and scheduler.num_preemptions > 0
-    assert went_ahead > 0
-    assert scheduler.blocks.num_free == 6
-
-
-def test_steps_ahead_read_the_blocks_an_earlier_request_cached():
-    """Requests that begin alike start from the blocks the first one filled, also when
-    those were filled by steps sent ahead (the runner view checks every token read)."""
-    shared = [10, 11, 12, 13, 14, 10, 11, 12, 13]
-    prompts = [shared, [*shared, 14, 10], [*shared, 30]]
-    samplings = [SamplingParams(max_tokens=8, ignore_eos=True)] * 3
-    (plain, _, _, _), (ahead, _, scheduler, _) = _with_and_without_steps_ahead(
-        prompts, samplings, budget=9
-    )
-    assert ahead == plain
-    assert scheduler.prefix_cache_hits > 0
-
-
-def test_a_request_finished_while_in_two_steps_is_dropped_from_both():
-    """An abort (or a stop string the driver finds) while a request is in two steps in
-    flight: neither output comes back as its tokens, its blocks are free, and the runners
-    are told to drop it with the next step."""
-    scheduler = _scheduler(steps_ahead=True)
-    view = RunnerView(4, keeps_sampled=True)
-    gone = Request("gone", [1, 2, 3], SamplingParams(max_tokens=20))
-    kept = Request("kept", [7, 8], SamplingParams(max_tokens=20))
-    scheduler.add_request(gone)
-    scheduler.add_request(kept)
-    first = scheduler.schedule()
-    second = scheduler.schedule()
-    assert set(first.num_scheduled_tokens) == set(second.num_scheduled_tokens) == {"gone", "kept"}
-    assert all(c.new_token_ids == [] for c in second.cached_requests)
-    outputs = [view.run(first), view.run(second)]
-    scheduler.abort("gone")
-    for step, output in zip((first, second), outputs, strict=True):
-        assert scheduler.update(step, output) == [kept]
-    assert (gone.output_token_ids, gone.finish_reason) == ([], "abort")
-    assert kept.output_token_ids == [9, 10]
-    third = scheduler.schedule()
-    assert third.finished_req_ids == {"gone"}
-    assert list(third.num_scheduled_tokens) == ["kept"]
-    assert scheduler.blocks.num_free == 32 - 1
-
-
-def test_steps_ahead_exclude_drafts():
-    with pytest.raises(ValueError, match="steps_ahead with a proposer"):
-        _scheduler(drafts=DRAFTS, steps_ahead=True)
 
 
 def test_requests_finished_before_an_empty_step_reach_the_runners_with_a_later_one():

@@ -164,13 +164,6 @@ class SchedulerConfig(Section):
         description="longest sequence (prompt + output); None: the model's context length, "
         "capped by what the KV cache holds",
     )
-    async_scheduling: bool = Field(
-        default=False,
-        description="build the next step while one is in flight: a decoding request runs "
-        "again on the token the ranks sampled, before the driver has it (the executor's "
-        "round trip overlaps the step; one pipeline stage, no speculative decoding; a stop "
-        "is seen one step late)",
-    )
 
 
 #: The most draft tokens a speculative step may propose for a request: with its last token

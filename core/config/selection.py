@@ -150,41 +150,6 @@ def choose_speculative(config: EngineConfig, registry: Registry, runner: Decisio
     )
 
 
-def choose_async_scheduling(config: EngineConfig, registry: Registry, runner: Decision) -> Decision:
-    """``scheduler.async_scheduling``: as configured; on, it needs one pipeline stage (every
-    rank then samples the tokens the next step reads), no drafts (a step with drafts needs
-    the last one's acceptances) and a model runner that keeps the tokens it samples
-    (:attr:`~shardline.interfaces.ModelRunner.async_scheduling`)."""
-    field_name = "scheduler.async_scheduling"
-    if not config.scheduler.async_scheduling:
-        return Decision(field_name, "false", "configured", [("false", "chosen")])
-    reasons = []
-    if config.parallel.pipeline_parallel_size > 1:
-        reasons.append(
-            f"parallel.pipeline_parallel_size = {config.parallel.pipeline_parallel_size} "
-            "(the first stage never sees the sampled tokens)"
-        )
-    if config.speculative.method != "none":
-        reasons.append(f"speculative.method = {config.speculative.method!r}")
-    if runner.problem is None and not _runner_declares(registry, runner, "async_scheduling"):
-        reasons.append(
-            f"model runner {runner.chosen!r}, which does not keep the tokens it samples "
-            "(ModelRunner.async_scheduling is False)"
-        )
-    if not reasons:
-        return Decision(field_name, "true", "configured", [("true", "chosen")])
-    return Decision(
-        field_name,
-        "true",
-        "configured",
-        [("true", "not with this config"), ("false", "allowed")],
-        problem="scheduler.async_scheduling = true needs one pipeline stage, speculative.method "
-        "'none' and a model runner that keeps the tokens it samples; here: "
-        + "; ".join(reasons)
-        + "; allowed: false",
-    )
-
-
 def _runner_declares(registry: Registry, runner: Decision, capability: str) -> bool:
     """Whether the model runner ``runner`` chose (one that loads) sets the class attribute
     ``capability`` (e.g. ``prefix_caching``)."""
@@ -300,8 +265,7 @@ def _launch_problem(
 
 def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str]) -> list[Decision]:
     """The device, data-parallel size, data-plane communicator, control-plane communicator,
-    executor, model runner, prefix caching, speculative decoding and async scheduling
-    decisions."""
+    executor, model runner and prefix caching decisions."""
     executor = choose_executor(config, registry, environ)
     communicators = []
     for field_name in ("parallel.communicator", "parallel.control_communicator"):
@@ -317,7 +281,6 @@ def decide(config: EngineConfig, registry: Registry, environ: Mapping[str, str])
         runner := choose_model_runner(config, registry),
         choose_prefix_caching(config, registry, runner),
         choose_speculative(config, registry, runner),
-        choose_async_scheduling(config, registry, runner),
     ]
 
 

@@ -63,29 +63,20 @@ class RequestOutput:
 
 class Replica:
     """One data-parallel replica of the TP x PP layout: its ranks (``executor``), its
-    ``scheduler`` (and so its KV cache), and its steps in flight: one per pipeline stage at
-    most, each with its own requests, or two with ``steps_ahead`` (async scheduling, one
-    stage), the second built before the first's output is back."""
+    ``scheduler`` (and so its KV cache), and its steps in flight (one per pipeline stage at
+    most)."""
 
-    def __init__(
-        self,
-        index: int,
-        executor: Executor,
-        scheduler: Scheduler,
-        depth: int,
-        steps_ahead: bool = False,
-    ) -> None:
+    def __init__(self, index: int, executor: Executor, scheduler: Scheduler, depth: int) -> None:
         self.index = index
         self.executor = executor
         self.scheduler = scheduler
         self.pipeline_depth = depth
-        self.most_in_flight = 2 if steps_ahead else depth
         self.in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
 
     def fill(self, timer: StepTimer = NO_TIMER) -> None:
-        """Start steps until the most allowed are in flight or nothing is schedulable
+        """Start steps until every pipeline stage has one or nothing is schedulable
         (``timer``: marks "schedule" and "send step")."""
-        while len(self.in_flight) < self.most_in_flight and self.scheduler.has_schedulable():
+        while len(self.in_flight) < self.pipeline_depth and self.scheduler.has_schedulable():
             share = None
             if self.pipeline_depth > 1:
                 unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
@@ -164,11 +155,7 @@ class LLMEngine:
         try:
             self.replicas: list[Replica] = [
                 Replica(
-                    index,
-                    executor,
-                    self._new_scheduler(),
-                    config.parallel.pipeline_parallel_size,
-                    config.scheduler.async_scheduling,
+                    index, executor, self._new_scheduler(), config.parallel.pipeline_parallel_size
                 )
                 for index, executor in enumerate(executors)
             ]
@@ -195,7 +182,6 @@ class LLMEngine:
             proposer=(
                 NgramProposer(config.speculative) if config.speculative.method == "ngram" else None
             ),
-            steps_ahead=config.scheduler.async_scheduling,
         )
 
     @property

@@ -18,11 +18,6 @@ guessed next tokens (:mod:`shardline.engine.speculative`), as far as the budget 
 allow; the output says how many the model accepted, and the cache positions of the rest stop
 counting as computed (they are overwritten later).
 
-With steps ahead (async scheduling), a decoding request whose step is in flight goes into the
-next step too, for the token that step samples, which the runners keep themselves; the next
-step is sent before the previous one's output is back. A stop on a token is seen a step late
-(that step's token dropped); a token that would end a request by length is never sent ahead.
-
 The scheduler is deterministic: the same requests and the same outputs give the same steps,
 which is what lets every process of a launched world run its own copy.
 """
@@ -82,9 +77,8 @@ class Request:
     #: Tokens and blocks the model runner has been told about.
     num_tokens_sent: int = 0
     num_blocks_sent: int = 0
-    #: Steps in flight that hold this request: at most one, or with ``steps_ahead`` a second
-    #: that decodes the token the first one samples.
-    in_flight: int = 0
+    #: A step holding this request is in flight; it cannot be scheduled again until it returns.
+    in_flight: bool = False
     #: The drafts of the step in flight (speculative decoding), and the request's lookup state.
     spec_token_ids: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None
@@ -232,18 +226,11 @@ class Scheduler:
         eos_token_ids: set[int],
         prefix_caching: bool,
         proposer: NgramProposer | None = None,
-        steps_ahead: bool = False,
     ) -> None:
         """``proposer``: drafts for decoding requests (speculative decoding); None:
-        off. ``steps_ahead`` (async scheduling): a decoding request in a step in flight may
-        be put in the next step too, for the token that step samples, before its output is
-        back; the runners keep the tokens they sample (none is sent back to them), so every
-        step's input is known where it runs. Excludes a proposer."""
-        if steps_ahead and proposer is not None:
-            raise ValueError("steps_ahead with a proposer: drafts need the step's output first")
+        off."""
         self.config = config
         self.proposer = proposer
-        self.steps_ahead = steps_ahead
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.max_model_len = max_model_len
@@ -305,23 +292,7 @@ class Scheduler:
 
     def has_schedulable(self) -> bool:
         """Whether a request could take part in a new step now."""
-        return bool(self.waiting) or any(
-            not r.in_flight or self._may_go_ahead(r) for r in self.running
-        )
-
-    def _may_go_ahead(self, request: Request) -> bool:
-        """Whether ``request``, in one step in flight that samples its next token, may also
-        be put in the next step (``steps_ahead``): that token cannot end it by length. A
-        stop token or an end of sequence is seen one step late; the step after it is
-        wasted and its output dropped."""
-        return (
-            self.steps_ahead
-            and request.in_flight == 1
-            and request.pooling is None
-            and request.num_computed_tokens == request.num_tokens
-            and len(request.output_token_ids) + 1 < request.sampling.max_tokens
-            and request.num_tokens + 1 < self.max_model_len
-        )
+        return bool(self.waiting) or any(not r.in_flight for r in self.running)
 
     def schedule(self, max_num_seqs: int | None = None) -> SchedulerOutput:
         """The next step. ``max_num_seqs`` lowers the configured request limit for this step
@@ -349,11 +320,9 @@ class Scheduler:
         for request in list(self.running):
             if step.is_full():
                 break
-            if request.status is not RequestStatus.RUNNING or not step.takes_kind_of(request):
-                continue  # preempted earlier in this loop, or of the other kind
-            if request.in_flight:
-                if self._may_go_ahead(request) and step.budget:
-                    self._schedule_ahead(step, request)
+            if request.in_flight or request.status is not RequestStatus.RUNNING:
+                continue  # in a step in flight, or preempted earlier in this loop
+            if not step.takes_kind_of(request):
                 continue
             count = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if count <= 0:
@@ -375,24 +344,6 @@ class Scheduler:
                 )
             )
             self._mark_scheduled(step, request, count)
-
-    def _schedule_ahead(self, step: _Step, request: Request) -> None:
-        """Put ``request`` in ``step`` for the token its step in flight samples, if the
-        free blocks hold that token (never preempting for it). No token is sent: the
-        runners use the one they sampled."""
-        needed = self._blocks_for(request.num_computed_tokens + 1) - len(request.block_ids)
-        if needed > self.blocks.num_free:
-            return
-        request.block_ids += self.blocks.allocate(needed)
-        step.cached.append(
-            CachedRequest(
-                request.req_id,
-                [],
-                request.block_ids[request.num_blocks_sent :],
-                request.num_computed_tokens,
-            )
-        )
-        self._mark_scheduled(step, request, 1)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Drafts for ``request``'s next step, which decodes its last token, as many as the
@@ -464,7 +415,7 @@ class Scheduler:
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is not None:
-                request.in_flight -= 1
+                request.in_flight = False
         if runner_output is None:
             if scheduler_output.total_num_scheduled_tokens:
                 raise RuntimeError("the output rank returned nothing for a step with tokens")
@@ -498,8 +449,6 @@ class Scheduler:
                 request.output_logprobs += [*found, runner_output.logprobs[index]]
             for new_token in [*accepted, token]:
                 request.output_token_ids.append(new_token)
-                if self.steps_ahead:
-                    request.num_tokens_sent += 1  # the runners keep what they sample
                 reason = self._stop_reason(request, new_token)
                 if reason is not None:
                     del request.output_logprobs[len(request.output_token_ids) :]
@@ -595,7 +544,7 @@ class Scheduler:
         request.num_computed_tokens += count
         request.num_tokens_sent = request.num_tokens
         request.num_blocks_sent = len(request.block_ids)
-        request.in_flight += 1
+        request.in_flight = True
         if self.prefix_caching:
             self._remember_blocks(request)
 

@@ -66,12 +66,6 @@ class ModelRunner(abc.ABC):
     #: ``draft_logprobs`` where the request asks for them). Without it ``speculative.method`` must
     #: stay ``none``.
     speculative_decoding: ClassVar[bool] = False
-    #: Whether, with ``scheduler.async_scheduling`` on, :meth:`execute_model` appends each
-    #: token it samples to its request's tokens: the scheduler then never sends a sampled
-    #: token back (``CachedRequest.new_token_ids`` holds none), and may schedule a request's
-    #: next token before the step that samples it has returned. Without it
-    #: ``scheduler.async_scheduling`` must stay false.
-    async_scheduling: ClassVar[bool] = False
 
     @classmethod
     def plan(cls, config: EngineConfig) -> ModelPlan | None:

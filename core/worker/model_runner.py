@@ -102,7 +102,6 @@ class CausalLMRunner(ModelRunner):
 
     prefix_caching = True
     speculative_decoding = True
-    async_scheduling = True
 
     def __init__(self, config: EngineConfig, state: ParallelState) -> None:
         self.config = config
@@ -206,11 +205,6 @@ class CausalLMRunner(ModelRunner):
                 logprobs.append(None if row is None else found[at + kept])
                 draft_logprobs.append(found[at : at + kept] if drafts else None)
             at += 0 if row is None else len(drafts) + 1
-        if self.config.scheduler.async_scheduling:
-            # The scheduler sends no sampled token back: the next step may be on its way.
-            for req_id, token in zip(req_ids, sampled, strict=True):
-                if token is not None:
-                    self.requests[req_id].token_ids.append(token)
         with_drafts = any(r.spec_token_ids for r in finishing)
         return ModelRunnerOutput(
             req_ids,
