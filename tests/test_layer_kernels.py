@@ -27,7 +27,13 @@ from shardline.layers.kernels import (
 from shardline.layers.linear import pack_linear_weights
 from shardline.layers.rotary import RotaryEmbedding
 from shardline.models.memory import HeldBlocks, HeldKind, block_bytes, merged_block_bytes
-from support.cpu_flags import has_avx2_f16c, has_avx512, vendor_family_flags
+from support.cpu_flags import (
+    AVX2_FLAGS,
+    AVX512_FLAGS,
+    has_avx2_f16c,
+    has_avx512,
+    vendor_family_flags,
+)
 from support.gguf_values import file_weight, quantized_weight, random_blocks
 
 native_module = pytest.importorskip(
@@ -458,8 +464,7 @@ def test_one_row_takes_the_avx2_kernels_where_the_cpu_halves_avx512():
     CPUs, through the widest kernels the CPU has (the sums are the same:
     test_the_avx2_kernels_give_the_widest_kernels_bits and the block kinds' tests)."""
     vendor, family, flags = vendor_family_flags()
-    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
-    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512, avx2 = flags >= AVX512_FLAGS, flags >= AVX2_FLAGS
     halves = avx512 and avx2 and vendor == "AuthenticAMD" and family == 0x19
     kinds = {name: getattr(native_module, f"WEIGHT_{name}") for name in
              ("FLOAT32", "BFLOAT16", "Q4_0", "Q6_K", "Q8_0")}  # fmt: skip

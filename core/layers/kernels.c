@@ -1039,7 +1039,7 @@ static void blocked_linear_rows_on(Team *team, int kernels, const void *weight, 
     int avx512 = kernels == KERNELS_AVX512 || (kernels == KERNELS_CHOSEN && cpu_has_avx512());
     LinearJob job = {.weight = weight, .kind = kind, .avx512 = avx512, .x = x, .bias = bias,
                      .y = y, .rows = rows, .out = out, .in = in,
-                     .halves = kernels == KERNELS_CHOSEN && cpu_halves_avx512()};
+                     .halves = kernels == KERNELS_CHOSEN && avx512 && cpu_halves_avx512()};
     QuantizedRows xq;
     if (has_codes(weight, kind)) {
         xq = quantized_rows_in(activations, rows, in);

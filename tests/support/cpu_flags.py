@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+#: The flags the C kernels' AVX-512 set needs, and those their AVX2 set needs.
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
+
 
 def vendor_family_flags() -> tuple[str, int, set[str]]:
     """The first processor's vendor, family and flags, as /proc/cpuinfo gives them."""
@@ -23,9 +27,9 @@ def _flags() -> set[str]:
 
 def has_avx2_f16c() -> bool:
     """Whether this CPU runs the AVX2 kernels (AVX2, FMA, F16C)."""
-    return {"avx2", "fma", "f16c"} <= _flags()
+    return _flags() >= AVX2_FLAGS
 
 
 def has_avx512() -> bool:
     """Whether this CPU has AVX-512 F, BW and VL (the C kernels' AVX-512 set)."""
-    return {"avx512f", "avx512bw", "avx512vl"} <= _flags()
+    return _flags() >= AVX512_FLAGS
